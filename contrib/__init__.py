@@ -1,0 +1,1 @@
+"""Framework integrations: ``gatekeeper_wsgi.contrib.django`` and ``gatekeeper_wsgi.contrib.flask``."""

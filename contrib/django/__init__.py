@@ -1,0 +1,1 @@
+"""Django integration (see issue: placed first in MIDDLEWARE)."""

@@ -1,0 +1,1 @@
+"""Counter backends, chosen from a URL."""

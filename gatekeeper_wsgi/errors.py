@@ -1,0 +1,97 @@
+"""The exceptions of gatekeeper-wsgi, all in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["FAULT_CODES", "BackendError", "ConfigError", "GateKeeperError", "RateInfo", "Rejected"]
+
+
+class GateKeeperError(Exception):
+    """Base class of every exception raised by gatekeeper-wsgi."""
+
+
+class ConfigError(GateKeeperError, ValueError):
+    """Invalid configuration.
+
+    The message names the offending key, the value found and what was expected; for
+    configuration files also the file and line number::
+
+        gatekeeper.properties:12: limits.shop.concurrency: expected an integer >= 0, got '-1'
+    """
+
+    def __init__(
+        self,
+        key: str,
+        problem: str,
+        *,
+        file: str | None = None,
+        line: int | None = None,
+    ) -> None:
+        self.key = key
+        self.problem = problem
+        self.file = file
+        self.line = line
+        where = ""
+        if file is not None:
+            where = f"{file}:{line}: " if line is not None else f"{file}: "
+        super().__init__(f"{where}{key}: {problem}" if key else f"{where}{problem}")
+
+
+class BackendError(GateKeeperError):
+    """The counter backend (shared file, Redis) failed; wraps the original exception."""
+
+
+#: code -> (HTTP status, reason)
+FAULT_CODES: dict[str, tuple[int, str]] = {
+    "GK-CONCURRENCY-LIMIT": (503, "Too many concurrent requests"),
+    "GK-RATE-LIMIT": (429, "Too many requests"),
+    "GK-QUEUE-FULL": (503, "Too many requests waiting"),
+    "GK-QUEUE-TIMEOUT": (503, "Waited too long for a free slot"),
+    "GK-CALLER-MISSING": (400, "Missing or invalid caller identification"),
+    "GK-BACKEND-UNAVAILABLE": (503, "Limit backend unavailable"),
+}
+
+LEVELS = ("project", "service", "caller")
+
+
+@dataclass(frozen=True)
+class RateInfo:
+    """What the IETF ``RateLimit-Policy`` / ``RateLimit`` fields say about a rate limit."""
+
+    quota: int  #: N of "N per window"
+    window: float  #: window length in seconds
+    remaining: int  #: admissions still possible now
+    reset: float  #: seconds until one more admission is possible
+
+
+class Rejected(GateKeeperError):
+    """A request was refused; carries everything a ServiceFault shows.
+
+    ``level`` is ``"project"``, ``"service"`` or ``"caller"``; ``limit_path`` the configured
+    path of the refusing limit (the pattern, e.g. ``shop/login/*``) and ``limit_value`` its
+    configured value (``"10"``, ``"5/minute"``).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        *,
+        level: str | None = None,
+        limit_path: str | None = None,
+        limit_value: str | None = None,
+        retry_after: float | None = None,
+        rate: RateInfo | None = None,
+    ) -> None:
+        self.code = code
+        self.status, self.reason = FAULT_CODES[code]
+        self.level = level
+        self.limit_path = limit_path
+        self.limit_value = limit_value
+        #: whole seconds, >= 1, rounded up; None for GK-CALLER-MISSING
+        self.retry_after: int | None = (
+            None if retry_after is None else max(1, math.ceil(retry_after - 1e-9))
+        )
+        self.rate = rate
+        super().__init__(f"{code}: {self.reason}" + (f" ({limit_path})" if limit_path else ""))
