@@ -1,0 +1,342 @@
+"""Rendering a rejection as the standardized ServiceFault (SPEC §5).
+
+One function, :func:`render_fault`, turns a :class:`~gatekeeper_wsgi.errors.Rejected` into a
+WSGI status line, headers and body: the ServiceFault XML, RFC 9457 problem details JSON, or a
+SOAP 1.1 / 1.2 Fault envelope carrying the ServiceFault as its detail. Framework-free: only the
+standard library and werkzeug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from functools import lru_cache
+from http import HTTPStatus
+from typing import TYPE_CHECKING, TypeAlias
+from xml.sax.saxutils import escape
+
+from werkzeug.datastructures import MIMEAccept
+from werkzeug.http import parse_accept_header
+from werkzeug.utils import import_string
+
+from gatekeeper_wsgi.errors import FAULT_CODES, ConfigError, Rejected
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIEnvironment
+
+__all__ = ["FAULT_FORMATS", "FAULT_NAMESPACE", "Renderer", "render_fault", "resolve_renderer"]
+
+logger = logging.getLogger("gatekeeper")
+
+#: ``(rejected, request_id, environ) -> (content_type, body)``: a site's own fault body.
+Renderer: TypeAlias = Callable[[Rejected, str, "WSGIEnvironment"], tuple[str, bytes | str]]
+
+FAULT_NAMESPACE = "urn:gatekeeper-wsgi:fault:1"
+SOAP11_NAMESPACE = "http://schemas.xmlsoap.org/soap/envelope/"
+SOAP12_NAMESPACE = "http://www.w3.org/2003/05/soap-envelope"
+
+XML_CONTENT_TYPE = "application/xml; charset=utf-8"
+JSON_CONTENT_TYPE = "application/problem+json"
+SOAP11_CONTENT_TYPE = "text/xml; charset=utf-8"
+SOAP12_CONTENT_TYPE = "application/soap+xml; charset=utf-8"
+
+#: the values of the ``fault.format`` setting
+FAULT_FORMATS = ("auto", "xml", "json")
+_XML_MIMETYPES = ("application/xml", "text/xml")
+_JSON_MIMETYPES = ("application/json", "application/problem+json")
+
+_STATUS_LINES: dict[int, str] = {
+    status: f"{status} {HTTPStatus(status).phrase}"
+    for status in {s for s, _ in FAULT_CODES.values()} | {500}
+}
+_SOAP_STATUS_LINE = _STATUS_LINES[500]
+
+# Everything XML 1.0 forbids (C0 controls but tab/LF/CR, lone surrogates, U+FFFE/U+FFFF).
+_XML_FORBIDDEN = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]+")
+# CR would be normalized to LF by every parser; tab/LF too inside attributes.
+_XML_TEXT_ENTITIES = {"\r": "&#13;"}
+_XML_ATTR_ENTITIES = {'"': "&quot;", "\r": "&#13;", "\n": "&#10;", "\t": "&#9;"}
+# ensure_ascii would write lone surrogates as \udxxx escapes, which strict parsers reject.
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]+")
+# Header values: printable ASCII only, so never CR/LF and never beyond latin-1.
+_NOT_HEADER_SAFE = re.compile("[^\x20-\x7e]+")
+
+
+def _xml_text(value: str) -> str:
+    return escape(_XML_FORBIDDEN.sub("", value), _XML_TEXT_ENTITIES)
+
+
+def _xml_attr(value: str) -> str:
+    return escape(_XML_FORBIDDEN.sub("", value), _XML_ATTR_ENTITIES)
+
+
+def _header_value(value: str) -> str:
+    return _NOT_HEADER_SAFE.sub("", value).strip()
+
+
+@lru_cache(maxsize=1024)
+def _sf_string(value: str) -> str:
+    """A structured-field string (RFC 8941 §3.3.3): printable ASCII, ``\\`` and ``"`` escaped."""
+    cleaned = _NOT_HEADER_SAFE.sub("", value)
+    return '"' + cleaned.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# Per code: the constant head of the ServiceFault (code and reason) and the JSON "type".
+_XML_HEAD: dict[str, tuple[str, str]] = {
+    code: (_xml_text(code), _xml_text(reason)) for code, (_, reason) in FAULT_CODES.items()
+}
+_JSON_TYPE: dict[str, str] = {code: f"urn:gatekeeper-wsgi:fault:{code}" for code in FAULT_CODES}
+
+
+def _service_fault_xml(rejected: Rejected, request_id: str, indent: str) -> str:
+    """The ``<ServiceFault>`` element, its first line unindented, children at ``indent + 2``."""
+    code, reason = _XML_HEAD.get(rejected.code) or (
+        _xml_text(rejected.code),
+        _xml_text(rejected.reason),
+    )
+    inner = indent + "  "
+    lines = [
+        f'<ServiceFault xmlns="{FAULT_NAMESPACE}">',
+        f"{inner}<code>{code}</code>",
+        f"{inner}<reason>{reason}</reason>",
+    ]
+    if rejected.level is not None:
+        lines.append(f"{inner}<level>{_xml_text(rejected.level)}</level>")
+    if rejected.limit_path is not None:
+        value = "" if rejected.limit_value is None else _xml_text(rejected.limit_value)
+        lines.append(f'{inner}<limit path="{_xml_attr(rejected.limit_path)}">{value}</limit>')
+    lines.append(f"{inner}<requestId>{_xml_text(request_id)}</requestId>")
+    if rejected.retry_after is not None:
+        lines.append(f"{inner}<retryAfter>{rejected.retry_after}</retryAfter>")
+    lines.append(f"{indent}</ServiceFault>")
+    return "\n".join(lines)
+
+
+def _render_xml(rejected: Rejected, request_id: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        + _service_fault_xml(rejected, request_id, "")
+        + "\n"
+    ).encode("utf-8")
+
+
+def _render_soap11(rejected: Rejected, request_id: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<soap:Envelope xmlns:soap="{SOAP11_NAMESPACE}">\n'
+        "  <soap:Body>\n"
+        "    <soap:Fault>\n"
+        "      <faultcode>soap:Server</faultcode>\n"
+        f"      <faultstring>{_xml_text(rejected.reason)}</faultstring>\n"
+        "      <detail>\n"
+        f"        {_service_fault_xml(rejected, request_id, '        ')}\n"
+        "      </detail>\n"
+        "    </soap:Fault>\n"
+        "  </soap:Body>\n"
+        "</soap:Envelope>\n"
+    ).encode()
+
+
+def _render_soap12(rejected: Rejected, request_id: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<env:Envelope xmlns:env="{SOAP12_NAMESPACE}">\n'
+        "  <env:Body>\n"
+        "    <env:Fault>\n"
+        "      <env:Code><env:Value>env:Receiver</env:Value></env:Code>\n"
+        "      <env:Reason>\n"
+        f'        <env:Text xml:lang="en">{_xml_text(rejected.reason)}</env:Text>\n'
+        "      </env:Reason>\n"
+        "      <env:Detail>\n"
+        f"        {_service_fault_xml(rejected, request_id, '        ')}\n"
+        "      </env:Detail>\n"
+        "    </env:Fault>\n"
+        "  </env:Body>\n"
+        "</env:Envelope>\n"
+    ).encode()
+
+
+def _json_str(value: str) -> str:
+    return _LONE_SURROGATES.sub("", value)
+
+
+def _render_json(rejected: Rejected, request_id: str) -> bytes:
+    problem: dict[str, object] = {
+        "type": _JSON_TYPE.get(rejected.code) or f"urn:gatekeeper-wsgi:fault:{rejected.code}",
+        "title": rejected.reason,
+        "status": rejected.status,
+        "code": rejected.code,
+    }
+    if rejected.level is not None:
+        problem["level"] = _json_str(rejected.level)
+    if rejected.limit_path is not None:
+        limit = {"path": _json_str(rejected.limit_path)}
+        if rejected.limit_value is not None:
+            limit["value"] = _json_str(rejected.limit_value)
+        problem["limit"] = limit
+    problem["requestId"] = _json_str(request_id)
+    if rejected.retry_after is not None:
+        problem["retryAfter"] = rejected.retry_after
+    return json.dumps(problem, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _mimetype(content_type: str) -> str:
+    return content_type.partition(";")[0].strip().lower()
+
+
+def _is_xml_mimetype(mimetype: str) -> bool:
+    return mimetype in _XML_MIMETYPES or mimetype.endswith("+xml")
+
+
+@lru_cache(maxsize=512)
+def _accept_prefers_xml(accept: str) -> bool | None:
+    """True: XML preferred, False: JSON preferred or tied, None: Accept says nothing about either.
+
+    Clients send few distinct Accept values, so the parse is cached (bounded).
+    """
+    try:
+        parsed = parse_accept_header(accept, MIMEAccept)
+        xml_quality = max(parsed.quality(mimetype) for mimetype in _XML_MIMETYPES)
+        json_quality = max(parsed.quality(mimetype) for mimetype in _JSON_MIMETYPES)
+    except Exception:  # untrusted input: whatever werkzeug makes of it, never fail a fault
+        return None
+    if xml_quality != json_quality:
+        return xml_quality > json_quality
+    # A tie is a JSON preference only if the client named one of the types itself; `*/*`,
+    # `text/html` or nothing parseable leave the choice to the request body.
+    named = _XML_MIMETYPES + _JSON_MIMETYPES
+    if any(value.lower() in named for value, quality in parsed if quality > 0):
+        return False
+    return None
+
+
+def _wants_xml(environ: WSGIEnvironment, mimetype: str) -> bool:
+    accept = environ.get("HTTP_ACCEPT")
+    if isinstance(accept, str) and accept.strip():
+        prefers_xml = _accept_prefers_xml(accept)
+        if prefers_xml is not None:
+            return prefers_xml
+    return _is_xml_mimetype(mimetype)
+
+
+def _call_renderer(
+    renderer: Renderer, rejected: Rejected, request_id: str, environ: WSGIEnvironment
+) -> tuple[str, bytes] | None:
+    """The user renderer's (content type, body), or None when it failed (logged)."""
+    try:
+        content_type, body = renderer(rejected, request_id, environ)
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        if not isinstance(content_type, str) or not isinstance(body, bytes):
+            raise TypeError(
+                f"expected (str, bytes | str), got ({type(content_type).__name__}, "
+                f"{type(body).__name__})"
+            )
+    except Exception:
+        # A broken renderer must not turn every rejection into a 500 during overload.
+        logger.exception("fault renderer %r failed; sending the standard ServiceFault", renderer)
+        return None
+    return _header_value(content_type) or "application/octet-stream", body
+
+
+def render_fault(
+    rejected: Rejected,
+    environ: WSGIEnvironment,
+    request_id: str,
+    *,
+    fault_format: str = "auto",
+    request_id_header: str = "X-Request-Id",
+    renderer: Renderer | None = None,
+) -> tuple[str, list[tuple[str, str]], bytes]:
+    """Render ``rejected`` as a ServiceFault response: ``(status line, headers, body)``.
+
+    The format is negotiated from ``environ``: a SOAP request (SOAP 1.1: ``text/xml`` with a
+    ``SOAPAction`` header; SOAP 1.2: ``application/soap+xml``) always gets a SOAP Fault with
+    HTTP 500 and the ServiceFault as its detail. Otherwise ``renderer`` (a site's own body) is
+    used if given, then ``fault_format`` ``"xml"``/``"json"`` forces a format, and ``"auto"``
+    picks XML when ``Accept`` prefers ``application/xml``/``text/xml`` over JSON, or when
+    ``Accept`` expresses no preference and the request body is XML; JSON otherwise.
+
+    Example::
+
+        status, headers, body = render_fault(
+            Rejected("GK-RATE-LIMIT", level="caller", limit_path="shop/login/*",
+                     limit_value="5/minute", retry_after=12),
+            environ, "9f1c2d",
+        )
+        start_response(status, headers)   # "429 Too Many Requests", Retry-After: 12, ...
+        return [body]                      # {"type":"urn:gatekeeper-wsgi:fault:GK-RATE-LIMIT",...}
+    """
+    mimetype = _mimetype(environ.get("CONTENT_TYPE") or "")
+    status_line = _STATUS_LINES.get(rejected.status) or f"{rejected.status} Error"
+    custom: tuple[str, bytes] | None = None
+
+    if mimetype == "application/soap+xml":
+        content_type, body = SOAP12_CONTENT_TYPE, _render_soap12(rejected, request_id)
+        status_line = _SOAP_STATUS_LINE
+    elif mimetype == "text/xml" and "HTTP_SOAPACTION" in environ:
+        content_type, body = SOAP11_CONTENT_TYPE, _render_soap11(rejected, request_id)
+        status_line = _SOAP_STATUS_LINE
+    elif renderer is not None and (
+        custom := _call_renderer(renderer, rejected, request_id, environ)
+    ):
+        content_type, body = custom
+    elif fault_format == "xml" or (fault_format != "json" and _wants_xml(environ, mimetype)):
+        content_type, body = XML_CONTENT_TYPE, _render_xml(rejected, request_id)
+    else:
+        content_type, body = JSON_CONTENT_TYPE, _render_json(rejected, request_id)
+
+    headers = [
+        ("Content-Type", content_type),
+        ("Content-Length", str(len(body))),
+        ("Cache-Control", "no-store"),
+    ]
+    if rejected.retry_after is not None:
+        headers.append(("Retry-After", str(rejected.retry_after)))
+    headers.append((request_id_header, _header_value(request_id)))
+    rate = rejected.rate
+    if rate is not None:
+        name = _sf_string(rejected.limit_path or "default")
+        window = max(1, math.ceil(rate.window - 1e-9))
+        reset = max(0, math.ceil(rate.reset - 1e-9))
+        headers.append(("RateLimit-Policy", f"{name};q={max(0, rate.quota)};w={window}"))
+        headers.append(("RateLimit", f"{name};r={max(0, rate.remaining)};t={reset}"))
+    return status_line, headers, body
+
+
+def resolve_renderer(value: str | Renderer | None) -> Renderer | None:
+    """The renderer named by the ``fault.renderer`` setting: a callable or a dotted path.
+
+    ``"pkg.mod:func"`` and ``"pkg.mod.func"`` are imported; ``None`` or ``""`` means none.
+    Raises :class:`~gatekeeper_wsgi.errors.ConfigError` when the path cannot be imported or
+    does not name a callable.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        path = value.strip()
+        if not path:
+            return None
+        try:
+            imported = import_string(path)
+        except Exception as exc:
+            raise ConfigError(
+                "fault.renderer",
+                f"cannot import {value!r} (expected 'package.module:function'): {exc}",
+            ) from exc
+        if not callable(imported):
+            raise ConfigError(
+                "fault.renderer",
+                f"{value!r} is a {type(imported).__name__}, expected a callable "
+                "(rejected, request_id, environ) -> (content_type, body)",
+            )
+        return imported  # type: ignore[no-any-return]
+    if callable(value):
+        return value
+    raise ConfigError(
+        "fault.renderer",
+        f"expected a dotted path or a callable, got {type(value).__name__} {value!r}",
+    )
