@@ -1,1 +1,51 @@
-"""Counter backends, chosen from a URL."""
+"""Counter backends, chosen from a URL through a plain registry.
+
+``memory`` (this process), ``shared:///path/file`` (the processes of one host) and
+``redis://host:port/db`` (many hosts). Modules are imported on first use, so the core
+needs neither redis-py nor mmap support unless configured.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from urllib.parse import urlsplit
+
+from gatekeeper_wsgi.backends.base import Backend
+from gatekeeper_wsgi.errors import ConfigError
+
+__all__ = ["BACKENDS", "backend_from_url"]
+
+#: URL scheme -> "module:class"
+BACKENDS: dict[str, str] = {
+    "memory": "gatekeeper_wsgi.backends.memory:MemoryBackend",
+    "shared": "gatekeeper_wsgi.backends.shared:SharedBackend",
+    "redis": "gatekeeper_wsgi.backends.redis:RedisBackend",
+    "rediss": "gatekeeper_wsgi.backends.redis:RedisBackend",
+    "unix": "gatekeeper_wsgi.backends.redis:RedisBackend",
+    "valkey": "gatekeeper_wsgi.backends.redis:RedisBackend",
+}
+
+
+def backend_from_url(url: str) -> Backend:
+    """Instantiate the backend a URL names; an unknown scheme raises ConfigError."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else url.strip().lower()
+    target = BACKENDS.get(scheme)
+    if target is None:
+        known = ", ".join(sorted(BACKENDS))
+        raise ConfigError("backend", f"unknown backend {url!r}; expected one of: {known}")
+    module_name, class_name = target.split(":")
+    try:
+        module = import_module(module_name)
+    except ImportError as exc:
+        extra = "redis" if "redis" in module_name else scheme
+        raise ConfigError(
+            "backend",
+            f"backend {url!r} needs an extra: pip install 'gatekeeper-wsgi[{extra}]' ({exc})",
+        ) from exc
+    cls: type[Backend] = getattr(module, class_name)
+    if scheme == "memory":
+        if url.strip().lower() not in ("memory", "memory://", "memory:"):
+            raise ConfigError("backend", f"the memory backend takes no address, got {url!r}")
+        return cls()
+    urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them
+    return cls.from_url(url)  # type: ignore[attr-defined, no-any-return]

@@ -1,0 +1,91 @@
+"""The interface every counter backend implements, and the values it trades in.
+
+A backend keeps, per concrete limit path (``shop/login/alice``), the number of requests in
+flight and the rolling window of a rate limit. The engine hands it the *slots* of one
+request — one per applicable limit — and the backend admits on all of them or on none,
+atomically (SPEC §4.1). Each admission is a *lease*: releasing deletes it, a delayed
+decrease moves its expiry, and a crashed holder's lease is reclaimed (shared, Redis).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from gatekeeper_wsgi.config import Limit
+from gatekeeper_wsgi.monitor import Stage
+
+__all__ = ["Backend", "Denial", "Grant", "Slot"]
+
+
+class Slot(NamedTuple):
+    """One limit a request must fit under."""
+
+    key: str  #: the concrete path counted, e.g. ``shop/login/10.0.0.7``
+    limit: Limit
+    enforce: bool  #: False in shadow mode: over-limit is reported, not refused
+
+
+class Denial(NamedTuple):
+    """Why ``acquire`` refused: the first enforcing slot that did not fit."""
+
+    at: int  #: position of the refusing slot in the slots given
+    kind: str  #: ``"concurrency"`` or ``"rate"``
+    retry_after: float  #: seconds until a retry may succeed (>= 0)
+    remaining: int  #: rate limits: admissions still possible now
+
+
+class Grant:
+    """What a backend returns for an admission; release it exactly once.
+
+    ``shadowed`` lists the indexes of shadow slots that were over their limit.
+    Backends subclass it to carry their lease.
+    """
+
+    __slots__ = ("shadowed", "slots")
+
+    def __init__(self, slots: Sequence[Slot], shadowed: tuple[int, ...] = ()) -> None:
+        self.slots = slots
+        self.shadowed = shadowed
+
+
+class Backend(ABC):
+    """A counter store. Methods raise :class:`~gatekeeper_wsgi.errors.BackendError` when
+    the store fails; the engine then applies ``on_backend_error``."""
+
+    #: True when every contender lives in this process, so a local release is the only
+    #: event that frees a slot and waiters need no polling.
+    local = True
+    #: True when the backend counts time by the ``now`` the engine passes (so an injected
+    #: clock drives windows and delays); False when it uses its own (Redis ``TIME``).
+    engine_clock = True
+    #: Seconds between retries of a queued request when ``local`` is False.
+    poll_interval = 0.005
+    #: Where the engine wants the time spent maturing delayed releases recorded.
+    delay_stage: Stage | None = None
+
+    @abstractmethod
+    def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        """Take a slot at every limit, or at none and say which refused."""
+
+    @abstractmethod
+    def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
+        """Give the slots back, after ``delay`` seconds when > 0. Rate reservations of
+        limits with ``count`` statuses are confirmed when ``status`` is listed, else
+        returned at once."""
+
+    @abstractmethod
+    def inflight(self, now: float) -> dict[str, int]:
+        """Requests in flight per concrete path (due delayed releases applied first)."""
+
+    def next_due(self) -> float | None:
+        """When the next delayed release matures (engine clock), if known."""
+        return None
+
+    def delayed_pending(self) -> int:
+        """How many delayed releases are waiting to mature."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release resources (files, connections)."""

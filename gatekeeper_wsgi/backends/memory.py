@@ -1,0 +1,204 @@
+"""The embedded backend: counters in this process's memory, one lock, exact for threads."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.config import Limit
+from gatekeeper_wsgi.errors import BackendError
+
+__all__ = ["MemoryBackend"]
+
+logger = logging.getLogger("gatekeeper")
+
+# The pid whose memory we count in; a forked worker sees another pid (issue: warn once).
+_WARNED_FORK: set[int] = set()
+
+
+class _Counter:
+    """State of one concrete path: requests in flight and the admission times of its
+    rolling window (a sliding log: exact, O(N) per key)."""
+
+    __slots__ = ("inflight", "window")
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.window: deque[float] = deque()
+
+
+class _MemoryGrant(Grant):
+    __slots__ = ("counters", "stamps")
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        shadowed: tuple[int, ...],
+        counters: list[_Counter],
+        stamps: list[float | None],
+    ) -> None:
+        super().__init__(slots, shadowed)
+        self.counters = counters
+        #: per slot: the window entry reserved at admission (None: no rate / not recorded)
+        self.stamps = stamps
+
+
+class FullError(BackendError):
+    """A wildcard limit tracks ``max_keys`` keys, all with requests in flight."""
+
+
+class MemoryBackend(Backend):
+    """Counters in a dict guarded by one lock.
+
+    Each request takes the lock once to admit and once to release; the work inside is a
+    few dict lookups per level, so contention stays low even with many threads.
+    """
+
+    local = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, _Counter] = {}
+        # Wildcard limits: concrete keys in least-recently-used order, for bounded memory.
+        self._wild: dict[str, OrderedDict[str, _Counter]] = {}
+        self._delayed: list[tuple[float, int, list[_Counter]]] = []
+        self._seq = itertools.count()
+        self._pid = os.getpid()
+
+    # --- admission ------------------------------------------------------------------------
+
+    def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        if os.getpid() != self._pid:
+            self._forked()
+        with self._lock:
+            if self._delayed and self._delayed[0][0] <= now:
+                self._mature(now)
+            counters = []
+            shadowed: list[int] = []
+            for index, (key, limit, enforce) in enumerate(slots):
+                counter = self._counters.get(key)
+                if counter is None:
+                    counter = self._create(key, limit)
+                elif limit.wildcard:
+                    self._wild[limit.path].move_to_end(key)
+                concurrency = limit.concurrency
+                if concurrency is not None and counter.inflight >= concurrency:
+                    if enforce:
+                        return Denial(index, "concurrency", self._soonest(now), 0)
+                    shadowed.append(index)
+                rate = limit.rate
+                if rate is not None:
+                    window = counter.window
+                    cutoff = now - rate.seconds
+                    while window and window[0] <= cutoff:
+                        window.popleft()
+                    if len(window) >= rate.limit:
+                        if enforce:
+                            return Denial(index, "rate", window[0] - cutoff, 0)
+                        shadowed.append(index)
+                counters.append(counter)
+            stamps: list[float | None] = []
+            for index, counter in enumerate(counters):
+                counter.inflight += 1
+                if slots[index].limit.rate is not None and index not in shadowed:
+                    counter.window.append(now)
+                    stamps.append(now)
+                else:
+                    stamps.append(None)
+            return _MemoryGrant(slots, tuple(shadowed), counters, stamps)
+
+    def _create(self, key: str, limit: Limit) -> _Counter:
+        counter = _Counter()
+        if limit.wildcard:
+            table = self._wild.setdefault(limit.path, OrderedDict())
+            if len(table) >= limit.max_keys:
+                self._evict(table, limit.path)
+            table[key] = counter
+        self._counters[key] = counter
+        return counter
+
+    def _evict(self, table: OrderedDict[str, _Counter], path: str) -> None:
+        # Idle keys (nothing in flight, nothing left in the window) go first, oldest first;
+        # then the least recently used key with nothing in flight, losing its window.
+        victim = None
+        for key, counter in table.items():
+            if counter.inflight == 0:
+                if not counter.window:
+                    victim = key
+                    break
+                if victim is None:
+                    victim = key
+        if victim is None:
+            raise FullError(f"limit {path!r} tracks max_keys={len(table)} keys, all in flight")
+        del table[victim]
+        self._counters.pop(victim, None)
+
+    def _soonest(self, now: float) -> float:
+        return max(0.0, self._delayed[0][0] - now) if self._delayed else 0.0
+
+    # --- release --------------------------------------------------------------------------
+
+    def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
+        assert isinstance(grant, _MemoryGrant)
+        with self._lock:
+            for index, stamp in enumerate(grant.stamps):
+                if stamp is None:
+                    continue
+                count = grant.slots[index].limit.count
+                if count is not None and status not in count:
+                    window = grant.counters[index].window
+                    # It may have slid out of the window already.
+                    with contextlib.suppress(ValueError):
+                        window.remove(stamp)
+            if delay > 0:
+                heapq.heappush(self._delayed, (now + delay, next(self._seq), grant.counters))
+            else:
+                for counter in grant.counters:
+                    counter.inflight -= 1
+            if self._delayed and self._delayed[0][0] <= now:
+                self._mature(now)
+
+    def _mature(self, now: float) -> None:
+        started = time.perf_counter_ns()
+        delayed = self._delayed
+        while delayed and delayed[0][0] <= now:
+            for counter in heapq.heappop(delayed)[2]:
+                counter.inflight -= 1
+        if self.delay_stage is not None:
+            self.delay_stage.record(time.perf_counter_ns() - started)
+
+    # --- observation ----------------------------------------------------------------------
+
+    def inflight(self, now: float) -> dict[str, int]:
+        with self._lock:
+            if self._delayed and self._delayed[0][0] <= now:
+                self._mature(now)
+            return {key: counter.inflight for key, counter in self._counters.items()}
+
+    def next_due(self) -> float | None:
+        delayed = self._delayed
+        return delayed[0][0] if delayed else None
+
+    def delayed_pending(self) -> int:
+        return len(self._delayed)
+
+    def _forked(self) -> None:
+        self._pid = pid = os.getpid()
+        # The lock may have been held by another thread at fork time; start afresh.
+        self._lock = threading.Lock()
+        if pid not in _WARNED_FORK:
+            _WARNED_FORK.add(pid)
+            logger.warning(
+                "gatekeeper: the memory backend runs in a forked worker process (pid %d): "
+                "limits are counted per process. Use backend 'shared:///path/file' to share "
+                "them between the workers of this host.",
+                pid,
+            )

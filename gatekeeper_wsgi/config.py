@@ -1,0 +1,598 @@
+"""The configuration model: one validated, immutable :class:`Config`.
+
+It is built from a settings dict (Django ``settings.GATEKEEPER``, Flask
+``app.config["GATEKEEPER"]``), a ``.toml`` file or a ``.properties`` file, all of the same
+shape (SPEC §3). Values from ``.properties`` files arrive as strings and are converted here,
+so every source goes through the same checks and the same error messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from gatekeeper_wsgi.errors import LEVELS, ConfigError
+
+__all__ = [
+    "CALLER_RE",
+    "CallerConfig",
+    "Config",
+    "Limit",
+    "QueueSpec",
+    "Rate",
+    "TimeoutHeader",
+    "build_config",
+    "merge_settings",
+]
+
+#: SPEC §4.7: what a caller name may be.
+CALLER_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}|\*")
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+_UNITS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+_SHORT_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE_RE = re.compile(
+    r"\s*(\d+)\s*/\s*(?:(second|minute|hour|day)|(\d+(?:\.\d+)?)?\s*([smhd]))\s*", re.ASCII
+)
+
+DEFAULT_MAX_KEYS = 100_000
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``N`` admissions in any rolling window of ``seconds``; ``text`` as configured."""
+
+    limit: int
+    seconds: float
+    text: str
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """Wait up to ``wait`` seconds in a FIFO of at most ``size`` waiters."""
+
+    size: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class TimeoutHeader:
+    """A response header whose value, matching ``pattern``, marks a timeout."""
+
+    name: str
+    pattern: re.Pattern[str]
+    text: str
+
+
+@dataclass(frozen=True, eq=False)
+class Limit:
+    """One configured limit, addressed by its path (``shop``, ``shop/checkout/*``)."""
+
+    path: str
+    segments: tuple[str, ...]
+    concurrency: int | None = None
+    rate: Rate | None = None
+    key: str = "caller"
+    #: statuses that count against ``rate``; None counts every admission
+    count: frozenset[int] | None = None
+    max_keys: int = DEFAULT_MAX_KEYS
+    delay: float | None = None
+    timeout_status: frozenset[int] | None = None
+    timeout_header: TimeoutHeader | None = None
+    timeout_body: re.Pattern[bytes] | None = None
+    queue: QueueSpec | None = None
+    #: "enforce" / "shadow"; None follows the global mode
+    mode: str | None = None
+
+    @property
+    def level(self) -> str:
+        return LEVELS[len(self.segments) - 1]
+
+    @property
+    def wildcard(self) -> bool:
+        return "*" in self.segments
+
+    def _identity(self) -> tuple[Any, ...]:
+        th = self.timeout_header
+        return (
+            self.path,
+            self.concurrency,
+            self.rate,
+            self.key,
+            self.count,
+            self.max_keys,
+            self.delay,
+            self.timeout_status,
+            None if th is None else (th.name, th.text),
+            None if self.timeout_body is None else self.timeout_body.pattern,
+            self.queue,
+            self.mode,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        # Compiled patterns compare by identity; compare their sources instead.
+        return isinstance(other, Limit) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+
+@dataclass(frozen=True)
+class CallerConfig:
+    header: str = "X-Caller-Id"
+    required: bool = False
+    default: str = "anonymous"
+    #: dotted path or callable(environ) -> str | None
+    resolver: str | Callable[..., str | None] | None = None
+
+
+@dataclass(frozen=True)
+class ReloadConfig:
+    file: str | None = None
+    every_seconds: float = 5.0
+    every_requests: int = 1000
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    format: str = "auto"
+    #: dotted path or callable(rejected, request_id, environ) -> (content_type, body)
+    renderer: str | Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class RejectedLogConfig:
+    #: header names redacted besides Authorization, Cookie (and Proxy-Authorization)
+    redact_headers: tuple[str, ...] = ()
+    #: request body bytes captured per rejected request
+    body_bytes: int = 2048
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    #: bearer token for the status endpoint / dashboard outside Django/Flask auth; None = off
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The validated, immutable configuration (SPEC §3). Build it with :func:`build_config`."""
+
+    project: str = "default"
+    caller: CallerConfig = field(default_factory=CallerConfig)
+    request_id_header: str = "X-Request-Id"
+    backend: str = "memory"
+    routes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    mode: str = "enforce"
+    on_backend_error: str = "allow"
+    reload: ReloadConfig = field(default_factory=ReloadConfig)
+    limits: Mapping[str, Limit] = field(default_factory=lambda: MappingProxyType({}))
+    rejected_log: RejectedLogConfig = field(default_factory=RejectedLogConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Config):
+            return NotImplemented
+        return all(
+            _plain(getattr(self, name)) == _plain(getattr(other, name))
+            for name in self.__dataclass_fields__
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+# --- the schema: key -> allowed fields, used for "did you mean" and by the docs test ------
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "caller": ("header", "required", "default", "resolver"),
+    "fault": ("format", "renderer"),
+    "reload": ("file", "every_seconds", "every_requests"),
+    "rejected_log": ("redact_headers", "body_bytes"),
+    "dashboard": ("token",),
+}
+TOP_LEVEL: tuple[str, ...] = (
+    "project",
+    "caller",
+    "request_id_header",
+    "backend",
+    "routes",
+    "fault",
+    "mode",
+    "on_backend_error",
+    "reload",
+    "limits",
+    "rejected_log",
+    "dashboard",
+)
+LIMIT_FIELDS: tuple[str, ...] = (
+    "concurrency",
+    "rate",
+    "key",
+    "count",
+    "max_keys",
+    "delay",
+    "timeout_status",
+    "timeout_header",
+    "timeout_body",
+    "queue",
+    "mode",
+)
+
+
+def merge_settings(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    """Lay ``overlay`` (a file) over ``base`` (settings): its keys win, sections merge key
+    by key and ``limits`` merge path by path (a path in the overlay replaces that path)."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        old = merged.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            merged[key] = {**old, **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+class _Checker:
+    """Reads one settings dict, converting strings from .properties files, raising
+    :class:`ConfigError` with key, value, expectation, and file:line where known."""
+
+    def __init__(self, file: str | None, lines: Mapping[str, int] | None, whole_file: bool) -> None:
+        self.file = file
+        self.lines = lines or {}
+        self.whole_file = whole_file
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        line = None
+        probe = key
+        while probe:
+            if probe in self.lines:
+                line = self.lines[probe]
+                break
+            probe = probe.rpartition(".")[0]
+        # Settings laid under a file: a key the file does not hold came from the settings.
+        file = self.file if line is not None or self.whole_file else None
+        return ConfigError(key, problem, file=file, line=line)
+
+    def bad(self, key: str, value: object, expected: str) -> ConfigError:
+        return self.error(key, f"expected {expected}, got {value!r}")
+
+    def unknown(self, key: str, name: str, allowed: tuple[str, ...]) -> ConfigError:
+        close = difflib.get_close_matches(name, allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(allowed)}"
+        return self.error(key, f"unknown key {name!r}{hint}")
+
+    def mapping(self, key: str, value: object) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.bad(key, value, "a table / dict")
+        for name in value:
+            if not isinstance(name, str):
+                raise self.bad(key, name, "string keys")
+        return value
+
+    def string(self, key: str, value: object, *, empty: bool = False) -> str:
+        if not isinstance(value, str) or (not empty and not value.strip()):
+            raise self.bad(key, value, "a non-empty string")
+        return value.strip()
+
+    def optional_string(self, key: str, value: object) -> str | None:
+        if value is None or value == "":
+            return None
+        return self.string(key, value)
+
+    def boolean(self, key: str, value: object) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no"):
+            return value.strip().lower() in ("true", "yes")
+        raise self.bad(key, value, "true or false")
+
+    def integer(self, key: str, value: object, minimum: int) -> int:
+        number: int | None = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            number = int(value)
+        if number is None or number < minimum:
+            raise self.bad(key, value, f"an integer >= {minimum}")
+        return number
+
+    def number(self, key: str, value: object, *, positive: bool = False) -> float:
+        number: float | None = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        if number is None or number != number or number in (float("inf"), float("-inf")):
+            raise self.bad(key, value, "a number of seconds")
+        if number < 0 or (positive and number == 0):
+            raise self.bad(key, value, "a number of seconds > 0" if positive else ">= 0 seconds")
+        return number
+
+    def items(self, key: str, value: object) -> list[object]:
+        """A list, or in .properties files a comma-separated string."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        raise self.bad(key, value, "a list")
+
+    def statuses(self, key: str, value: object) -> frozenset[int]:
+        result = []
+        for item in self.items(key, value):
+            status = self.integer(key, item, 100)
+            if status > 599:
+                raise self.bad(key, item, "HTTP status codes 100..599")
+            result.append(status)
+        if not result:
+            raise self.bad(key, value, "a non-empty list of HTTP status codes")
+        return frozenset(result)
+
+    def choice(self, key: str, value: object, choices: tuple[str, ...]) -> str:
+        if not isinstance(value, str) or value.strip() not in choices:
+            raise self.bad(key, value, " or ".join(repr(c) for c in choices))
+        return value.strip()
+
+    def pattern(self, key: str, value: object) -> re.Pattern[str]:
+        text = self.string(key, value)
+        try:
+            return re.compile(text)
+        except re.error as exc:
+            raise self.bad(key, value, f"a valid regular expression ({exc})") from None
+
+    def header_name(self, key: str, value: object) -> str:
+        name = self.string(key, value)
+        if not _HEADER_NAME_RE.fullmatch(name):
+            raise self.bad(key, value, "an HTTP header name")
+        return name
+
+    # --- sections -------------------------------------------------------------------------
+
+    def check(self, settings: Mapping[str, Any]) -> Config:
+        settings = self.mapping("", settings)
+        for name in settings:
+            if name not in TOP_LEVEL:
+                raise self.unknown(name, name, TOP_LEVEL)
+        get = settings.get
+        project = self.string("project", get("project", "default"))
+        if not _SEGMENT_RE.fullmatch(project) or project == "*":
+            raise self.bad("project", project, "a name of [A-Za-z0-9._:@-], at most 128 chars")
+        mode = self.choice("mode", get("mode", "enforce"), ("enforce", "shadow"))
+        limits = self.mapping("limits", get("limits", {}))
+        return Config(
+            project=project,
+            caller=self.caller(get("caller", {})),
+            request_id_header=self.header_name(
+                "request_id_header", get("request_id_header", "X-Request-Id")
+            ),
+            backend=self.string("backend", get("backend", "memory")),
+            routes=self.routes(get("routes", {})),
+            fault=self.fault(get("fault", {})),
+            mode=mode,
+            on_backend_error=self.choice(
+                "on_backend_error", get("on_backend_error", "allow"), ("allow", "reject")
+            ),
+            reload=self.reload(get("reload", {})),
+            limits=MappingProxyType(
+                {path: self.limit(path, spec) for path, spec in limits.items()}
+            ),
+            rejected_log=self.rejected_log(get("rejected_log", {})),
+            dashboard=self.dashboard(get("dashboard", {})),
+        )
+
+    def section(self, name: str, value: object) -> Mapping[str, Any]:
+        section = self.mapping(name, value)
+        for key in section:
+            if key not in SECTIONS[name]:
+                raise self.unknown(f"{name}.{key}", key, SECTIONS[name])
+        return section
+
+    def caller(self, value: object) -> CallerConfig:
+        section = self.section("caller", value)
+        default = self.string("caller.default", section.get("default", "anonymous"))
+        if not CALLER_RE.fullmatch(default):
+            raise self.bad("caller.default", default, "a caller name of [A-Za-z0-9._:@-]")
+        resolver = section.get("resolver")
+        if resolver is not None and not callable(resolver):
+            resolver = self.optional_string("caller.resolver", resolver)
+        return CallerConfig(
+            header=self.header_name("caller.header", section.get("header", "X-Caller-Id")),
+            required=self.boolean("caller.required", section.get("required", False)),
+            default=default,
+            resolver=resolver,
+        )
+
+    def routes(self, value: object) -> Mapping[str, str]:
+        routes = self.mapping("routes", value)
+        result = {}
+        for rule, service in routes.items():
+            key = f"routes.{rule}"
+            if not rule.startswith("/"):
+                raise self.bad(key, rule, "a werkzeug rule starting with '/'")
+            name = self.string(key, service)
+            if not _SEGMENT_RE.fullmatch(name) or name == "*":
+                raise self.bad(key, name, "a service name of [A-Za-z0-9._:@-]")
+            result[rule] = name
+        return MappingProxyType(result)
+
+    def fault(self, value: object) -> FaultConfig:
+        section = self.section("fault", value)
+        renderer = section.get("renderer")
+        if renderer is not None and not callable(renderer):
+            renderer = self.optional_string("fault.renderer", renderer)
+        return FaultConfig(
+            format=self.choice(
+                "fault.format", section.get("format", "auto"), ("auto", "xml", "json")
+            ),
+            renderer=renderer,
+        )
+
+    def reload(self, value: object) -> ReloadConfig:
+        section = self.section("reload", value)
+        return ReloadConfig(
+            file=self.optional_string("reload.file", section.get("file")),
+            every_seconds=self.number(
+                "reload.every_seconds", section.get("every_seconds", 5.0), positive=True
+            ),
+            every_requests=self.integer(
+                "reload.every_requests", section.get("every_requests", 1000), 1
+            ),
+        )
+
+    def rejected_log(self, value: object) -> RejectedLogConfig:
+        section = self.section("rejected_log", value)
+        names = tuple(
+            self.header_name("rejected_log.redact_headers", name)
+            for name in self.items("rejected_log.redact_headers", section.get("redact_headers", []))
+        )
+        return RejectedLogConfig(
+            redact_headers=names,
+            body_bytes=self.integer("rejected_log.body_bytes", section.get("body_bytes", 2048), 0),
+        )
+
+    def dashboard(self, value: object) -> DashboardConfig:
+        section = self.section("dashboard", value)
+        return DashboardConfig(token=self.optional_string("dashboard.token", section.get("token")))
+
+    def limit(self, path: str, value: object) -> Limit:
+        base = f"limits.{path}"
+        spec = self.mapping(base, value)
+        segments = tuple(path.split("/"))
+        if not 1 <= len(segments) <= 3 or not all(_SEGMENT_RE.fullmatch(s) for s in segments):
+            raise self.bad(
+                base,
+                path,
+                "a path 'project', 'project/service' or 'project/service/caller' "
+                "of names [A-Za-z0-9._:@-] or '*'",
+            )
+        for name in spec:
+            if name not in LIMIT_FIELDS:
+                raise self.unknown(f"{base}.{name}", name, LIMIT_FIELDS)
+        level = LEVELS[len(segments) - 1]
+        fields: dict[str, Any] = {}
+        if "concurrency" in spec:
+            fields["concurrency"] = self.integer(f"{base}.concurrency", spec["concurrency"], 0)
+        if "rate" in spec:
+            fields["rate"] = self.rate(f"{base}.rate", spec["rate"])
+        if (
+            "concurrency" not in spec
+            and "rate" not in spec
+            and not ({"delay", "timeout_status", "timeout_header", "timeout_body"} & set(spec))
+        ):
+            raise self.error(base, "a limit needs 'concurrency' or 'rate' (or sets delay/markers)")
+        if "key" in spec:
+            if level != "caller":
+                raise self.error(
+                    f"{base}.key",
+                    f"'key' is only valid on the caller level (3 segments), "
+                    f"not on the {level} level",
+                )
+            fields["key"] = self.key(f"{base}.key", spec["key"])
+        if "count" in spec:
+            if "rate" not in spec:
+                raise self.error(f"{base}.count", "'count' needs a 'rate' on the same limit")
+            count = spec["count"]
+            if not (isinstance(count, str) and count.strip() == "all"):
+                fields["count"] = self.statuses(f"{base}.count", count)
+        if "max_keys" in spec:
+            fields["max_keys"] = self.integer(f"{base}.max_keys", spec["max_keys"], 1)
+        if "delay" in spec:
+            fields["delay"] = self.number(f"{base}.delay", spec["delay"])
+        markers = {"timeout_status", "timeout_header", "timeout_body"} & set(spec)
+        if markers and level == "caller":
+            raise self.error(
+                f"{base}.{sorted(markers)[0]}",
+                "timeout markers are settable on the project and service levels only",
+            )
+        if "timeout_status" in spec:
+            fields["timeout_status"] = self.statuses(
+                f"{base}.timeout_status", spec["timeout_status"]
+            )
+        if "timeout_header" in spec:
+            fields["timeout_header"] = self.timeout_header(
+                f"{base}.timeout_header", spec["timeout_header"]
+            )
+        if "timeout_body" in spec:
+            text = self.pattern(f"{base}.timeout_body", spec["timeout_body"]).pattern
+            fields["timeout_body"] = re.compile(text.encode("utf-8"))
+        if "queue" in spec:
+            fields["queue"] = self.queue(f"{base}.queue", spec["queue"])
+        if "mode" in spec:
+            fields["mode"] = self.choice(f"{base}.mode", spec["mode"], ("enforce", "shadow"))
+        return Limit(path=path, segments=segments, **fields)
+
+    def rate(self, key: str, value: object) -> Rate:
+        match = _RATE_RE.fullmatch(value) if isinstance(value, str) else None
+        if match is None:
+            raise self.bad(key, value, "a rate like '5/minute', '100/10s' or '2/h'")
+        count, word, multiple, unit = match.groups()
+        seconds = _UNITS[word] if word else float(multiple or 1) * _SHORT_UNITS[unit]
+        if int(count) < 1 or seconds <= 0:
+            raise self.bad(key, value, "a rate of at least 1 per a window longer than 0")
+        assert isinstance(value, str)
+        return Rate(limit=int(count), seconds=seconds, text=value.strip())
+
+    def key(self, key: str, value: object) -> str:
+        text = self.string(key, value)
+        if text in ("caller", "ip", "user"):
+            return text
+        if text.startswith("header:"):
+            name = self.header_name(key, text[len("header:") :].strip())
+            return f"header:{name}"
+        raise self.bad(key, value, "'caller', 'ip', 'user' or 'header:<Name>'")
+
+    def timeout_header(self, key: str, value: object) -> TimeoutHeader:
+        text = self.string(key, value)
+        name, sep, regex = text.partition(":")
+        if not sep or not _HEADER_NAME_RE.fullmatch(name.strip()) or not regex.strip():
+            raise self.bad(key, value, "'Header-Name: regex'")
+        return TimeoutHeader(name=name.strip(), pattern=self.pattern(key, regex.strip()), text=text)
+
+    def queue(self, key: str, value: object) -> QueueSpec:
+        if isinstance(value, str):
+            parts: list[object] = [part.strip() for part in value.split(",")]
+            if len(parts) != 2:
+                raise self.bad(key, value, "'<size>, <wait seconds>'")
+            size, wait = parts
+        else:
+            spec = self.mapping(key, value)
+            for name in spec:
+                if name not in ("size", "wait"):
+                    raise self.unknown(f"{key}.{name}", name, ("size", "wait"))
+            if "size" not in spec or "wait" not in spec:
+                raise self.bad(key, value, "{'size': int, 'wait': seconds}")
+            size, wait = spec["size"], spec["wait"]
+        return QueueSpec(
+            size=self.integer(f"{key}.size", size, 1),
+            wait=self.number(f"{key}.wait", wait, positive=True),
+        )
+
+
+def build_config(
+    settings: Mapping[str, Any],
+    *,
+    file: str | None = None,
+    lines: Mapping[str, int] | None = None,
+    whole_file: bool = True,
+) -> Config:
+    """Validate a settings dict and return the immutable :class:`Config`.
+
+    ``file`` and ``lines`` (dotted key -> line number) let errors point into a file;
+    ``whole_file=False`` says the file was laid over settings, so a key it does not hold
+    came from the settings. Raises :class:`~gatekeeper_wsgi.errors.ConfigError`.
+    """
+    return _Checker(file, lines, whole_file).check(settings)

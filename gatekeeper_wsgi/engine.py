@@ -1,0 +1,420 @@
+"""The admission engine: :class:`GateKeeper` decides, counts and releases.
+
+Framework-free: it knows (project, service, caller), a WSGI-style environ for the other
+key kinds (ip, user, header), and a clock. The WSGI middleware and the Django and Flask
+plugins all call it; none of them re-implements admission or release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from gatekeeper_wsgi.backends import backend_from_url
+from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.config import Config, build_config, merge_settings
+from gatekeeper_wsgi.errors import BackendError, ConfigError, RateInfo, Rejected
+from gatekeeper_wsgi.fileformats import load_file
+from gatekeeper_wsgi.monitor import Monitor
+from gatekeeper_wsgi.resolve import Route
+
+__all__ = ["Admission", "GateKeeper"]
+
+logger = logging.getLogger("gatekeeper")
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+# Unbounded service names (first path segment of arbitrary URLs) must not grow the cache.
+_ROUTE_CACHE_SIZE = 10_000
+# A backend outage is logged at most this often.
+_ERROR_LOG_INTERVAL = 10.0
+
+ConfigSource = Mapping[str, Any] | str | os.PathLike[str]
+
+
+class Admission:
+    """An admitted request's hold on its slots. Call :meth:`release` exactly once when the
+    response is finished; further calls do nothing."""
+
+    __slots__ = ("_grant", "_keeper", "delay", "released", "route")
+
+    def __init__(self, keeper: GateKeeper, route: Route, grant: Grant | None, delay: float) -> None:
+        self._keeper = keeper
+        self._grant = grant
+        self.route = route
+        #: seconds the slots are held after a faulty response
+        self.delay = delay
+        self.released = False
+
+    def release(self, status: int | None = None, *, faulty: bool = False) -> None:
+        """Give the slots back: now, or after ``delay`` when the response was faulty.
+
+        ``status`` confirms or returns the rate reservations of limits that count only
+        some statuses (``count = [401]``).
+        """
+        if self.released:
+            return
+        self.released = True
+        if self._grant is not None:
+            self._keeper._release(self._grant, status, self.delay if faulty else 0.0)
+
+
+class GateKeeper:
+    """Admits or rejects requests by the limits of a configuration.
+
+    ``config`` is a settings dict (SPEC §3) or the path of a ``.toml`` / ``.properties``
+    file. ``clock`` returns monotonic seconds; tests inject one to travel in time::
+
+        gk = GateKeeper({"project": "shop", "limits": {"shop": {"concurrency": 100}}})
+        admission = gk.admit("shop", "checkout", "crm")   # raises Rejected when full
+        try:
+            ...  # handle the request
+        finally:
+            admission.release(status=200)
+    """
+
+    def __init__(
+        self,
+        config: ConfigSource,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        backend: Backend | None = None,
+    ) -> None:
+        if isinstance(config, (str, os.PathLike)):
+            self._settings: Mapping[str, Any] = {}
+            self._file: str | None = os.fspath(config)
+        elif isinstance(config, Mapping):
+            self._settings = config
+            file = config.get("reload", {})
+            file = file.get("file") if isinstance(file, Mapping) else None
+            self._file = os.fspath(file) if isinstance(file, (str, os.PathLike)) else None
+        else:
+            raise ConfigError("", f"expected a settings dict or a file path, got {config!r}")
+        self._code_limits: dict[str, Mapping[str, Any]] = {}
+        self._clock = clock
+        self.monitor = Monitor()
+        self._file_stamp: tuple[int, int, int] | None = None
+        self._file_digest = b""
+        self.config = self._build()
+        self.backend = backend if backend is not None else backend_from_url(self.config.backend)
+        self.backend.delay_stage = self.monitor.stages["delay_process"]
+        self._routes: dict[tuple[str, str], Route] = {}
+        self._reload_lock = threading.Lock()
+        self._requests_since_check = 0
+        self._next_check = clock() + self.config.reload.every_seconds
+        # Queues: concrete limit path -> FIFO of waiters; one condition for all of them.
+        self._cond = threading.Condition(threading.Lock())
+        self._queues: dict[str, deque[object]] = {}
+        self._waiting = 0
+        self._last_error_log = -_ERROR_LOG_INTERVAL
+
+    # --- configuration --------------------------------------------------------------------
+
+    def _build(self) -> Config:
+        """Validate settings + code limits + file into a Config; raises ConfigError."""
+        settings: Mapping[str, Any] = self._settings
+        if self._code_limits:
+            limits = settings.get("limits", {})
+            if not isinstance(limits, Mapping):
+                limits = {}
+            settings = {**settings, "limits": {**self._code_limits, **limits}}
+        if self._file is None:
+            return build_config(settings)
+        path = Path(self._file)
+        stat = path.stat() if path.exists() else None
+        file_settings, lines = load_file(path)
+        if stat is not None:
+            self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            self._file_digest = hashlib.blake2b(path.read_bytes()).digest()
+        merged = merge_settings(settings, file_settings)
+        return build_config(merged, file=self._file, lines=lines, whole_file=not self._settings)
+
+    def add_limits(self, limits: Mapping[str, Mapping[str, Any]]) -> None:
+        """Add limits defined in code (framework decorators). Settings and the file win
+        over them for the same path; they survive reloads."""
+        self._code_limits.update(limits)
+        self._swap(self._build())
+
+    def _swap(self, config: Config) -> None:
+        if config.backend != self.config.backend:
+            logger.warning(
+                "gatekeeper: the backend cannot change while running (%r -> %r); "
+                "keeping %r until restart",
+                self.config.backend,
+                config.backend,
+                self.config.backend,
+            )
+        self.config = config
+        # Admissions under the old config keep their own Route; new requests re-resolve.
+        self._routes = {}
+
+    def reload(self) -> bool:
+        """Check the configuration file now; returns True if a changed, valid file was
+        swapped in. An invalid file keeps the current configuration (logged, counted)."""
+        with self._reload_lock:
+            return self._reload_file()
+
+    def _reload_file(self) -> bool:
+        self._requests_since_check = 0
+        self._next_check = self._clock() + self.config.reload.every_seconds
+        if self._file is None:
+            return False
+        started = time.perf_counter_ns()
+        try:
+            stat = os.stat(self._file)
+            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            if stamp == self._file_stamp:
+                return False
+            digest = hashlib.blake2b(Path(self._file).read_bytes()).digest()
+            if digest == self._file_digest:
+                self._file_stamp = stamp
+                return False
+            config = self._build()
+        except (ConfigError, OSError) as exc:
+            self.monitor.reload_failed += 1
+            # Remember the stamp, so a broken file is reported once, not on every check.
+            try:
+                stat = os.stat(self._file)
+                self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            except OSError:
+                self._file_stamp = None
+            logger.error(
+                "gatekeeper: reload of %s failed, keeping the previous configuration: %s",
+                self._file,
+                exc,
+            )
+            return False
+        finally:
+            self.monitor.stages["reload"].record(time.perf_counter_ns() - started)
+        changed = config != self.config
+        self._swap(config)
+        if changed:
+            self.monitor.reloads += 1
+            logger.info("gatekeeper: reloaded %s", self._file)
+        return changed
+
+    # --- admission ------------------------------------------------------------------------
+
+    def admit(
+        self,
+        project: str,
+        service: str,
+        caller: str,
+        environ: Mapping[str, Any] = _EMPTY,
+        user: str | None = None,
+    ) -> Admission:
+        """Admit a request or raise :class:`Rejected` (after queueing, if configured).
+
+        ``caller`` must already be a valid caller name (see ``CALLER_RE``); ``environ``
+        supplies ``REMOTE_ADDR``, ``REMOTE_USER`` and headers for ``key`` kinds other than
+        the caller; ``user`` overrides ``REMOTE_USER`` (Django's ``request.user``).
+        """
+        perf = time.perf_counter_ns
+        started = perf()
+        now = self._clock()
+        if self._file is not None:
+            self._requests_since_check += 1
+            if (
+                self._requests_since_check >= self.config.reload.every_requests
+                or now >= self._next_check
+            ) and self._reload_lock.acquire(blocking=False):
+                try:
+                    self._reload_file()
+                finally:
+                    self._reload_lock.release()
+        route = self._routes.get((project, service))
+        if route is None:
+            route = self._route(project, service)
+        slots = route.slots
+        delay = route.delay
+        if route.caller_candidates:
+            slot, caller_delay = route.caller_level(caller, environ, user)
+            if slot is not None:
+                slots = (*slots, slot)
+            if caller_delay is not None:
+                delay = caller_delay
+        stages = self.monitor.stages
+        resolved = perf()
+        stages["resolve_limits"].record(resolved - started)
+        if not slots:
+            self.monitor.admitted += 1
+            return Admission(self, route, None, delay)
+        try:
+            if self._waiting and self._queued_slot(slots) is not None:
+                result: Grant | Denial = self._wait(slots, self._queued_slot(slots), now)
+            else:
+                result = self.backend.acquire(slots, now)
+                if type(result) is Denial:
+                    result = self._refused(slots, result, now)
+        except BackendError as exc:
+            stages["decide"].record(perf() - resolved)
+            return self._backend_failed(exc, route, delay)
+        stages["decide"].record(perf() - resolved)
+        assert isinstance(result, Grant)
+        if result.shadowed:
+            self._shadow(slots, result)
+        self.monitor.admitted += 1
+        return Admission(self, route, result, delay)
+
+    def _route(self, project: str, service: str) -> Route:
+        if len(self._routes) >= _ROUTE_CACHE_SIZE:
+            self._routes = {}
+        route = self._routes[(project, service)] = Route(self.config, project, service)
+        return route
+
+    def _refused(self, slots: tuple[Slot, ...], denial: Denial, now: float) -> Grant:
+        slot = slots[denial.at]
+        if slot.limit.queue is not None:
+            return self._wait(slots, slot, now)
+        raise self._rejection(slot, denial)
+
+    def _rejection(self, slot: Slot, denial: Denial) -> Rejected:
+        limit = slot.limit
+        if denial.kind == "rate":
+            assert limit.rate is not None
+            rate = limit.rate
+            rejected = Rejected(
+                "GK-RATE-LIMIT",
+                level=limit.level,
+                limit_path=limit.path,
+                limit_value=rate.text,
+                retry_after=denial.retry_after,
+                rate=RateInfo(rate.limit, rate.seconds, denial.remaining, denial.retry_after),
+            )
+        else:
+            rejected = Rejected(
+                "GK-CONCURRENCY-LIMIT",
+                level=limit.level,
+                limit_path=limit.path,
+                limit_value=str(limit.concurrency),
+                retry_after=denial.retry_after,
+            )
+        return self._counted(rejected)
+
+    def _counted(self, rejected: Rejected) -> Rejected:
+        self.monitor.count_rejection(rejected.code, rejected.limit_path)
+        return rejected
+
+    def _shadow(self, slots: tuple[Slot, ...], grant: Grant) -> None:
+        self.monitor.shadow_rejected += 1
+        paths = ", ".join(slots[index].limit.path for index in grant.shadowed)
+        logger.info("gatekeeper: shadow mode admitted a request over the limit of %s", paths)
+
+    def _backend_failed(self, exc: BaseException, route: Route, delay: float) -> Admission:
+        self.monitor.backend_errors += 1
+        now = time.monotonic()
+        if now - self._last_error_log >= _ERROR_LOG_INTERVAL:
+            self._last_error_log = now
+            logger.error(
+                "gatekeeper: backend %s failed (%s); on_backend_error=%s",
+                self.config.backend,
+                exc,
+                self.config.on_backend_error,
+            )
+        if self.config.on_backend_error == "reject":
+            raise self._counted(Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0))
+        self.monitor.admitted += 1
+        return Admission(self, route, None, delay)
+
+    # --- the bounded wait queue -----------------------------------------------------------
+
+    def _queued_slot(self, slots: tuple[Slot, ...]) -> Slot | None:
+        """A slot whose limit has waiters: newcomers line up behind them (FIFO)."""
+        queues = self._queues
+        for slot in slots:
+            if slot.limit.queue is not None and queues.get(slot.key):
+                return slot
+        return None
+
+    def _wait(self, slots: tuple[Slot, ...], queued: Slot | None, now: float) -> Grant:
+        assert queued is not None and queued.limit.queue is not None
+        spec = queued.limit.queue
+        backend = self.backend
+        clock = self._clock
+        deadline = now + spec.wait
+        with self._cond:
+            queue = self._queues.setdefault(queued.key, deque())
+            if len(queue) >= spec.size:
+                raise self._queue_fault("GK-QUEUE-FULL", queued, spec.wait)
+            waiter = object()
+            queue.append(waiter)
+            self._waiting += 1
+            try:
+                while True:
+                    retry_hint = None
+                    if queue[0] is waiter:
+                        result = backend.acquire(slots, clock())
+                        if type(result) is not Denial:
+                            assert isinstance(result, Grant)
+                            return result
+                        refusing = slots[result.at]
+                        if refusing.limit.queue is None:
+                            raise self._rejection(refusing, result)
+                        retry_hint = result.retry_after
+                    now = clock()
+                    timeout = deadline - now
+                    if timeout <= 0:
+                        raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, spec.wait)
+                    # Maturing delays free slots without any release to wake us: wake then.
+                    due = backend.next_due()
+                    if due is not None:
+                        timeout = min(timeout, max(due - now, 0.0005))
+                    if retry_hint:
+                        timeout = min(timeout, retry_hint)
+                    if not backend.local:
+                        timeout = min(timeout, backend.poll_interval)
+                    self._cond.wait(timeout)
+            finally:
+                queue.remove(waiter)
+                if not queue:
+                    del self._queues[queued.key]
+                self._waiting -= 1
+                self._cond.notify_all()
+
+    def _queue_fault(self, code: str, slot: Slot, wait: float) -> Rejected:
+        limit = slot.limit
+        value = str(limit.concurrency) if limit.concurrency is not None else None
+        if value is None and limit.rate is not None:
+            value = limit.rate.text
+        return self._counted(
+            Rejected(
+                code, level=limit.level, limit_path=limit.path, limit_value=value, retry_after=wait
+            )
+        )
+
+    # --- release --------------------------------------------------------------------------
+
+    def _release(self, grant: Grant, status: int | None, delay: float) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self.backend.release(grant, status, delay, self._clock())
+        except BackendError as exc:
+            # The backend's own expiry (lease) gives these slots back; never fail a response.
+            self.monitor.backend_errors += 1
+            logger.error("gatekeeper: release failed on backend %s: %s", self.config.backend, exc)
+        if delay > 0:
+            self.monitor.stages["delay_place"].record(time.perf_counter_ns() - started)
+        if self._waiting:
+            with self._cond:
+                self._cond.notify_all()
+
+    # --- observation ----------------------------------------------------------------------
+
+    def inflight(self) -> dict[str, int]:
+        """Requests in flight per concrete limit path, due delayed releases applied."""
+        return self.backend.inflight(self._clock())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and stage timings (SPEC §7)."""
+        return self.monitor.snapshot(self.backend.delayed_pending())
+
+    def close(self) -> None:
+        """Release backend resources."""
+        self.backend.close()
