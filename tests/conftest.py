@@ -1,0 +1,72 @@
+"""Shared fixtures: the backend table that parametrizes the conformance suite, a clock
+tests move by hand, and a real redis-server started for the session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REDIS_BINARY = shutil.which("redis-server")
+#: CI sets this, so a missing redis-server fails instead of skipping.
+REQUIRE_REDIS = os.environ.get("GATEKEEPER_REQUIRE_REDIS") == "1"
+
+
+class FakeClock:
+    """A monotonic clock the test advances explicitly: delays and windows without sleeps."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A clock at t=1000 that only moves when the test says so."""
+    return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port for the whole session; yields its URL."""
+    if REDIS_BINARY is None:
+        if REQUIRE_REDIS:
+            pytest.fail("GATEKEEPER_REQUIRE_REDIS=1 but no redis-server binary on PATH")
+        pytest.skip("redis-server binary not found (apt-get install redis-server)")
+    from tests.servers import RedisServer
+
+    server = RedisServer(REDIS_BINARY, tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+#: One backend table for the conformance suite (engine and middleware tests use it).
+BACKENDS = [
+    pytest.param("memory", id="memory"),
+    pytest.param("shared", id="shared"),
+    pytest.param("redis", id="redis", marks=pytest.mark.redis),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a fresh, empty backend of each kind."""
+    kind = request.param
+    if kind == "memory":
+        return "memory"
+    if kind == "shared":
+        return f"shared://{tmp_path}/gatekeeper.shm"
+    base = request.getfixturevalue("redis_server")
+    return f"{base}?prefix=gk-test-{uuid.uuid4().hex[:8]}"
