@@ -11,6 +11,7 @@ from importlib import import_module
 from urllib.parse import urlsplit
 
 from gatekeeper_wsgi.backends.base import Backend
+from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import ConfigError
 
 __all__ = ["BACKENDS", "backend_from_url"]
@@ -26,8 +27,12 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def backend_from_url(url: str) -> Backend:
-    """Instantiate the backend a URL names; an unknown scheme raises ConfigError."""
+def backend_from_url(url: str, config: Config | None = None) -> Backend:
+    """Instantiate the backend a URL names; an unknown scheme raises ConfigError.
+
+    Backends other than memory are built by ``cls.from_url(url, config)``; the config lets
+    them size themselves (``max_keys``, rate limits) before the first request.
+    """
     scheme = url.split(":", 1)[0].lower() if ":" in url else url.strip().lower()
     target = BACKENDS.get(scheme)
     if target is None:
@@ -48,4 +53,4 @@ def backend_from_url(url: str) -> Backend:
             raise ConfigError("backend", f"the memory backend takes no address, got {url!r}")
         return cls()
     urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them
-    return cls.from_url(url)  # type: ignore[attr-defined, no-any-return]
+    return cls.from_url(url, config)  # type: ignore[attr-defined, no-any-return]
