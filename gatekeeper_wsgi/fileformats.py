@@ -1,0 +1,486 @@
+"""Reading configuration files: ``.toml`` and Java-style ``.properties``.
+
+Both formats load into the settings-dict shape of SPEC §3, together with a map from dotted
+keys (``"caller.header"``, ``"limits.shop/checkout.concurrency"``) to 1-based line numbers,
+so the validator can point at the line of a bad value::
+
+    settings, lines = load_file("gatekeeper.properties")
+    settings["limits"]["shop/checkout"]["concurrency"]   # "10" (properties values stay strings)
+    lines["limits.shop/checkout.concurrency"]            # 7
+
+Every problem raises :class:`~gatekeeper_wsgi.errors.ConfigError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gatekeeper_wsgi.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    # Declared as a dependency for 3.10 only, so type checkers on newer Pythons may not see it.
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
+__all__ = ["load_file"]
+
+
+def load_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Read a .toml or .properties configuration file into the settings-dict shape of SPEC §3.
+
+    Returns (settings, lines): lines maps a dotted key to its 1-based line number.
+    """
+    file = str(path)
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".properties"):
+        shown = repr(suffix) if suffix else "no suffix"
+        raise ConfigError(
+            "", f"unsupported file type ({shown}): expected .toml or .properties", file=file
+        )
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read file: {exc.strerror or exc}", file=file) from exc
+    try:
+        # Notepad and friends write a byte order mark; it is never part of the first key.
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            "", f"not valid UTF-8: {exc.reason}", file=file, line=_line_of_offset(data, exc.start)
+        ) from exc
+    if suffix == ".toml":
+        return _load_toml(text, file)
+    return _load_properties(text, file)
+
+
+def _line_of_offset(data: bytes, offset: int) -> int:
+    return len(re.findall(rb"\r\n|\r|\n", data[:offset])) + 1
+
+
+# --------------------------------------------------------------------------- .properties
+
+# java.util.Properties treats only these three as white space, not Python's str.isspace() set.
+_WHITESPACE = " \t\f"
+# Natural lines end at \n, \r or \r\n; str.splitlines() would also split at \v, \x1c, \u2028...
+_LINE_TERMINATOR = re.compile(r"\r\n|\r|\n")
+_SIMPLE_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+_HEX4 = re.compile(r"[0-9A-Fa-f]{4}")
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def _load_properties(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
+    settings: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    # Which flat key (and line) made a nested path a value or a table, to report conflicts.
+    values: dict[tuple[str, ...], tuple[str, int]] = {}
+    tables: dict[tuple[str, ...], tuple[str, int]] = {}
+
+    for line, logical in _logical_lines(text, file):
+        raw_key, raw_value = _split_key_value(logical)
+        key = _unescape(raw_key, raw_key, file, line)
+        value = _unescape(raw_value, key or raw_key, file, line)
+        if not key:
+            raise ConfigError("", f"empty key (value {value!r})", file=file, line=line)
+        if key in seen:
+            raise ConfigError(
+                key, f"duplicate key, already set on line {seen[key]}", file=file, line=line
+            )
+        seen[key] = line
+        segments = _segments(key, file, line)
+
+        for depth in range(1, len(segments)):
+            prefix = segments[:depth]
+            if prefix in values:
+                other, other_line = values[prefix]
+                raise _conflict(key, other, other_line, file, line)
+            tables.setdefault(prefix, (key, line))
+        if segments in tables:
+            other, other_line = tables[segments]
+            raise _conflict(key, other, other_line, file, line)
+        values[segments] = (key, line)
+
+        node = settings
+        for depth, segment in enumerate(segments[:-1], start=1):
+            node = node.setdefault(segment, {})
+            lines.setdefault(".".join(segments[:depth]), line)
+        node[segments[-1]] = value
+        lines[key] = line
+    return settings, lines
+
+
+def _conflict(key: str, other: str, other_line: int, file: str, line: int) -> ConfigError:
+    return ConfigError(
+        key,
+        f"conflicts with {other!r} on line {other_line}: a key cannot be both a value and a table",
+        file=file,
+        line=line,
+    )
+
+
+def _segments(key: str, file: str, line: int) -> tuple[str, ...]:
+    """Where a flat key lands in the nested settings dict."""
+    head, _, rest = key.partition(".")
+    if head == "limits" and rest:
+        # Limit paths contain no dots but may contain '*', so only the last dot splits.
+        path, dot, field = rest.rpartition(".")
+        if not dot or not path or not field:
+            raise ConfigError(
+                key,
+                "expected limits.<path>.<field>, e.g. limits.shop.concurrency",
+                file=file,
+                line=line,
+            )
+        return ("limits", path, field)
+    if head == "routes" and rest:
+        # A werkzeug rule may itself contain dots (/feed.xml), so it is taken whole.
+        return ("routes", rest)
+    segments = tuple(key.split("."))
+    if "" in segments:
+        raise ConfigError(key, "empty part in dotted key", file=file, line=line)
+    return segments
+
+
+def _logical_lines(text: str, file: str) -> Iterator[tuple[int, str]]:
+    """Yield (line number where it starts, text) of each logical line that is not a comment."""
+    natural = _LINE_TERMINATOR.split(text)
+    if natural[-1] == "":
+        # A final terminator ends the last line; it does not start an empty one.
+        natural.pop()
+    index = 0
+    while index < len(natural):
+        start = index + 1
+        current = natural[index].lstrip(_WHITESPACE)
+        index += 1
+        if not current or current[0] in "#!":
+            continue
+        if current == "\\" and index < len(natural):
+            # Properties.load quirk: a lone backslash continues into nothing, so the next
+            # line still starts the logical line (and may be blank or a comment).
+            continue
+        parts = []
+        while _continues(current):
+            parts.append(current[:-1])
+            if index == len(natural):
+                raise ConfigError("", "line continuation at end of file", file=file, line=start)
+            current = natural[index].lstrip(_WHITESPACE)
+            index += 1
+        parts.append(current)
+        yield start, "".join(parts)
+
+
+def _continues(natural_line: str) -> bool:
+    trailing = len(natural_line) - len(natural_line.rstrip("\\"))
+    return trailing % 2 == 1
+
+
+def _split_key_value(logical: str) -> tuple[str, str]:
+    """Split at the first unescaped '=', ':' or white space, as Properties.load does."""
+    key_end = value_start = len(logical)
+    has_separator = False
+    escaped = False
+    for index, char in enumerate(logical):
+        if not escaped and char in "=:":
+            key_end, value_start, has_separator = index, index + 1, True
+            break
+        if not escaped and char in _WHITESPACE:
+            key_end, value_start = index, index + 1
+            break
+        escaped = char == "\\" and not escaped
+    while value_start < len(logical):
+        char = logical[value_start]
+        if char not in _WHITESPACE:
+            if has_separator or char not in "=:":
+                break
+            has_separator = True
+        value_start += 1
+    return logical[:key_end], logical[value_start:]
+
+
+def _unescape(raw: str, key: str, file: str, line: int) -> str:
+    if "\\" not in raw:
+        return raw
+    out: list[str] = []
+    index = 0
+    while index < len(raw):
+        char = raw[index]
+        index += 1
+        if char != "\\":
+            out.append(char)
+            continue
+        if index == len(raw):
+            # Unreachable through _logical_lines (an odd trailing backslash continues the
+            # line), kept so this function is total.
+            break
+        char = raw[index]
+        index += 1
+        if char == "u":
+            digits = raw[index : index + 4]
+            if not _HEX4.fullmatch(digits):
+                raise ConfigError(
+                    key, f"malformed \\uXXXX escape: \\u{digits}", file=file, line=line
+                )
+            out.append(chr(int(digits, 16)))
+            index += 4
+        else:
+            out.append(_SIMPLE_ESCAPES.get(char, char))
+    result = "".join(out)
+    if _SURROGATES.search(result):
+        # Java writes characters outside the BMP as two \uXXXX escapes (a UTF-16 pair).
+        try:
+            result = result.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                key, "\\uXXXX escape is an unpaired UTF-16 surrogate", file=file, line=line
+            ) from exc
+    return result
+
+
+# --------------------------------------------------------------------------------- .toml
+
+_TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)\s*$")
+_TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
+_SETTINGS_TABLE = "gatekeeper"
+
+
+def _load_toml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
+    try:
+        document: dict[str, Any] = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line: int | None = None
+        if position := _TOML_POSITION.search(message):
+            line = int(position.group(1))
+            message = f"{message[: position.start()]} (column {position.group(2)})"
+        elif at_end := _TOML_AT_END.search(message):
+            # "The end" is more useful as the last line with text than as a blank one after it.
+            line = text.rstrip().count("\n") + 1
+            message = f"{message[: at_end.start()]} (at end of file)"
+        raise ConfigError("", f"invalid TOML: {message}", file=file, line=line) from exc
+
+    prefix: tuple[str, ...] = ()
+    settings = document
+    if _SETTINGS_TABLE in document:
+        settings = document[_SETTINGS_TABLE]
+        prefix = (_SETTINGS_TABLE,)
+        if not isinstance(settings, dict):
+            located = _TomlLocator(text, ()).locate()
+            raise ConfigError(
+                _SETTINGS_TABLE,
+                f"expected a table, got {settings!r}",
+                file=file,
+                line=located.get(_SETTINGS_TABLE),
+            )
+    return settings, _TomlLocator(text, prefix).locate()
+
+
+class _TomlLocator:
+    """Best-effort map from dotted key to the line that defines it in a valid TOML text.
+
+    tomllib reports no positions, so this walks the text knowing just enough TOML (headers,
+    dotted and quoted keys, strings, arrays, inline tables) not to mistake a string's
+    content for a key. It never raises; a key it cannot place is simply absent.
+    """
+
+    def __init__(self, text: str, prefix: tuple[str, ...]) -> None:
+        self.text = text
+        self.prefix = prefix
+        self.pos = 0
+        self.line = 1
+        self.lines: dict[str, int] = {}
+
+    def locate(self) -> dict[str, int]:
+        # Absurdly nested arrays or inline tables: keep what was found so far.
+        with contextlib.suppress(RecursionError):
+            self._document()
+        return self.lines
+
+    def _document(self) -> None:
+        table: tuple[str, ...] = ()
+        while self._peek():
+            before = self.pos
+            self._skip_space(newlines=True)
+            if self._peek() == "[":
+                self._advance(2 if self._peek(1) == "[" else 1)
+                line = self.line
+                table = tuple(self._key())
+                self._note(table, line)
+            elif self._peek():
+                self._key_value(table)
+            self._skip_to_line_end()
+            if self.pos == before:
+                self._advance()
+
+    def _key_value(self, base: tuple[str, ...] | None) -> None:
+        line = self.line
+        key = self._key()
+        self._skip_space(newlines=False)
+        if not key or self._peek() != "=":
+            return
+        self._advance()
+        self._skip_space(newlines=False)
+        path = None if base is None else base + tuple(key)
+        if path is not None:
+            self._note(path, line)
+        self._value(path)
+
+    def _key(self) -> list[str]:
+        segments: list[str] = []
+        while True:
+            self._skip_space(newlines=False)
+            char = self._peek()
+            if char == '"':
+                segments.append(self._basic_string())
+            elif char == "'":
+                segments.append(self._literal_string())
+            else:
+                start = self.pos
+                while (char := self._peek()) and (
+                    (char.isascii() and char.isalnum()) or char in "-_"
+                ):
+                    self._advance()
+                if self.pos == start:
+                    return segments
+                segments.append(self.text[start : self.pos])
+            self._skip_space(newlines=False)
+            if self._peek() != ".":
+                return segments
+            self._advance()
+
+    def _value(self, path: tuple[str, ...] | None) -> None:
+        char = self._peek()
+        if char == "{":
+            self._inline_table(path)
+        elif char == "[":
+            self._array()
+        elif char in ('"', "'"):
+            if self.text.startswith(char * 3, self.pos):
+                self._multiline_string(char)
+            elif char == '"':
+                self._basic_string()
+            else:
+                self._literal_string()
+        else:
+            while (char := self._peek()) and char not in ",]}#\n":
+                self._advance()
+
+    def _inline_table(self, path: tuple[str, ...] | None) -> None:
+        self._advance()
+        while self._peek():
+            self._skip_space(newlines=True)
+            char = self._peek()
+            if char == "}":
+                self._advance()
+                return
+            if char == ",":
+                self._advance()
+                continue
+            before = self.pos
+            self._key_value(path)
+            if self.pos == before:
+                return
+
+    def _array(self) -> None:
+        self._advance()
+        while self._peek():
+            self._skip_space(newlines=True)
+            char = self._peek()
+            if char == "]":
+                self._advance()
+                return
+            if char == ",":
+                self._advance()
+                continue
+            before = self.pos
+            # Tables inside arrays have no dotted key of their own.
+            self._value(None)
+            if self.pos == before:
+                return
+
+    def _basic_string(self) -> str:
+        self._advance()
+        out: list[str] = []
+        while (char := self._peek()) and char not in '"\n':
+            if char == "\\":
+                out.append(self._escape())
+            else:
+                out.append(char)
+                self._advance()
+        if char == '"':
+            self._advance()
+        return "".join(out)
+
+    def _escape(self) -> str:
+        code = self._peek(1)
+        self._advance(2)
+        width = {"u": 4, "U": 8}.get(code)
+        if width is None:
+            simple = {"b": "\b", "t": "\t", "n": "\n", "f": "\f", "r": "\r", "e": "\x1b"}
+            return simple.get(code, code)
+        digits = self.text[self.pos : self.pos + width]
+        self._advance(len(digits))
+        try:
+            return chr(int(digits, 16))
+        except ValueError:
+            return ""
+
+    def _literal_string(self) -> str:
+        self._advance()
+        start = self.pos
+        while (char := self._peek()) and char not in "'\n":
+            self._advance()
+        value = self.text[start : self.pos]
+        if char == "'":
+            self._advance()
+        return value
+
+    def _multiline_string(self, quote: str) -> None:
+        self._advance(3)
+        while char := self._peek():
+            if char == "\\" and quote == '"':
+                self._advance(2)
+            elif self.text.startswith(quote * 3, self.pos):
+                self._advance(3)
+                # Up to two quotes right before the closing delimiter belong to the content.
+                for _ in range(2):
+                    if self._peek() == quote:
+                        self._advance()
+                return
+            else:
+                self._advance()
+
+    def _note(self, path: tuple[str, ...], line: int) -> None:
+        if path[: len(self.prefix)] != self.prefix:
+            return
+        relative = path[len(self.prefix) :]
+        for depth in range(1, len(relative) + 1):
+            self.lines.setdefault(".".join(relative[:depth]), line)
+
+    def _peek(self, ahead: int = 0) -> str:
+        index = self.pos + ahead
+        return self.text[index] if index < len(self.text) else ""
+
+    def _advance(self, count: int = 1) -> None:
+        end = min(self.pos + count, len(self.text))
+        self.line += self.text.count("\n", self.pos, end)
+        self.pos = end
+
+    def _skip_space(self, *, newlines: bool) -> None:
+        while char := self._peek():
+            if char in " \t" or (newlines and char in "\r\n"):
+                self._advance()
+            elif char == "#" and newlines:
+                self._skip_to_line_end()
+            else:
+                return
+
+    def _skip_to_line_end(self) -> None:
+        end = self.text.find("\n", self.pos)
+        self._advance((len(self.text) if end < 0 else end) - self.pos)
