@@ -1,0 +1,114 @@
+"""Who is calling what: the service of a bare WSGI request, the caller, the request id.
+
+Everything read from a request is validated here and made safe (SPEC §4.7-4.8): a value
+that is not a plain name is treated as missing, replaced or digested, never echoed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from werkzeug.exceptions import HTTPException
+from werkzeug.routing import Map, RequestRedirect, Rule
+from werkzeug.utils import import_string
+
+from gatekeeper_wsgi.config import CALLER_RE, Config
+from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.fault import resolve_renderer
+from gatekeeper_wsgi.resolve import key_segment
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIEnvironment
+
+__all__ = ["Identifier", "environ_key", "request_id_from"]
+
+logger = logging.getLogger("gatekeeper")
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# Unique per process and request, without the cost of uuid4 on every request.
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count(1)
+
+CallerResolver = Callable[["WSGIEnvironment"], "str | None"]
+
+
+def environ_key(header: str) -> str:
+    """The WSGI environ key of an HTTP header name (``X-Caller-Id`` -> ``HTTP_X_CALLER_ID``)."""
+    return "HTTP_" + header.upper().replace("-", "_")
+
+
+def request_id_from(environ: Mapping[str, Any], environ_key: str) -> str:
+    """The request's id from its header when that is a plain token, else a fresh one."""
+    value = environ.get(environ_key)
+    if isinstance(value, str) and _REQUEST_ID_RE.fullmatch(value):
+        return value
+    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
+
+
+def _import_resolver(value: str | Callable[..., str | None] | None) -> CallerResolver | None:
+    if value is None or callable(value):
+        return value
+    try:
+        resolver = import_string(value.replace(":", "."))
+    except ImportError as exc:
+        raise ConfigError("caller.resolver", f"cannot import {value!r}: {exc}") from None
+    if not callable(resolver):
+        raise ConfigError("caller.resolver", f"{value!r} is not callable")
+    return resolver  # type: ignore[no-any-return]
+
+
+class Identifier:
+    """Per-configuration helpers to name a request's service and caller (and the fault
+    renderer a site configured).
+
+    Built once per configuration (a reload builds a new one), so the per-request work is
+    a dict lookup and a regular-expression match; a bad resolver, renderer or route
+    fails at start-up, not on the first request.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.caller_key = environ_key(config.caller.header)
+        self.request_id_key = environ_key(config.request_id_header)
+        self.resolver = _import_resolver(config.caller.resolver)
+        self.renderer = resolve_renderer(config.fault.renderer)
+        self._adapter = None
+        if config.routes:
+            rules = [Rule(rule, endpoint=name) for rule, name in config.routes.items()]
+            try:
+                self._adapter = Map(rules, strict_slashes=False).bind("localhost")
+            except (ValueError, LookupError) as exc:
+                raise ConfigError("routes", f"invalid werkzeug rule: {exc}") from None
+
+    def service(self, environ: Mapping[str, Any]) -> str:
+        """The ``routes`` table's service for this path, else its first segment."""
+        path = environ.get("PATH_INFO") or "/"
+        if self._adapter is not None:
+            try:
+                endpoint, _ = self._adapter.match(path, method=environ.get("REQUEST_METHOD"))
+                return str(endpoint)
+            except (HTTPException, RequestRedirect):
+                pass
+            except Exception:  # a hostile path must never turn into a 500
+                logger.debug("gatekeeper: route matching failed for %r", path, exc_info=True)
+        first = path.lstrip("/").split("/", 1)[0]
+        return key_segment(first) if first else "root"
+
+    def caller(self, environ: WSGIEnvironment) -> str | None:
+        """The caller named by the resolver or header, or None when missing or invalid."""
+        if self.resolver is not None:
+            try:
+                value = self.resolver(environ)
+            except Exception:
+                logger.exception("gatekeeper: caller.resolver raised; caller treated as missing")
+                return None
+        else:
+            value = environ.get(self.caller_key)
+        if isinstance(value, str) and CALLER_RE.fullmatch(value):
+            return value
+        return None

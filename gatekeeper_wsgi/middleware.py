@@ -1,0 +1,281 @@
+"""The WSGI middleware: admit, run the app, release when the response is closed.
+
+Release follows PEP 3333: the server calls ``close()`` on the returned iterable after the
+body is sent or when the client went away, so that is where the slots come back -
+including streamed responses, generators that raise, responses never iterated, apps that
+raise before or after ``start_response``. Each admission is released exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from gatekeeper_wsgi.engine import Admission, ConfigSource, GateKeeper
+from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.fault import render_fault
+from gatekeeper_wsgi.identify import Identifier, request_id_from
+from gatekeeper_wsgi.rejectlog import log_rejected
+from gatekeeper_wsgi.resolve import Route
+
+if TYPE_CHECKING:
+    from _typeshed import OptExcInfo
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
+__all__ = ["ADMISSION_KEY", "GateKeeperMiddleware", "ResponseWatch"]
+
+#: environ key holding the request's Admission; its presence means "already counted".
+ADMISSION_KEY = "gatekeeper.admission"
+#: environ key holding (project, service, caller) as identified.
+IDENTITY_KEY = "gatekeeper.identity"
+#: environ key holding the request id used in faults and logs.
+REQUEST_ID_KEY = "gatekeeper.request_id"
+
+# The SPEC scans timeout markers in the first 64 KiB of a body as it streams through.
+BODY_SCAN_LIMIT = 64 * 1024
+
+#: identify(environ) -> (project, service), or None to leave the request unlimited
+Identify = Callable[["WSGIEnvironment"], "tuple[str, str] | None"]
+
+
+class ResponseWatch:
+    """Watches one response for the signs of a faulty backend (SPEC §3): an exception, a
+    5xx status, or a timeout marker in the status, a header or the body's first 64 KiB.
+
+    Framework plugins feed it what they see and call :meth:`finish` once.
+    """
+
+    __slots__ = ("_scanned", "_tail", "admission", "faulty", "status")
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.status: int | None = None
+        self.faulty = False
+        self._scanned = 0
+        self._tail = b""
+
+    @property
+    def scans_body(self) -> bool:
+        return self.admission.route.timeout_body is not None
+
+    def headers(self, status: int, headers: Iterable[tuple[str, str]]) -> None:
+        """The response's status and headers (again, when ``start_response`` is re-called)."""
+        self.status = status
+        route: Route = self.admission.route
+        marker = route.timeout_header
+        self.faulty = status >= 500 or (
+            route.timeout_status is not None and status in route.timeout_status
+        )
+        if marker is not None and not self.faulty:
+            name = marker.name.lower()
+            for key, value in headers:
+                if key.lower() == name and marker.pattern.search(value):
+                    self.faulty = True
+                    break
+
+    def chunk(self, data: bytes) -> None:
+        """A piece of the body as it streams through; scanned within the first 64 KiB."""
+        pattern = self.admission.route.timeout_body
+        if pattern is None or self.faulty or self._scanned >= BODY_SCAN_LIMIT:
+            return
+        data = data[: BODY_SCAN_LIMIT - self._scanned]
+        self._scanned += len(data)
+        # Keep a tail, so a marker split across two chunks is still found.
+        window = self._tail + data
+        if pattern.search(window):
+            self.faulty = True
+        self._tail = window[-256:]
+
+    def error(self) -> None:
+        """The app raised."""
+        self.faulty = True
+
+    def finish(self) -> None:
+        """Release the admission (after its delay when the response was faulty)."""
+        admission = self.admission
+        if admission.released:
+            return
+        keeper = admission._keeper
+        started = time.perf_counter_ns()
+        admission.release(self.status, faulty=self.faulty)
+        stage = "service_error" if self.faulty else "response"
+        keeper.monitor.stages[stage].record(time.perf_counter_ns() - started)
+
+
+class _ClosingResponse:
+    """The app's response iterable, with release on ``close()``.
+
+    ``close()`` forwards to the inner iterable inside try/finally, so the slots come back
+    even when the inner ``close()`` raises.
+    """
+
+    __slots__ = ("_inner", "_watch")
+
+    def __init__(self, inner: Iterable[bytes], watch: ResponseWatch) -> None:
+        self._inner = inner
+        self._watch = watch
+
+    def __iter__(self) -> Iterator[bytes]:
+        watch = self._watch
+        try:
+            if watch.scans_body:
+                for chunk in self._inner:
+                    watch.chunk(chunk)
+                    yield chunk
+            else:
+                yield from self._inner
+        except GeneratorExit:
+            raise
+        except BaseException:
+            watch.error()
+            raise
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._inner, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._watch.finish()
+
+
+class GateKeeperMiddleware:
+    """WSGI middleware that admits or rejects each request by the configured limits.
+
+    ``config`` is a settings dict, the path of a ``.toml``/``.properties`` file, or a
+    :class:`GateKeeper` to share one engine between several apps::
+
+        from gatekeeper_wsgi import GateKeeperMiddleware
+
+        app = GateKeeperMiddleware(app, {
+            "project": "shop",
+            "limits": {
+                "shop": {"concurrency": 100},
+                "shop/checkout": {"concurrency": 10, "queue": {"size": 20, "wait": 1.5}},
+                "shop/login/*": {"rate": "5/minute", "key": "ip", "count": [401]},
+            },
+        })
+
+    ``identify(environ) -> (project, service) | None`` replaces the bare-WSGI naming
+    (``routes`` table, else first path segment); returning None leaves a request
+    unlimited. The framework plugins use it.
+    """
+
+    def __init__(
+        self,
+        app: WSGIApplication,
+        config: ConfigSource | GateKeeper,
+        *,
+        identify: Identify | None = None,
+    ) -> None:
+        self.app = app
+        self.gatekeeper = config if isinstance(config, GateKeeper) else GateKeeper(config)
+        self._identify = identify
+        self._identifier = Identifier(self.gatekeeper.config)
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if ADMISSION_KEY in environ:  # already counted by an outer gatekeeper
+            return self.app(environ, start_response)
+        started = time.perf_counter_ns()
+        keeper = self.gatekeeper
+        identifier = self._identifier
+        if identifier.config is not keeper.config:
+            identifier = self._identifier = Identifier(keeper.config)
+        config = identifier.config
+        if self._identify is not None:
+            names = self._identify(environ)
+            if names is None:
+                return self.app(environ, start_response)
+            project, service = names
+        else:
+            project, service = config.project, identifier.service(environ)
+        caller = identifier.caller(environ)
+        try:
+            if caller is None:
+                if config.caller.required:
+                    raise keeper._counted(Rejected("GK-CALLER-MISSING"))
+                caller = config.caller.default
+            environ[IDENTITY_KEY] = (project, service, caller)
+            admission = keeper.admit(project, service, caller, environ)
+        except Rejected as rejected:
+            return self._reject(environ, start_response, rejected, identifier)
+        environ[ADMISSION_KEY] = admission
+        keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
+        return self.call_app(environ, start_response, admission)
+
+    def call_app(
+        self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
+    ) -> Iterable[bytes]:
+        """Run the app for an admitted request; the admission is released on close."""
+        watch = ResponseWatch(admission)
+
+        def watching_start_response(
+            status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
+        ) -> Callable[[bytes], object]:
+            try:
+                code = int(status[:3])
+            except ValueError:
+                code = 500
+            watch.headers(code, headers)
+            return start_response(status, headers, exc_info)
+
+        try:
+            result = self.app(environ, watching_start_response)
+        except BaseException:
+            watch.error()
+            watch.finish()
+            raise
+        file_wrapper = environ.get("wsgi.file_wrapper")
+        if (
+            file_wrapper is not None
+            and isinstance(file_wrapper, type)
+            and isinstance(result, file_wrapper)
+            and not watch.scans_body
+            and _hook_close(result, watch)
+        ):
+            # Handed back untouched, so the server can still send the file efficiently.
+            return result
+        return _ClosingResponse(result, watch)
+
+    def _reject(
+        self,
+        environ: WSGIEnvironment,
+        start_response: StartResponse,
+        rejected: Rejected,
+        identifier: Identifier,
+    ) -> Iterable[bytes]:
+        started = time.perf_counter_ns()
+        config = identifier.config
+        request_id = request_id_from(environ, identifier.request_id_key)
+        environ[REQUEST_ID_KEY] = request_id
+        status, headers, body = render_fault(
+            rejected,
+            environ,
+            request_id,
+            fault_format=config.fault.format,
+            request_id_header=config.request_id_header,
+            renderer=identifier.renderer,
+        )
+        log_rejected(environ, rejected, request_id, config)
+        start_response(status, headers)
+        self.gatekeeper.monitor.stages["reject"].record(time.perf_counter_ns() - started)
+        return [body]
+
+
+def _hook_close(result: Any, watch: ResponseWatch) -> bool:
+    """Make a ``wsgi.file_wrapper`` object release on close; False if it cannot be done."""
+    inner_close = getattr(result, "close", None)
+
+    def close() -> None:
+        try:
+            if inner_close is not None:
+                inner_close()
+        finally:
+            watch.finish()
+
+    try:
+        result.close = close
+    except AttributeError:
+        return False
+    return True
