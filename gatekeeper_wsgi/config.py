@@ -259,6 +259,10 @@ class _Checker:
                 line = self.lines[probe]
                 break
             probe = probe.rpartition(".")[0]
+            # Laid over settings, a section or `limits` table in the file does not make
+            # each of its keys the file's: sections merge key by key, limits path by path.
+            if not self.whole_file and "." not in probe:
+                break
         # Settings laid under a file: a key the file does not hold came from the settings.
         file = self.file if line is not None or self.whole_file else None
         return ConfigError(key, problem, file=file, line=line)
@@ -493,18 +497,25 @@ class _Checker:
             and "rate" not in spec
             and not ({"delay", "timeout_status", "timeout_header", "timeout_body"} & set(spec))
         ):
-            raise self.error(base, "a limit needs 'concurrency' or 'rate' (or sets delay/markers)")
+            raise self.error(
+                base,
+                "a limit needs 'concurrency' or 'rate' (or sets delay/markers), "
+                f"got {dict(spec)!r}",
+            )
         if "key" in spec:
             if level != "caller":
                 raise self.error(
                     f"{base}.key",
                     f"'key' is only valid on the caller level (3 segments), "
-                    f"not on the {level} level",
+                    f"not on the {level} level; got {spec['key']!r}",
                 )
             fields["key"] = self.key(f"{base}.key", spec["key"])
         if "count" in spec:
             if "rate" not in spec:
-                raise self.error(f"{base}.count", "'count' needs a 'rate' on the same limit")
+                raise self.error(
+                    f"{base}.count",
+                    f"'count' needs a 'rate' on the same limit; got {spec['count']!r}",
+                )
             count = spec["count"]
             if not (isinstance(count, str) and count.strip() == "all"):
                 fields["count"] = self.statuses(f"{base}.count", count)
@@ -514,9 +525,11 @@ class _Checker:
             fields["delay"] = self.number(f"{base}.delay", spec["delay"])
         markers = {"timeout_status", "timeout_header", "timeout_body"} & set(spec)
         if markers and level == "caller":
+            marker = sorted(markers)[0]
             raise self.error(
-                f"{base}.{sorted(markers)[0]}",
-                "timeout markers are settable on the project and service levels only",
+                f"{base}.{marker}",
+                "timeout markers are settable on the project and service levels only; "
+                f"got {spec[marker]!r}",
             )
         if "timeout_status" in spec:
             fields["timeout_status"] = self.statuses(
