@@ -103,7 +103,9 @@ class GateKeeper:
         self._file_stamp: tuple[int, int, int] | None = None
         self._file_digest = b""
         self.config = self._build()
-        self.backend = backend if backend is not None else backend_from_url(self.config.backend, self.config)
+        self.backend = (
+            backend if backend is not None else backend_from_url(self.config.backend, self.config)
+        )
         self.backend.delay_stage = self.monitor.stages["delay_process"]
         self._routes: dict[tuple[str, str], Route] = {}
         self._reload_lock = threading.Lock()
