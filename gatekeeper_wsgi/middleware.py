@@ -96,39 +96,54 @@ class ResponseWatch:
         admission = self.admission
         if admission.released:
             return
-        keeper = admission._keeper
         started = time.perf_counter_ns()
         admission.release(self.status, faulty=self.faulty)
         stage = "service_error" if self.faulty else "response"
-        keeper.monitor.stages[stage].record(time.perf_counter_ns() - started)
+        admission._keeper.monitor.stages[stage].record(time.perf_counter_ns() - started)
 
 
-class _ClosingResponse:
-    """The app's response iterable, with release on ``close()``.
+class _WatchedResponse(ResponseWatch):
+    """The app's response iterable, watched, with release on ``close()``.
 
-    ``close()`` forwards to the inner iterable inside try/finally, so the slots come back
-    even when the inner ``close()`` raises.
+    One object per request serves as the ``start_response`` wrapper, the iterable and
+    the closer. ``close()`` forwards to the inner iterable inside try/finally, so the
+    slots come back even when the inner ``close()`` raises.
     """
 
-    __slots__ = ("_inner", "_watch")
+    __slots__ = ("_inner", "_start_response")
 
-    def __init__(self, inner: Iterable[bytes], watch: ResponseWatch) -> None:
-        self._inner = inner
-        self._watch = watch
+    def __init__(self, admission: Admission, start_response: StartResponse) -> None:
+        super().__init__(admission)
+        self._start_response = start_response
+        self._inner: Iterable[bytes] = ()
+
+    def start_response(
+        self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
+    ) -> Callable[[bytes], object]:
+        try:
+            code = int(status[:3])
+        except ValueError:
+            code = 500
+        route = self.admission.route
+        if code < 500 and route.timeout_status is None and route.timeout_header is None:
+            self.status = code
+            self.faulty = False
+        else:
+            self.headers(code, headers)
+        return self._start_response(status, headers, exc_info)
 
     def __iter__(self) -> Iterator[bytes]:
-        watch = self._watch
         try:
-            if watch.scans_body:
+            if self.admission.route.timeout_body is not None:
                 for chunk in self._inner:
-                    watch.chunk(chunk)
+                    self.chunk(chunk)
                     yield chunk
             else:
                 yield from self._inner
         except GeneratorExit:
             raise
         except BaseException:
-            watch.error()
+            self.faulty = True
             raise
 
     def close(self) -> None:
@@ -137,7 +152,7 @@ class _ClosingResponse:
             if close is not None:
                 close()
         finally:
-            self._watch.finish()
+            self.finish()
 
 
 class GateKeeperMiddleware:
@@ -208,35 +223,25 @@ class GateKeeperMiddleware:
         self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
     ) -> Iterable[bytes]:
         """Run the app for an admitted request; the admission is released on close."""
-        watch = ResponseWatch(admission)
-
-        def watching_start_response(
-            status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
-        ) -> Callable[[bytes], object]:
-            try:
-                code = int(status[:3])
-            except ValueError:
-                code = 500
-            watch.headers(code, headers)
-            return start_response(status, headers, exc_info)
-
+        response = _WatchedResponse(admission, start_response)
         try:
-            result = self.app(environ, watching_start_response)
+            response._inner = self.app(environ, response.start_response)
         except BaseException:
-            watch.error()
-            watch.finish()
+            response.faulty = True
+            response.finish()
             raise
+        result = response._inner
         file_wrapper = environ.get("wsgi.file_wrapper")
         if (
             file_wrapper is not None
             and isinstance(file_wrapper, type)
             and isinstance(result, file_wrapper)
-            and not watch.scans_body
-            and _hook_close(result, watch)
+            and admission.route.timeout_body is None
+            and _hook_close(result, response)
         ):
             # Handed back untouched, so the server can still send the file efficiently.
             return result
-        return _ClosingResponse(result, watch)
+        return response
 
     def _reject(
         self,

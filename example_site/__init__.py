@@ -1,0 +1,1 @@
+"""Runnable demos of gatekeeper-wsgi (``python -m example_site``)."""
