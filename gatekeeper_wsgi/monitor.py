@@ -8,6 +8,7 @@ rather than the whole life of the process.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["STAGES", "Monitor", "Stage"]
@@ -31,13 +32,15 @@ _RING = 1024
 class Stage:
     """Timings of one stage, in nanoseconds."""
 
-    __slots__ = ("count", "max", "ring", "total")
+    __slots__ = ("count", "max", "observer", "ring", "total")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0
         self.max = 0
         self.ring = [0] * _RING
+        #: called with every sample (nanoseconds); exporters (Prometheus) set it
+        self.observer: Callable[[int], None] | None = None
 
     def record(self, ns: int) -> None:
         self.ring[self.count % _RING] = ns
@@ -45,6 +48,8 @@ class Stage:
         self.total += ns
         if ns > self.max:
             self.max = ns
+        if self.observer is not None:
+            self.observer(ns)
 
     def summary(self) -> dict[str, Any]:
         count = self.count
@@ -68,6 +73,8 @@ class Monitor:
         self.admitted = 0
         self.rejected: dict[str, int] = {}
         self.rejected_by_limit: dict[str, int] = {}
+        #: (code, limit path or "") -> count, for exporters that label by both
+        self.rejected_by_code_limit: dict[tuple[str, str], int] = {}
         self.shadow_rejected = 0
         self.reloads = 0
         self.reload_failed = 0
@@ -81,6 +88,14 @@ class Monitor:
             if limit_path is not None:
                 by_limit = self.rejected_by_limit
                 by_limit[limit_path] = by_limit.get(limit_path, 0) + 1
+            pair = (code, limit_path or "")
+            pairs = self.rejected_by_code_limit
+            pairs[pair] = pairs.get(pair, 0) + 1
+
+    def rejections(self) -> dict[tuple[str, str], int]:
+        """Rejections by (code, limit path); the path is "" for codes without a limit."""
+        with self._lock:
+            return dict(self.rejected_by_code_limit)
 
     def snapshot(self, delayed_pending: int) -> dict[str, Any]:
         with self._lock:
