@@ -83,12 +83,19 @@ class MemoryBackend(Backend):
                 self._mature(now)
             counters = []
             shadowed: list[int] = []
+            rate_full: list[int] = []
             for index, (key, limit, enforce) in enumerate(slots):
                 counter = self._counters.get(key)
                 if counter is None:
                     counter = self._create(key, limit)
                 elif limit.wildcard:
-                    self._wild[limit.path].move_to_end(key)
+                    table = self._wild.get(limit.path)
+                    if table is not None and key in table:
+                        table.move_to_end(key)
+                    else:
+                        # Counted so far under another limit: an exact path that a 'user' or
+                        # 'header' key value equals, or a pattern a reload replaced.
+                        self._track(key, limit, counter)
                 concurrency = limit.concurrency
                 if concurrency is not None and counter.inflight >= concurrency:
                     if enforce:
@@ -103,12 +110,16 @@ class MemoryBackend(Backend):
                     if len(window) >= rate.limit:
                         if enforce:
                             return Denial(index, "rate", window[0] - cutoff, 0)
-                        shadowed.append(index)
+                        if index not in shadowed:
+                            shadowed.append(index)
+                        rate_full.append(index)
                 counters.append(counter)
             stamps: list[float | None] = []
             for index, counter in enumerate(counters):
                 counter.inflight += 1
-                if slots[index].limit.rate is not None and index not in shadowed:
+                # Shadow over concurrency still counts in the window; only a full window
+                # is not extended (as enforce mode would not have admitted).
+                if slots[index].limit.rate is not None and index not in rate_full:
                     counter.window.append(now)
                     stamps.append(now)
                 else:
@@ -118,12 +129,15 @@ class MemoryBackend(Backend):
     def _create(self, key: str, limit: Limit) -> _Counter:
         counter = _Counter()
         if limit.wildcard:
-            table = self._wild.setdefault(limit.path, OrderedDict())
-            if len(table) >= limit.max_keys:
-                self._evict(table, limit.path)
-            table[key] = counter
+            self._track(key, limit, counter)
         self._counters[key] = counter
         return counter
+
+    def _track(self, key: str, limit: Limit, counter: _Counter) -> None:
+        table = self._wild.setdefault(limit.path, OrderedDict())
+        if len(table) >= limit.max_keys:
+            self._evict(table, limit.path)
+        table[key] = counter
 
     def _evict(self, table: OrderedDict[str, _Counter], path: str) -> None:
         # Idle keys (nothing in flight, nothing left in the window) go first, oldest first;
