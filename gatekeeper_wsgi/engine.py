@@ -258,6 +258,10 @@ class GateKeeper:
         except BackendError as exc:
             stages["decide"].record(perf() - resolved)
             return self._backend_failed(exc, route, delay)
+        except Rejected:
+            # A refusal is a decision too; without it "decide" only timed admissions.
+            stages["decide"].record(perf() - resolved)
+            raise
         stages["decide"].record(perf() - resolved)
         assert isinstance(result, Grant)
         if result.shadowed:
@@ -266,9 +270,13 @@ class GateKeeper:
         return Admission(self, route, result, delay)
 
     def _route(self, project: str, service: str) -> Route:
-        if len(self._routes) >= _ROUTE_CACHE_SIZE:
-            self._routes = {}
-        route = self._routes[(project, service)] = Route(self.config, project, service)
+        # Read the cache before the config: _swap sets the config first, then a new cache,
+        # so a reload racing with us can never leave a Route of the old config cached.
+        routes = self._routes
+        config = self.config
+        if len(routes) >= _ROUTE_CACHE_SIZE:
+            routes = self._routes = {}
+        route = routes[(project, service)] = Route(config, project, service)
         return route
 
     def _refused(self, slots: tuple[Slot, ...], denial: Denial, now: float) -> Grant:
