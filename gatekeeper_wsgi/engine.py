@@ -223,14 +223,7 @@ class GateKeeper:
         now = self._clock()
         if self._file is not None:
             self._requests_since_check += 1
-            if (
-                self._requests_since_check >= self.config.reload.every_requests
-                or now >= self._next_check
-            ) and self._reload_lock.acquire(blocking=False):
-                try:
-                    self._reload_file()
-                finally:
-                    self._reload_lock.release()
+            self._reload_if_due(now)
         route = self._routes.get((project, service))
         if route is None:
             route = self._route(project, service)
@@ -269,6 +262,67 @@ class GateKeeper:
         self.monitor.admitted += 1
         return Admission(self, route, result, delay)
 
+    def query(
+        self,
+        project: str,
+        service: str,
+        caller: str,
+        environ: Mapping[str, Any] = _EMPTY,
+        user: str | None = None,
+    ) -> Rejected | None:
+        """The :class:`Rejected` that :meth:`admit` would raise right now, or None if it
+        would admit. Records nothing: no slot, no rate window entry, no counted rejection.
+
+        It never waits: a full limit with a ``queue`` answers its refusal. Arguments are
+        those of :meth:`admit`. A failing backend answers per ``on_backend_error``
+        (``GK-BACKEND-UNAVAILABLE`` when "reject", else None)::
+
+            if gk.query("frs", "login", "alice") is not None:
+                ...  # alice is restricted now
+        """
+        now = self._clock()
+        if self._file is not None:
+            self._requests_since_check += 1
+            self._reload_if_due(now)
+        route = self._routes.get((project, service))
+        if route is None:
+            route = self._route(project, service)
+        slots = route.slots
+        if route.caller_candidates:
+            slot, _ = route.caller_level(caller, environ, user)
+            if slot is not None:
+                slots = (*slots, slot)
+        if not slots:
+            return None
+        try:
+            denial = self.backend.peek(slots, now)
+        except BackendError as exc:
+            self._log_backend_error(exc)
+            if self.config.on_backend_error == "reject":
+                return Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0)
+            return None
+        if denial is None:
+            return None
+        return self._rejection(slots[denial.at], denial, counted=False)
+
+    def route(self, project: str, service: str) -> Route:
+        """The limits that apply to ``(project, service)`` under the current configuration,
+        reloading the configuration file first when a check is due."""
+        if self._file is not None:
+            self._reload_if_due(self._clock())
+        route = self._routes.get((project, service))
+        return route if route is not None else self._route(project, service)
+
+    def _reload_if_due(self, now: float) -> None:
+        if (
+            self._requests_since_check >= self.config.reload.every_requests
+            or now >= self._next_check
+        ) and self._reload_lock.acquire(blocking=False):
+            try:
+                self._reload_file()
+            finally:
+                self._reload_lock.release()
+
     def _route(self, project: str, service: str) -> Route:
         # Read the cache before the config: _swap sets the config first, then a new cache,
         # so a reload racing with us can never leave a Route of the old config cached.
@@ -285,7 +339,7 @@ class GateKeeper:
             return self._wait(slots, slot, now)
         raise self._rejection(slot, denial)
 
-    def _rejection(self, slot: Slot, denial: Denial) -> Rejected:
+    def _rejection(self, slot: Slot, denial: Denial, *, counted: bool = True) -> Rejected:
         limit = slot.limit
         if denial.kind == "rate":
             assert limit.rate is not None
@@ -306,7 +360,7 @@ class GateKeeper:
                 limit_value=str(limit.concurrency),
                 retry_after=denial.retry_after,
             )
-        return self._counted(rejected)
+        return self._counted(rejected) if counted else rejected
 
     def _counted(self, rejected: Rejected) -> Rejected:
         self.monitor.count_rejection(rejected.code, rejected.limit_path)
@@ -318,6 +372,13 @@ class GateKeeper:
         logger.info("gatekeeper: shadow mode admitted a request over the limit of %s", paths)
 
     def _backend_failed(self, exc: BaseException, route: Route, delay: float) -> Admission:
+        self._log_backend_error(exc)
+        if self.config.on_backend_error == "reject":
+            raise self._counted(Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0))
+        self.monitor.admitted += 1
+        return Admission(self, route, None, delay)
+
+    def _log_backend_error(self, exc: BaseException) -> None:
         self.monitor.backend_errors += 1
         now = time.monotonic()
         if now - self._last_error_log >= _ERROR_LOG_INTERVAL:
@@ -328,10 +389,6 @@ class GateKeeper:
                 exc,
                 self.config.on_backend_error,
             )
-        if self.config.on_backend_error == "reject":
-            raise self._counted(Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0))
-        self.monitor.admitted += 1
-        return Admission(self, route, None, delay)
 
     # --- the bounded wait queue -----------------------------------------------------------
 

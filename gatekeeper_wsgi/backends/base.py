@@ -9,6 +9,7 @@ decrease moves its expiry, and a crashed holder's lease is reclaimed (shared, Re
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -74,6 +75,28 @@ class Backend(ABC):
         """Give the slots back, after ``delay`` seconds when > 0. Rate reservations of
         limits with ``count`` statuses are confirmed when ``status`` is listed, else
         returned at once."""
+
+    def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
+        """Whether :meth:`acquire` would admit ``slots`` now: None if so, else the Denial
+        it would give. Leaves no trace in the counts.
+
+        This default acquires and gives back at once, with every rate reservation returned
+        (``count`` set to no status at all, so no ``release`` status confirms it). The
+        answer is exact, but for that instant the probe holds its slots, so a concurrent
+        ``acquire`` may be refused because of it. Backends that can read their counts
+        atomically override it.
+        """
+        probe = [
+            slot
+            if slot.limit.rate is None
+            else slot._replace(limit=dataclasses.replace(slot.limit, count=frozenset()))
+            for slot in slots
+        ]
+        result = self.acquire(probe, now)
+        if isinstance(result, Denial):
+            return result
+        self.release(result, None, 0.0, now)
+        return None
 
     @abstractmethod
     def inflight(self, now: float) -> dict[str, int]:
