@@ -1,0 +1,489 @@
+"""The Flask extension: names each request by its endpoint and feeds per-view limits to the
+core engine. Admission and release stay in the core middleware wrapped around
+``app.wsgi_app`` (one path for WSGI, Django and Flask).
+
+Naming (SPEC §1), decided here once:
+
+* The URL is matched as Flask matches it (``app.create_url_adapter``: ``SERVER_NAME``,
+  subdomain and host matching, ``TRUSTED_HOSTS``).
+* Endpoint ``checkout`` (no blueprint): project = the ``project`` setting, service =
+  ``checkout``.
+* Endpoint ``shop.checkout``: project = blueprint ``shop``, service = ``checkout``.
+* Nested blueprints (``api.v1.users``): project = the *top-level* blueprint ``api``, service
+  = the rest of the endpoint, ``v1.users``. A limit on ``api`` so caps everything served
+  under it, as Flask applies a parent's hooks to its children; service names stay unique.
+* No route matched (404, 405, a strict-slashes redirect, an untrusted host): project = the
+  ``project`` setting, service = ``unresolved`` (:data:`UNRESOLVED_SERVICE`), so scans of
+  random URLs share one service-level counter instead of creating one per path.
+* Endpoint names outside ``[A-Za-z0-9._:@-]`` (at most 128 characters) are replaced by a
+  short stable digest (``~3f2a…``), so every name is a safe limit path segment.
+
+Behind a proxy, apply werkzeug's ``ProxyFix`` *after* ``init_app``
+(``app.wsgi_app = ProxyFix(app.wsgi_app)``), so it runs first and ``key="ip"`` sees the
+client's address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from flask import Blueprint, Flask, current_app, has_app_context
+from werkzeug.exceptions import HTTPException
+
+from gatekeeper_wsgi.config import build_config
+from gatekeeper_wsgi.engine import ConfigSource
+from gatekeeper_wsgi.engine import GateKeeper as Engine
+from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.middleware import GateKeeperMiddleware
+from gatekeeper_wsgi.resolve import key_segment
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIApplication, WSGIEnvironment
+    from flask.sansio.blueprints import BlueprintSetupState
+
+    from gatekeeper_wsgi.status import StatusApp
+
+__all__ = ["EXTENSION_KEY", "UNRESOLVED_SERVICE", "AppState", "GateKeeper"]
+
+logger = logging.getLogger("gatekeeper")
+
+#: ``app.extensions`` key of an app's :class:`AppState`.
+EXTENSION_KEY = "gatekeeper"
+#: Service of requests that match no route (404, 405, redirects, untrusted hosts).
+UNRESOLVED_SERVICE = "unresolved"
+
+ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
+QueueArg = Mapping[str, float] | tuple[int, float] | str
+
+
+@dataclass(frozen=True)
+class _ViewLimit:
+    """One ``@gk.limit``: on the service level (``caller`` None) or on the caller level."""
+
+    caller: str | None
+    fields: Mapping[str, Any]
+
+
+def _limit_fields(**given: Any) -> dict[str, Any]:
+    fields = {name: value for name, value in given.items() if value is not None}
+    queue = fields.get("queue")
+    if isinstance(queue, tuple):
+        size, wait = queue
+        fields["queue"] = {"size": size, "wait": wait}
+    return fields
+
+
+def _validated(fields: dict[str, Any], path: str, where: str) -> dict[str, Any]:
+    """Check the fields now, at decoration time, with the same rules as the settings."""
+    try:
+        build_config({"limits": {path: fields}})
+    except ConfigError as exc:
+        name = exc.key.removeprefix(f"limits.{path}").lstrip(".")
+        raise ConfigError(f"{where}: {name}" if name else where, exc.problem) from None
+    return fields
+
+
+def _chain(view: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """The view and the functions it wraps (``functools.wraps`` sets ``__wrapped__``)."""
+    seen = 0
+    current: Any = view
+    while current is not None and seen < 100:
+        yield current
+        current = getattr(current, "__wrapped__", None)
+        seen += 1
+
+
+class GateKeeper:
+    """Flask extension: limits per app, blueprint and view, by the core engine.
+
+    ::
+
+        gk = GateKeeper()                      # or GateKeeper(app)
+
+        @bp.route("/login", methods=["POST"])
+        @gk.limit(rate="5/minute", key="ip", count=[401])   # limit "<bp>/login/*"
+        def login(): ...
+
+        @app.route("/health")
+        @gk.exempt
+        def health(): ...
+
+        def create_app():
+            app = Flask(__name__)
+            app.config["GATEKEEPER"] = {"project": "shop", "limits": {"shop": {"concurrency": 50}}}
+            app.register_blueprint(bp)
+            gk.init_app(app)
+            return app
+
+    ``config`` (a settings dict or a ``.toml``/``.properties`` path) applies to every app
+    this extension is initialised on; without it each app's ``app.config["GATEKEEPER"]``
+    is used, else the defaults. Each app gets its own engine (``gk.gatekeeper_for(app)``).
+    ``clock`` (monotonic seconds) is passed to the engines; tests inject one.
+
+    Decorator limits are limits defined in code: the settings and the configuration file
+    win over them path by path, and they survive reloads of the file.
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        config: ConfigSource | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._view_limits: dict[Callable[..., Any], list[_ViewLimit]] = {}
+        self._exempt: set[Callable[..., Any]] = set()
+        self._blueprint_limits: dict[Blueprint, dict[str, Any]] = {}
+        self._apps: list[weakref.ref[Flask]] = []
+        self._lock = threading.Lock()
+        #: bumped by every decorator call, so apps re-collect limits marked after init_app
+        self.generation = 0
+        if app is not None:
+            self.init_app(app)
+
+    # --- registration ---------------------------------------------------------------------
+
+    def init_app(self, app: Flask) -> None:
+        """Create the app's engine and wrap ``app.wsgi_app`` with the core middleware.
+
+        Raises :class:`RuntimeError` if a gatekeeper is already registered on ``app``
+        (wrapping twice would be a mistake; call ``init_app`` once per app).
+        """
+        if EXTENSION_KEY in app.extensions:
+            raise RuntimeError(
+                f"gatekeeper is already initialised on Flask app {app.name!r}; "
+                "call GateKeeper(app) or gk.init_app(app) once per app"
+            )
+        source: ConfigSource = (
+            self._config if self._config is not None else (app.config.get("GATEKEEPER") or {})
+        )
+        engine = Engine(source) if self._clock is None else Engine(source, clock=self._clock)
+        state = AppState(self, app, engine, source)
+        state.refresh()
+        inner: WSGIApplication = app.wsgi_app
+        app.wsgi_app = GateKeeperMiddleware(  # type: ignore[method-assign]
+            inner, engine, identify=state.identify
+        )
+        app.extensions[EXTENSION_KEY] = state
+        from .cli import gatekeeper_cli
+
+        app.cli.add_command(gatekeeper_cli)
+        with self._lock:
+            self._apps = [ref for ref in self._apps if ref() is not None]
+            self._apps.append(weakref.ref(app))
+
+    # --- the engine -----------------------------------------------------------------------
+
+    @property
+    def gatekeeper(self) -> Engine:
+        """The engine of the current app (inside an app context), else of the one app
+        this extension was initialised on."""
+        return self._engine(None)
+
+    def gatekeeper_for(self, app: Flask) -> Engine:
+        """The engine of ``app``."""
+        return self._engine(app)
+
+    def _engine(self, app: Flask | None) -> Engine:
+        state = self.state(app)
+        # Views registered or marked since init_app: their limits, before anyone looks.
+        state.refresh(if_changed=True)
+        return state.gatekeeper
+
+    def state(self, app: Flask | None = None) -> AppState:
+        """The per-app state registered by :meth:`init_app` (``app.extensions["gatekeeper"]``)."""
+        if app is None:
+            if has_app_context():
+                app = current_app._get_current_object()  # type: ignore[attr-defined]
+            else:
+                apps = [a for a in (ref() for ref in self._apps) if a is not None]
+                if len(apps) != 1:
+                    raise RuntimeError(
+                        "gatekeeper: no app context and "
+                        + ("no app initialised" if not apps else f"{len(apps)} apps initialised")
+                        + "; use gk.gatekeeper_for(app) or an app context"
+                    )
+                app = apps[0]
+        assert app is not None
+        state = app.extensions.get(EXTENSION_KEY)
+        if not isinstance(state, AppState) or state.extension is not self:
+            raise RuntimeError(f"this GateKeeper is not initialised on Flask app {app.name!r}")
+        return state
+
+    # --- decorators -----------------------------------------------------------------------
+
+    def limit(
+        self,
+        *,
+        concurrency: int | None = None,
+        rate: str | None = None,
+        delay: float | None = None,
+        queue: QueueArg | None = None,
+        key: str | None = None,
+        caller: str | None = None,
+        count: list[int] | str | None = None,
+        max_keys: int | None = None,
+        mode: str | None = None,
+        timeout_status: list[int] | None = None,
+        timeout_header: str | None = None,
+        timeout_body: str | None = None,
+    ) -> Callable[[ViewFunc], ViewFunc]:
+        """A limit on the decorated view; place it below ``@app.route``.
+
+        Without ``key`` and ``caller`` it limits the view's service, path
+        ``<project>/<service>``. With ``key`` (``"caller"``, ``"ip"``, ``"user"``,
+        ``"header:<Name>"``) it limits each key separately, path
+        ``<project>/<service>/*``; ``caller="crm"`` limits one caller (one key value),
+        path ``<project>/<service>/crm``. One service-level and any number of distinct
+        caller-level limits can be stacked on a view. Invalid values raise
+        :class:`ConfigError` at decoration time.
+        """
+        caller_level = key is not None or caller is not None
+        segment = (caller or "*") if caller_level else None
+        fields = _limit_fields(
+            concurrency=concurrency,
+            rate=rate,
+            delay=delay,
+            queue=queue,
+            key=key,
+            count=count,
+            max_keys=max_keys,
+            mode=mode,
+            timeout_status=timeout_status,
+            timeout_header=timeout_header,
+            timeout_body=timeout_body,
+        )
+        probe = "view/service" if segment is None else f"view/service/{segment}"
+
+        def decorate(view: ViewFunc) -> ViewFunc:
+            where = f"@limit on {getattr(view, '__qualname__', view)!r}"
+            _validated(fields, probe, where)
+            with self._lock:
+                if view in self._exempt:
+                    raise ConfigError(where, "the view is also @exempt")
+                marks = self._view_limits.setdefault(view, [])
+                if any(mark.caller == segment for mark in marks):
+                    level = "service" if segment is None else f"caller {segment!r}"
+                    raise ConfigError(where, f"a second limit on the {level} level of one view")
+                marks.append(_ViewLimit(segment, fields))
+                self.generation += 1
+            return view
+
+        return decorate
+
+    def exempt(self, view: ViewFunc) -> ViewFunc:
+        """Never limit the decorated view (health checks, status pages); below ``@app.route``."""
+        with self._lock:
+            if view in self._view_limits:
+                raise ConfigError(f"@exempt on {view.__qualname__!r}", "the view also has @limit")
+            self._exempt.add(view)
+            self.generation += 1
+        return view
+
+    def limit_blueprint(
+        self,
+        blueprint: Blueprint,
+        *,
+        concurrency: int | None = None,
+        rate: str | None = None,
+        delay: float | None = None,
+        queue: QueueArg | None = None,
+        mode: str | None = None,
+        timeout_status: list[int] | None = None,
+        timeout_header: str | None = None,
+        timeout_body: str | None = None,
+    ) -> None:
+        """A limit on the whole blueprint: its project level, path ``<blueprint name>``.
+
+        Only top-level blueprints are projects (see the module docs): a limit on a
+        nested blueprint raises :class:`ConfigError` when it is registered. Per-caller
+        limits across a blueprint's views are the config path ``<blueprint>/*/*``.
+        """
+        where = f"limit_blueprint({blueprint.name!r})"
+        fields = _validated(
+            _limit_fields(
+                concurrency=concurrency,
+                rate=rate,
+                delay=delay,
+                queue=queue,
+                mode=mode,
+                timeout_status=timeout_status,
+                timeout_header=timeout_header,
+                timeout_body=timeout_body,
+            ),
+            "blueprint",
+            where,
+        )
+        with self._lock:
+            self._blueprint_limits[blueprint] = fields
+            self.generation += 1
+
+        def refuse_nested(setup: BlueprintSetupState) -> None:
+            if setup.name_prefix:
+                raise _nested_error(f"{setup.name_prefix}.{setup.name}")
+
+        # Already registered: then it is checked when the app collects its limits.
+        with contextlib.suppress(AssertionError):
+            blueprint.record(refuse_nested)
+
+    def status_blueprint(
+        self,
+        *,
+        url_prefix: str = "/gatekeeper",
+        auth: Callable[[], bool] | None = None,
+        name: str = "gatekeeper",
+    ) -> Blueprint:
+        """A blueprint serving the status JSON (``<url_prefix>/status.json``) and the HTML
+        dashboard (``<url_prefix>/``), never limited themselves.
+
+        Access: ``auth()`` (called inside the request context) decides when given;
+        otherwise the ``dashboard.token`` setting must be sent as ``Authorization:
+        Bearer <token>`` or ``?token=<token>``; with neither, every request is denied.
+        Denied -> 403.
+        """
+        from .status import status_blueprint
+
+        return status_blueprint(self, url_prefix=url_prefix, auth=auth, name=name)
+
+    # --- collecting the limits of one app --------------------------------------------------
+
+    def collect(
+        self, app: Flask, project: str
+    ) -> tuple[dict[str, Mapping[str, Any]], dict[str, tuple[str, str] | None]]:
+        """The code limits of ``app`` (path -> fields) and the identity of each endpoint
+        (None = exempt)."""
+        limits: dict[str, Mapping[str, Any]] = {}
+        names: dict[str, tuple[str, str] | None] = {}
+        with self._lock:
+            view_limits = dict(self._view_limits)
+            exempt = set(self._exempt)
+            blueprint_limits = dict(self._blueprint_limits)
+        for endpoint, view in list(app.view_functions.items()):
+            chain = list(_chain(view))
+            if any(func in exempt for func in chain):
+                names[endpoint] = None
+                continue
+            identity = names[endpoint] = endpoint_identity(app, endpoint, project)
+            marks = next((view_limits[func] for func in chain if func in view_limits), [])
+            for mark in marks:
+                path = "/".join(identity)
+                if mark.caller is not None:
+                    path = f"{path}/{mark.caller}"
+                limits[path] = mark.fields
+        for blueprint, fields in blueprint_limits.items():
+            for registered_name, registered in list(app.blueprints.items()):
+                if registered is blueprint:
+                    if "." in registered_name:
+                        raise _nested_error(registered_name)
+                    limits[key_segment(registered_name)] = fields
+        return limits, names
+
+
+def _nested_error(name: str) -> ConfigError:
+    top = name.split(".", 1)[0]
+    return ConfigError(
+        f"limit_blueprint({name!r})",
+        f"a nested blueprint is part of the project of its top-level blueprint {top!r}; "
+        f"limit {top!r} or the nested blueprint's views instead",
+    )
+
+
+def endpoint_identity(app: Flask, endpoint: str, project: str) -> tuple[str, str]:
+    """(project, service) of an endpoint: the top-level blueprint and the rest of the
+    endpoint, or the project setting and the endpoint."""
+    top, dot, rest = endpoint.partition(".")
+    if dot and top in app.blueprints:
+        return key_segment(top), key_segment(rest)
+    return project, key_segment(endpoint)
+
+
+class AppState:
+    """What :meth:`GateKeeper.init_app` keeps per app in ``app.extensions["gatekeeper"]``:
+    the app's engine and the identify function of its middleware."""
+
+    def __init__(
+        self, extension: GateKeeper, app: Flask, gatekeeper: Engine, source: ConfigSource
+    ) -> None:
+        self.extension = extension
+        self.app = app
+        self.gatekeeper = gatekeeper
+        #: the settings dict or file path the engine was built from
+        self.source = source
+        #: the code limits last handed to the engine (decorators, limit_blueprint)
+        self.code_limits: dict[str, Mapping[str, Any]] = {}
+        self._names: dict[str, tuple[str, str] | None] = {}
+        self._seen: tuple[int, str, int] | None = None
+        self._lock = threading.Lock()
+        #: the StatusApp behind the status blueprint, built on first use
+        self.status_app: StatusApp | None = None
+
+    def _stamp(self) -> tuple[int, str, int]:
+        return (
+            len(self.app.view_functions),
+            self.gatekeeper.config.project,
+            self.extension.generation,
+        )
+
+    def refresh(self, *, if_changed: bool = False, in_request: bool = False) -> None:
+        """Collect the app's view and blueprint limits and hand changes to the engine
+        (``if_changed``: only when views, decorators or the project changed since)."""
+        with self._lock:
+            stamp = self._stamp()
+            if (if_changed or in_request) and stamp == self._seen:
+                return
+            limits, names = self.extension.collect(self.app, stamp[1])
+            if limits != self.code_limits:
+                try:
+                    self.gatekeeper.add_limits(limits)
+                except ConfigError as exc:
+                    if not in_request:
+                        raise
+                    # The configuration file broke since start-up: the engine keeps its
+                    # configuration; the view limits are applied on a later request.
+                    logger.error("gatekeeper: could not apply the Flask view limits: %s", exc)
+                    return
+                self.code_limits = limits
+            self._names = names
+            self._seen = stamp
+
+    def identify(self, environ: WSGIEnvironment) -> tuple[str, str] | None:
+        """(project, service) of a request, or None for an exempt view."""
+        app = self.app
+        if self._seen != self._stamp():
+            self.refresh(in_request=True)  # views registered or marked after init_app
+        project = self.gatekeeper.config.project
+        try:
+            adapter = app.create_url_adapter(app.request_class(environ, shallow=True))
+            if adapter is None:
+                return project, UNRESOLVED_SERVICE
+            endpoint = adapter.match()[0]
+        except HTTPException:  # NotFound, MethodNotAllowed, RequestRedirect, SecurityError
+            return project, UNRESOLVED_SERVICE
+        except Exception:  # a hostile request must never turn into a 500 here
+            logger.debug("gatekeeper: URL matching failed", exc_info=True)
+            return project, UNRESOLVED_SERVICE
+        name = str(endpoint)
+        names = self._names
+        if name in names:
+            return names[name]
+        return endpoint_identity(app, name, project)
+
+    def effective_settings(self) -> ConfigSource:
+        """The configured settings with the code limits under them (for ``check``)."""
+        source = self.source
+        code = dict(self.code_limits)
+        if not code:
+            return source
+        if not isinstance(source, Mapping):
+            return {"reload": {"file": str(source)}, "limits": code}
+        limits = source.get("limits")
+        merged = {**code, **limits} if isinstance(limits, Mapping) else code
+        return {**source, "limits": merged}
