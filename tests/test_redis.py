@@ -1,0 +1,519 @@
+"""The Redis backend against real redis-server processes: round trips, scripts, failures.
+
+Servers are stopped, frozen and restarted for real; where Redis time must pass (lease
+expiry, delays, windows) the test polls until a deadline instead of assuming a duration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from redis.crc import key_slot  # noqa: E402
+from werkzeug.test import Client  # noqa: E402
+
+from gatekeeper_wsgi import BackendError, GateKeeper, GateKeeperMiddleware, Rejected  # noqa: E402
+from gatekeeper_wsgi.backends import backend_from_url  # noqa: E402
+from gatekeeper_wsgi.backends.redis import CircuitOpen, RedisBackend  # noqa: E402
+from gatekeeper_wsgi.errors import ConfigError  # noqa: E402
+from gatekeeper_wsgi.resolve import resolve_route  # noqa: E402
+from tests.conftest import REDIS_BINARY  # noqa: E402
+from tests.servers import Blackhole, ControlledRedis, free_port  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
+    return GateKeeper({"project": "shop", "backend": url, "limits": limits, **settings})
+
+
+def admitted(gk: GateKeeper, service: str = "work", caller: str = "c") -> Any:
+    """An admission that Redis granted (not one let through by on_backend_error)."""
+    errors = gk.stats()["counters"]["backend_errors"]
+    try:
+        admission = gk.admit("shop", service, caller)
+    except Rejected:
+        return None
+    if gk.stats()["counters"]["backend_errors"] != errors:
+        admission.release(200)
+        return None
+    return admission
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[ControlledRedis]:
+    """A redis-server of this test alone, to stop, freeze and restart."""
+    if REDIS_BINARY is None:
+        pytest.skip("redis-server binary not found")
+    server = ControlledRedis(REDIS_BINARY, tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefixed(redis_server: str) -> str:
+    """The session server with a prefix of this test alone."""
+    return f"{redis_server}?prefix=gk-test-{uuid.uuid4().hex[:8]}"
+
+
+def client_commands(server_url: str, action: Callable[[], object]) -> list[str]:
+    """The commands clients sent to the server while ``action`` ran (not those scripts ran)."""
+    sentinel = redis.Redis.from_url(server_url)
+    sentinel.ping()
+    marker = f"end-{uuid.uuid4().hex}"
+    commands: list[str] = []
+    with redis.Redis.from_url(server_url).monitor() as monitor:
+        action()
+        sentinel.echo(marker)
+        while True:
+            seen = monitor.next_command()
+            if marker in seen["command"]:
+                break
+            if seen["client_type"] != "lua":
+                commands.append(seen["command"].split(" ", 1)[0].upper())
+    sentinel.close()
+    return commands
+
+
+# --- round trips and scripts --------------------------------------------------------------
+
+
+def test_one_round_trip_to_admit_and_one_to_release(own_redis: ControlledRedis) -> None:
+    """Three levels plus a counted rate are checked in one EVALSHA; release is one more."""
+    gk = keeper(
+        own_redis.url,
+        {
+            "shop": {"concurrency": 50},
+            "shop/work": {"concurrency": 10},
+            "shop/work/*": {"concurrency": 2, "rate": "100/minute", "count": [401]},
+        },
+    )
+    gk.admit("shop", "work", "alice").release(200)  # connect and load the scripts
+    holder: list[Any] = []
+    assert client_commands(
+        own_redis.url, lambda: holder.append(gk.admit("shop", "work", "bob"))
+    ) == ["EVALSHA"]
+    assert client_commands(own_redis.url, lambda: holder[0].release(200)) == ["EVALSHA"]
+    assert gk.inflight() == {}
+
+
+def test_scripts_reload_after_a_restart(own_redis: ControlledRedis) -> None:
+    """A restarted Redis has no scripts (NOSCRIPT); the next request loads them and passes."""
+    gk = keeper(own_redis.url, {"shop": {"concurrency": 1}})
+    gk.admit("shop", "work", "c").release(200)
+    source = (resources.files("gatekeeper_wsgi.backends") / "lua" / "acquire.lua").read_bytes()
+    sha = hashlib.sha1(source).hexdigest()
+    own_redis.stop()
+    own_redis.start()
+    probe = redis.Redis.from_url(own_redis.url)
+    assert probe.script_exists(sha) == [False]
+    gk.admit("shop", "work", "c").release(200)
+    assert gk.stats()["counters"]["backend_errors"] == 0
+    assert probe.script_exists(sha) == [True]
+    probe.close()
+
+
+# --- semantics ----------------------------------------------------------------------------
+
+
+def test_hash_tags_put_all_keys_of_a_project_in_one_cluster_slot(prefixed: str) -> None:
+    """Every key carries its project as hash tag: one slot per project, under the prefix."""
+    prefix = prefixed.rsplit("prefix=", 1)[1]
+    gk = GateKeeper(
+        {
+            "project": "shop",
+            "backend": prefixed,
+            "limits": {
+                "*": {"concurrency": 10},
+                "*/login/*": {"rate": "5/minute", "key": "caller"},
+                "*/*/batch": {"concurrency": 1},
+            },
+        }
+    )
+    held = [
+        gk.admit(project, service, caller)
+        for project, service, caller in [
+            ("shop", "login", "alice"),
+            ("shop", "x", "batch"),
+            ("blog", "login", "bob:1"),
+        ]
+    ]
+    raw = redis.Redis.from_url(prefixed.split("?", 1)[0])
+    keys = [key.decode() for key in raw.scan_iter(f"{prefix}:*")]
+    assert len(keys) == 7  # 5 lease sets + 2 window logs
+    for key in keys:
+        match = re.fullmatch(rf"{re.escape(prefix)}:\{{([a-z]+)\}}:[lw]:(\1(/.*)?)", key)
+        assert match, key
+    slots: dict[str, set[int]] = {}
+    for key in keys:
+        slots.setdefault(key.split("{")[1].split("}")[0], set()).add(key_slot(key.encode()))
+    assert {project: len(found) for project, found in slots.items()} == {"shop": 1, "blog": 1}
+    assert gk.inflight() == {
+        "shop": 2,
+        "shop/login/alice": 1,
+        "shop/x/batch": 1,
+        "blog": 1,
+        "blog/login/bob:1": 1,
+    }
+    for admission in held:
+        admission.release(200)
+    assert gk.inflight() == {}
+
+
+def test_runs_on_redis_cluster(tmp_path: Path) -> None:
+    """On a real (one-node) Redis Cluster, which refuses cross-slot scripts, all of it works."""
+    assert REDIS_BINARY is not None
+    port = free_port()
+    node = ControlledRedis(
+        REDIS_BINARY,
+        tmp_path,
+        port,
+        (
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            f"nodes-{port}.conf",
+            "--cluster-port",
+            str(free_port()),  # the default, port + 10000, may not exist
+        ),
+    )
+    node.start()
+    try:
+        admin = redis.Redis(port=port)
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        eventually(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), "ok")
+        gk = keeper(
+            f"redis://127.0.0.1:{port}/0?cluster=1",
+            {"shop": {"concurrency": 2}, "shop/work/*": {"rate": "2/minute"}},
+            on_backend_error="reject",
+        )
+        first = gk.admit("shop", "work", "alice")
+        second = gk.admit("shop", "work", "alice")
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "bob")
+        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+        assert gk.inflight() == {"shop": 2, "shop/work/alice": 2}
+        first.release(200)
+        second.release(200)
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "alice")
+        assert refused.value.code == "GK-RATE-LIMIT"
+        gk.close()
+    finally:
+        node.stop()
+
+
+def test_windows_run_on_redis_time_not_host_clocks(prefixed: str) -> None:
+    """Hosts whose clocks are hours apart share one exact window, timed by Redis TIME."""
+    clocks = [1000.0, 1000.0 + 7 * 3600]
+    hosts = [
+        GateKeeper(
+            {"project": "shop", "backend": prefixed, "limits": {"shop/login": {"rate": "3/1s"}}},
+            clock=lambda index=index: clocks[index],  # type: ignore[misc]
+        )
+        for index in range(2)
+    ]
+    for index in (0, 1, 0):
+        hosts[index].admit("shop", "login", "c").release(200)
+    for host in hosts:
+        with pytest.raises(Rejected) as refused:
+            host.admit("shop", "login", "c")
+        assert refused.value.code == "GK-RATE-LIMIT"
+        assert refused.value.rate is not None
+        assert 0 < refused.value.rate.reset <= 1.0
+    clocks[0] += 3600  # a host clock jumping ahead frees nothing
+    with pytest.raises(Rejected):
+        hosts[0].admit("shop", "login", "c")
+    eventually(lambda: admitted(hosts[1], "login"), "the window to slide in Redis time")
+
+
+def test_counted_statuses_confirm_or_return_the_reservation(prefixed: str) -> None:
+    """With count=[401], admission reserves a place; other statuses give it back."""
+    gk = keeper(prefixed, {"shop/login/*": {"rate": "2/minute", "count": [401]}})
+    for _ in range(5):
+        gk.admit("shop", "login", "eve").release(200)
+    gk.admit("shop", "login", "eve").release(401)
+    held = gk.admit("shop", "login", "eve")  # the second place, reserved
+    with pytest.raises(Rejected):
+        gk.admit("shop", "login", "eve")
+    held.release(302)
+    gk.admit("shop", "login", "eve").release(401)
+    with pytest.raises(Rejected):
+        gk.admit("shop", "login", "eve")
+
+
+def test_delayed_decrease_holds_the_slot_until_it_matures(prefixed: str) -> None:
+    """A faulty response keeps its slot for ``delay`` (Redis time), then frees it."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 1, "delay": 0.5}})
+    gk.admit("shop", "work", "c").release(503, faulty=True)
+    assert gk.inflight() == {"shop/work": 1}
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", "work", "c")
+    assert refused.value.retry_after == 1  # the delayed lease matures within a second
+    eventually(lambda: admitted(gk), "the delayed release to mature").release(200)
+    assert gk.inflight() == {}
+
+
+def test_shadow_slots_are_reported_not_refused(prefixed: str) -> None:
+    """A shadow limit over its concurrency admits and counts a shadow rejection."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 1, "mode": "shadow"}})
+    held = [gk.admit("shop", "work", "c") for _ in range(3)]
+    assert gk.stats()["counters"]["shadow_rejected"] == 2
+    assert gk.inflight() == {"shop/work": 3}
+    for admission in held:
+        admission.release(200)
+
+
+def test_crashed_holders_lease_expires(prefixed: str) -> None:
+    """A slot whose holder never releases (a crashed worker) frees after max_hold."""
+    crashed = keeper(f"{prefixed}&max_hold=0.5", {"shop/work": {"concurrency": 1}})
+    crashed.admit("shop", "work", "c")  # never released
+    crashed.close()
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 1}})
+    with pytest.raises(Rejected):
+        gk.admit("shop", "work", "c")
+    eventually(lambda: admitted(gk), "the lease to expire").release(200)
+
+
+def test_url_options_are_validated() -> None:
+    """Bad backend options are a ConfigError naming the option."""
+    for query, name in [
+        ("prefix=a{b}", "prefix"),
+        ("max_hold=0", "max_hold"),
+        ("breaker_cooldown=x", "breaker_cooldown"),
+        ("cluster=maybe", "cluster"),
+    ]:
+        with pytest.raises(ConfigError, match=name):
+            backend_from_url(f"redis://127.0.0.1:1/0?{query}")
+
+
+def test_valkey_scheme_talks_to_the_same_server(redis_server: str) -> None:
+    """``valkey://`` URLs work (the protocol is Redis's)."""
+    url = redis_server.replace("redis://", "valkey://") + f"?prefix=gk-v-{uuid.uuid4().hex[:6]}"
+    gk = keeper(url, {"shop": {"concurrency": 1}}, on_backend_error="reject")
+    held = gk.admit("shop", "work", "c")
+    with pytest.raises(Rejected):
+        gk.admit("shop", "work", "c")
+    held.release(200)
+
+
+# --- failures -----------------------------------------------------------------------------
+
+
+def hello(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"hello"]
+
+
+@pytest.mark.parametrize(("policy", "status"), [("allow", 200), ("reject", 503)])
+def test_redis_down_applies_on_backend_error(policy: str, status: int) -> None:
+    """Connection refused: every request gets what on_backend_error says, never a 500."""
+    app = GateKeeperMiddleware(
+        hello,
+        {
+            "project": "shop",
+            "backend": f"redis://127.0.0.1:{free_port()}/0?breaker_cooldown=0.01",
+            "on_backend_error": policy,
+            "limits": {"shop": {"concurrency": 1}},
+        },
+    )
+    client = Client(app)
+    for _ in range(5):
+        response = client.get("/work")
+        assert response.status_code == status
+        if status == 503:
+            assert json.loads(response.data)["code"] == "GK-BACKEND-UNAVAILABLE"
+    assert app.gatekeeper.stats()["counters"]["backend_errors"] == 5
+
+
+def test_breaker_spares_requests_the_connect_timeout() -> None:
+    """Redis hangs: one request pays the connect timeout, the rest fail fast without I/O."""
+    hole = Blackhole()
+    try:
+        url = f"redis://127.0.0.1:{hole.port}/0?socket_connect_timeout=0.2&breaker_cooldown=60"
+        gk = keeper(url, {"shop": {"concurrency": 1}}, on_backend_error="allow")
+        backend = gk.backend
+        slots = resolve_route(gk.config, "shop", "work").slots
+        with pytest.raises(BackendError) as first:
+            backend.acquire(slots, 0.0)
+        assert isinstance(first.value.__cause__, redis.exceptions.TimeoutError)
+        for _ in range(20):
+            with pytest.raises(CircuitOpen) as fast:
+                backend.acquire(slots, 0.0)
+            assert fast.value.__cause__ is None  # refused before any network call
+        for _ in range(20):
+            gk.admit("shop", "work", "c").release(200)  # on_backend_error=allow applied
+        assert gk.stats()["counters"]["backend_errors"] == 20
+    finally:
+        hole.close()
+
+
+def test_hung_redis_then_recovery_is_automatic(own_redis: ControlledRedis) -> None:
+    """A frozen Redis costs one read timeout; once it answers again, limits apply again."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05",
+        {"shop/work": {"concurrency": 1}},
+        on_backend_error="reject",
+    )
+    gk.admit("shop", "work", "c").release(200)
+    own_redis.pause()
+    try:
+        for _ in range(10):
+            with pytest.raises(Rejected) as refused:
+                gk.admit("shop", "work", "c")
+            assert refused.value.code == "GK-BACKEND-UNAVAILABLE"
+    finally:
+        own_redis.resume()
+    held = eventually(lambda: admitted(gk), "recovery")
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", "work", "c")
+    assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+    held.release(200)
+
+
+def test_releases_failed_in_an_outage_are_replayed(own_redis: ControlledRedis) -> None:
+    """Slots admitted before an outage and released during it come back right after,
+    without waiting for their leases (max_hold 300 s) to expire."""
+    gk = keeper(
+        f"{own_redis.url}?breaker_cooldown=0.05",
+        {"shop/work": {"concurrency": 2}},
+        on_backend_error="reject",
+    )
+    held = [gk.admit("shop", "work", "c") for _ in range(2)]
+    redis.Redis.from_url(own_redis.url).shutdown(save=True)  # the leases are persisted
+    assert own_redis.process is not None
+    own_redis.process.wait(timeout=10)
+    for admission in held:
+        admission.release(200)  # Redis is down: failed, kept for replay
+    assert gk.stats()["counters"]["backend_errors"] == 2
+    own_redis.start()
+    assert redis.Redis.from_url(own_redis.url).dbsize() == 1  # the lease set is back
+    first = eventually(lambda: admitted(gk), "recovery")
+    second = gk.admit("shop", "work", "c")
+    with pytest.raises(Rejected):
+        gk.admit("shop", "work", "c")
+    first.release(200)
+    second.release(200)
+    assert gk.inflight() == {}
+
+
+def test_restart_mid_load_never_raises(own_redis: ControlledRedis) -> None:
+    """Threads hammer admit/release while Redis restarts: only ServiceFaults, then recovery."""
+    gk = keeper(
+        f"{own_redis.url}?breaker_cooldown=0.02",
+        {"shop/work": {"concurrency": 3}},
+        on_backend_error="reject",
+    )
+    stop = threading.Event()
+    lock = threading.Lock()
+    codes: dict[str, int] = {}
+    granted = [0]
+    unexpected: list[BaseException] = []
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                admission = gk.admit("shop", "work", "c")
+            except Rejected as exc:
+                with lock:
+                    codes[exc.code] = codes.get(exc.code, 0) + 1
+                continue
+            except BaseException as exc:
+                unexpected.append(exc)
+                return
+            admission.release(200)
+            with lock:
+                granted[0] += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        eventually(lambda: granted[0] >= 100, "load before the restart")
+        own_redis.stop()
+        eventually(lambda: codes.get("GK-BACKEND-UNAVAILABLE", 0) >= 20, "the outage to show")
+        before = granted[0]
+        own_redis.start()
+        eventually(lambda: granted[0] >= before + 100, "recovery under load")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert unexpected == []
+    assert set(codes) <= {"GK-BACKEND-UNAVAILABLE", "GK-CONCURRENCY-LIMIT"}
+    assert gk.inflight() == {}
+
+
+# --- many hosts ---------------------------------------------------------------------------
+
+
+def test_two_hosts_never_exceed_the_limit(prefixed: str, redis_server: str) -> None:
+    """Two processes with their own GateKeeper share one Redis: an independent observer
+    never sees more requests inside than the concurrency limit."""
+    from tests.apps.redis_host import run_host
+
+    limit = 3
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(2)
+    results = context.Queue()
+    observer_key = f"observer-{uuid.uuid4().hex}"
+    hosts = [
+        context.Process(
+            target=run_host,
+            args=(prefixed, redis_server, observer_key, limit, 6, 150, start, results),
+        )
+        for _ in range(2)
+    ]
+    for host in hosts:
+        host.start()
+    reports = [results.get(timeout=60) for _ in hosts]
+    for host in hosts:
+        host.join(timeout=10)
+        assert host.exitcode == 0
+    for report in reports:
+        assert report["errors"] == []
+        assert report["backend_errors"] == 0
+        assert report["admitted"] > 0
+    assert max(report["max_inside"] for report in reports) <= limit
+    assert sum(report["rejected"] for report in reports) > 0  # the limit was contended
+    assert sum(report["admitted"] + report["rejected"] for report in reports) == 2 * 6 * 150
+    assert backend_from_url(prefixed).inflight(0.0) == {}
+
+
+def test_from_url_builds_a_redis_backend(prefixed: str) -> None:
+    """The registry hands redis:// URLs to RedisBackend with the prefix from the URL."""
+    backend = backend_from_url(prefixed)
+    assert isinstance(backend, RedisBackend)
+    assert backend.prefix == prefixed.rsplit("prefix=", 1)[1]
+    assert not backend.engine_clock and not backend.local
+    backend.close()
