@@ -8,12 +8,14 @@ raise before or after ``start_response``. Each admission is released exactly onc
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.engine import Admission, ConfigSource, GateKeeper
-from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.errors import ConfigError, Rejected
 from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.rejectlog import log_rejected
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = ["ADMISSION_KEY", "GateKeeperMiddleware", "ResponseWatch"]
+
+logger = logging.getLogger("gatekeeper")
 
 #: environ key holding the request's Admission; its presence means "already counted".
 ADMISSION_KEY = "gatekeeper.admission"
@@ -188,6 +192,8 @@ class GateKeeperMiddleware:
         self.gatekeeper = config if isinstance(config, GateKeeper) else GateKeeper(config)
         self._identify = identify
         self._identifier = Identifier(self.gatekeeper.config)
+        #: a reloaded configuration whose resolver, renderer or routes failed to load
+        self._unusable: Config | None = None
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if ADMISSION_KEY in environ:  # already counted by an outer gatekeeper
@@ -195,8 +201,8 @@ class GateKeeperMiddleware:
         started = time.perf_counter_ns()
         keeper = self.gatekeeper
         identifier = self._identifier
-        if identifier.config is not keeper.config:
-            identifier = self._identifier = Identifier(keeper.config)
+        if identifier.config is not keeper.config and keeper.config is not self._unusable:
+            identifier = self._reidentify(keeper.config)
         config = identifier.config
         if self._identify is not None:
             names = self._identify(environ)
@@ -218,6 +224,22 @@ class GateKeeperMiddleware:
         environ[ADMISSION_KEY] = admission
         keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
         return self.call_app(environ, start_response, admission)
+
+    def _reidentify(self, config: Config) -> Identifier:
+        """The Identifier of a hot-reloaded configuration. Config validation does not
+        import ``caller.resolver`` / ``fault.renderer`` nor compile ``routes``; if one of
+        them fails, keep the previous Identifier (logged once) instead of failing every
+        request with a 500."""
+        try:
+            self._identifier = Identifier(config)
+        except ConfigError as exc:
+            self._unusable = config
+            logger.error(
+                "gatekeeper: reloaded configuration unusable (%s); keeping the previous "
+                "caller, routes and fault settings until the file is fixed",
+                exc,
+            )
+        return self._identifier
 
     def call_app(
         self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
