@@ -1,0 +1,363 @@
+"""The status endpoint and live dashboard: a framework-free WSGI app over a GateKeeper.
+
+``/`` and ``/dashboard`` serve one self-contained HTML page (no CDN: its CSS and script
+are inlined) that shows in-flight bars per limit against their limits, rejections over
+time and the stage-timing table, refreshed by fetching ``status.json`` without reloading
+the page. ``/status.json`` serves :func:`status_payload`.
+
+Access: a bearer token (``Authorization: Bearer <token>`` or ``?token=<token>``; the page
+passes it on to its fetches), or an ``allow(environ) -> bool`` callable with which the
+Django and Flask plugins plug in their own authentication (staff users, login). With
+neither, everyone is denied::
+
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+    from gatekeeper_wsgi.status import StatusApp
+
+    app = GateKeeperMiddleware(app, settings)
+    app = DispatcherMiddleware(app, {"/gatekeeper": StatusApp(app.gatekeeper, token="s3cret")})
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import json
+import logging
+import os
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from functools import cache
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+from gatekeeper_wsgi.config import Config, Limit
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+
+    from gatekeeper_wsgi.engine import GateKeeper
+
+__all__ = [
+    "StatusApp",
+    "inflight_by_limit",
+    "limit_of",
+    "public_backend_url",
+    "render_dashboard",
+    "status_payload",
+]
+
+logger = logging.getLogger("gatekeeper")
+
+#: concrete keys shown per wildcard limit (the busiest first); the totals count all of them
+KEYS_SHOWN_PER_LIMIT = 50
+
+Allow = Callable[["WSGIEnvironment"], bool]
+
+
+# --- which configured limit counts a concrete path --------------------------------------
+
+
+def _matches(limit: Limit, segments: list[str]) -> bool:
+    return len(limit.segments) == len(segments) and all(
+        pattern == "*" or pattern == value
+        for pattern, value in zip(limit.segments, segments, strict=True)
+    )
+
+
+def limit_of(config: Config, path: str) -> Limit | None:
+    """The configured limit a concrete path (``shop/login/alice``) is counted under.
+
+    Of the limits with a count (concurrency or rate) matching it, the most specific one,
+    as admission resolves them: an exact segment beats ``*``, from the left.
+    """
+    segments = path.split("/")
+    candidates = [
+        limit
+        for limit in config.limits.values()
+        if (limit.concurrency is not None or limit.rate is not None) and _matches(limit, segments)
+    ]
+    if not candidates:
+        return None
+    return max(
+        candidates,
+        key=lambda limit: (tuple(seg != "*" for seg in limit.segments), limit.path),
+    )
+
+
+def inflight_by_limit(
+    config: Config, inflight: Mapping[str, int]
+) -> dict[str | None, dict[str, int]]:
+    """Concrete in-flight counts grouped by configured limit path (None: no longer
+    configured, e.g. after a reload)."""
+    grouped: dict[str | None, dict[str, int]] = {}
+    for path, count in inflight.items():
+        limit = limit_of(config, path)
+        grouped.setdefault(None if limit is None else limit.path, {})[path] = count
+    return grouped
+
+
+def public_backend_url(url: str) -> str:
+    """The backend URL with any password removed, fit to show."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.split("://", 1)[0] + "://…" if "://" in url else url
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}" if user else f":***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+# --- the JSON payload -------------------------------------------------------------------
+
+
+def _limit_summary(limit: Limit) -> dict[str, Any]:
+    return {
+        "path": limit.path,
+        "level": limit.level,
+        "concurrency": limit.concurrency,
+        "rate": None if limit.rate is None else limit.rate.text,
+        "key": limit.key if limit.level == "caller" else None,
+        "queue": None
+        if limit.queue is None
+        else {"size": limit.queue.size, "wait": limit.queue.wait},
+        "delay": limit.delay,
+        "mode": limit.mode,
+        "wildcard": limit.wildcard,
+    }
+
+
+def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
+    """What ``/status.json`` serves: counters, stage timings, in-flight per concrete path
+    with the limit counting it, and a summary of the configuration.
+
+    A failing backend never raises here: its message goes into the ``error`` member and
+    the process-local counters are still reported.
+    """
+    config = gatekeeper.config
+    payload: dict[str, Any] = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        "pid": os.getpid(),
+        "config": {
+            "project": config.project,
+            "backend": public_backend_url(config.backend),
+            "mode": config.mode,
+            "on_backend_error": config.on_backend_error,
+            "reload_file": config.reload.file,
+        },
+    }
+    errors = []
+    try:
+        payload["stats"] = gatekeeper.stats()
+    except Exception as exc:
+        errors.append(f"stats: {type(exc).__name__}: {exc}")
+        payload["stats"] = gatekeeper.monitor.snapshot(0)
+    try:
+        inflight: Mapping[str, int] = gatekeeper.inflight()
+    except Exception as exc:
+        errors.append(f"inflight: {type(exc).__name__}: {exc}")
+        inflight = {}
+    grouped = inflight_by_limit(config, inflight)
+    limits = []
+    concrete: dict[str, dict[str, Any]] = {}
+    for limit in sorted(config.limits.values(), key=lambda lim: lim.path):
+        summary = _limit_summary(limit)
+        counts = grouped.get(limit.path, {})
+        if not limit.wildcard and (limit.concurrency is not None or limit.rate is not None):
+            counts = {limit.path: 0, **counts}
+        active = {path: n for path, n in counts.items() if n > 0 or not limit.wildcard}
+        summary["inflight"] = sum(active.values())
+        summary["keys"] = len(active)
+        shown = sorted(active.items(), key=lambda item: (-item[1], item[0]))
+        if limit.wildcard:
+            shown = shown[:KEYS_SHOWN_PER_LIMIT]
+        summary["keys_shown"] = len(shown)
+        for path, count in shown:
+            concrete[path] = {
+                "inflight": count,
+                "limit": limit.path,
+                "concurrency": limit.concurrency,
+                "rate": summary["rate"],
+            }
+        limits.append(summary)
+    for path, count in sorted(grouped.get(None, {}).items()):
+        if count > 0:
+            concrete[path] = {"inflight": count, "limit": None, "concurrency": None, "rate": None}
+    payload["config"]["limits"] = limits
+    payload["inflight"] = concrete
+    if errors:
+        payload["error"] = "; ".join(errors)
+    return payload
+
+
+# --- the HTML page ----------------------------------------------------------------------
+
+
+@cache
+def _asset(name: str) -> str:
+    return resources.files("gatekeeper_wsgi").joinpath("static").joinpath(name).read_text("utf-8")
+
+
+def render_dashboard(json_url: str, *, nonce: str, refresh_seconds: float = 2.0) -> str:
+    """The dashboard page; its script fetches ``json_url`` every ``refresh_seconds``.
+
+    ``nonce`` must match the ``Content-Security-Policy`` sent with the page
+    (see :func:`security_headers`).
+    """
+    page = _asset("dashboard.html")
+    values = {
+        "{{nonce}}": html.escape(nonce, quote=True),
+        "{{json_url}}": html.escape(json_url, quote=True),
+        "{{refresh_ms}}": str(max(100, int(refresh_seconds * 1000))),
+        "{{css}}": _asset("dashboard.css"),
+        "{{js}}": _asset("dashboard.js"),
+    }
+    for placeholder, value in values.items():
+        page = page.replace(placeholder, value)
+    return page
+
+
+def security_headers(nonce: str | None = None) -> list[tuple[str, str]]:
+    """Headers every status response carries; with a nonce, the page's CSP."""
+    headers = [
+        ("Cache-Control", "no-store"),
+        ("X-Content-Type-Options", "nosniff"),
+        ("Referrer-Policy", "no-referrer"),
+        ("X-Frame-Options", "DENY"),
+    ]
+    if nonce is not None:
+        headers.append(
+            (
+                "Content-Security-Policy",
+                f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+                "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                "form-action 'none'; frame-ancestors 'none'",
+            )
+        )
+    return headers
+
+
+class StatusApp:
+    """A WSGI app serving the dashboard (``/``, ``/dashboard``) and ``/status.json``.
+
+    ``token`` (default: the ``dashboard.token`` setting) is accepted as
+    ``Authorization: Bearer <token>`` or ``?token=<token>``. ``allow(environ) -> bool``
+    admits requests the hosting framework has authenticated (Django staff, Flask login).
+    With neither, every request gets 403::
+
+        status = StatusApp(gk, token="s3cret")
+        status = StatusApp(gk, allow=lambda environ: environ.get("REMOTE_USER") == "ops")
+    """
+
+    def __init__(
+        self,
+        gatekeeper: GateKeeper,
+        *,
+        token: str | None = None,
+        allow: Allow | None = None,
+        refresh_seconds: float = 2.0,
+    ) -> None:
+        self.gatekeeper = gatekeeper
+        self._token = token
+        self._allow = allow
+        self.refresh_seconds = refresh_seconds
+
+    @property
+    def token(self) -> str | None:
+        """The token in force: the constructor's, else the ``dashboard.token`` setting."""
+        if self._token is not None:
+            return self._token
+        return self.gatekeeper.config.dashboard.token
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        path = path.rstrip("/") or "/"
+        wants_json = path == "/status.json"
+        if not wants_json and path not in ("/", "/dashboard"):
+            return _respond(start_response, "404 Not Found", "not found", environ, json_=False)
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
+            return _respond(
+                start_response,
+                "405 Method Not Allowed",
+                "method not allowed",
+                environ,
+                json_=wants_json,
+                extra=[("Allow", "GET, HEAD")],
+            )
+        denied = self._denied(environ)
+        if denied is not None:
+            status, message, extra = denied
+            return _respond(start_response, status, message, environ, json_=wants_json, extra=extra)
+        if wants_json:
+            body = json.dumps(status_payload(self.gatekeeper), ensure_ascii=True).encode("ascii")
+            headers = [("Content-Type", "application/json"), *security_headers()]
+        else:
+            script_name = environ.get("SCRIPT_NAME", "").rstrip("/")
+            nonce = secrets.token_urlsafe(16)
+            page = render_dashboard(
+                script_name + "/status.json", nonce=nonce, refresh_seconds=self.refresh_seconds
+            )
+            body = page.encode("utf-8")
+            headers = [("Content-Type", "text/html; charset=utf-8"), *security_headers(nonce)]
+        headers.append(("Content-Length", str(len(body))))
+        start_response("200 OK", headers)
+        return [] if method == "HEAD" else [body]
+
+    def _denied(self, environ: WSGIEnvironment) -> tuple[str, str, list[tuple[str, str]]] | None:
+        """None when the request may see the status, else (status, message, headers)."""
+        if self._allow is not None:
+            try:
+                if self._allow(environ):
+                    return None
+            except Exception:
+                logger.exception("gatekeeper: the status endpoint's allow() raised; denied")
+        token = self.token
+        presented = _presented_token(environ)
+        if token is None:
+            return "403 Forbidden", "forbidden: the status endpoint needs a token", []
+        if presented is None:
+            challenge = [("WWW-Authenticate", 'Bearer realm="gatekeeper"')]
+            return "401 Unauthorized", "a bearer token is required", challenge
+        if not hmac.compare_digest(presented.encode("utf-8"), token.encode("utf-8")):
+            return "403 Forbidden", "forbidden: wrong token", []
+        return None
+
+
+def _presented_token(environ: Mapping[str, Any]) -> str | None:
+    header = environ.get("HTTP_AUTHORIZATION", "")
+    if isinstance(header, str):
+        scheme, _, value = header.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=False)
+    values = query.get("token")
+    return values[-1] if values else None
+
+
+def _respond(
+    start_response: StartResponse,
+    status: str,
+    message: str,
+    environ: Mapping[str, Any],
+    *,
+    json_: bool,
+    extra: list[tuple[str, str]] | None = None,
+) -> list[bytes]:
+    # Messages are fixed strings: nothing from the request is echoed.
+    if json_:
+        body = json.dumps({"error": message}).encode("ascii")
+        content_type = "application/json"
+    else:
+        body = (message + "\n").encode("ascii")
+        content_type = "text/plain; charset=utf-8"
+    headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+    headers += security_headers() + (extra or [])
+    start_response(status, headers)
+    return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]

@@ -1,0 +1,203 @@
+"""The live dashboard in a real headless Chromium (Debian ``chromium`` driven by Playwright):
+bars and numbers while requests are held in flight, updated in place as they finish."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from werkzeug.middleware.dispatcher import DispatcherMiddleware
+from werkzeug.serving import make_server
+
+from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+from gatekeeper_wsgi.status import StatusApp
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parent / "artifacts"
+TOKEN = "dash-token"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _chromium_or_skip() -> Any:
+    """Playwright's sync API, or a skip (a failure when CI requires Chromium)."""
+    required = os.environ.get("GATEKEEPER_REQUIRE_CHROMIUM") == "1"
+    reason = None
+    if not os.path.exists(CHROMIUM):
+        reason = f"{CHROMIUM} not found (apt-get install chromium)"
+    try:
+        from playwright import sync_api
+    except ImportError:
+        reason = "playwright is not installed (pip install playwright)"
+    if reason is not None:
+        if required:
+            pytest.fail(f"GATEKEEPER_REQUIRE_CHROMIUM=1 but {reason}")
+        pytest.skip(reason)
+    return sync_api
+
+
+class HeldApp:
+    """A WSGI app whose requests wait for `release`; `entered` counts arrivals."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Semaphore(0)
+
+    def __call__(self, environ: Any, start_response: Any) -> list[bytes]:
+        if environ["PATH_INFO"] not in ("/checkout", "/login"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found"]
+        self.entered.release()
+        assert self.release.wait(30), "the test never released the request"
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"done"]
+
+
+class Site:
+    """The demo site on a real loopback server: the app under the middleware, the
+    dashboard mounted at /gatekeeper."""
+
+    def __init__(self) -> None:
+        self.app = HeldApp()
+        self.keeper = GateKeeper(
+            {
+                "project": "shop",
+                "limits": {
+                    "shop": {"concurrency": 20},
+                    "shop/checkout": {"concurrency": 2},
+                    "shop/login/*": {"concurrency": 3, "rate": "100/minute"},
+                },
+            }
+        )
+        wsgi = DispatcherMiddleware(
+            GateKeeperMiddleware(self.app, self.keeper),
+            {"/gatekeeper": StatusApp(self.keeper, token=TOKEN, refresh_seconds=0.25)},
+        )
+        self.server = make_server("127.0.0.1", 0, wsgi, threaded=True)
+        self.port = self.server.server_port
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.clients: list[threading.Thread] = []
+        self.statuses: list[int] = []
+
+    def request(self, path: str, caller: str = "web") -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            connection.request("GET", path, headers={"X-Caller-Id": caller})
+            response = connection.getresponse()
+            response.read()
+            return response.status
+        finally:
+            connection.close()
+
+    def hold(self, path: str, caller: str = "web") -> None:
+        """Start a request that stays in flight until release; returns once it is inside."""
+        thread = threading.Thread(
+            target=lambda: self.statuses.append(self.request(path, caller)), daemon=True
+        )
+        thread.start()
+        self.clients.append(thread)
+        assert self.app.entered.acquire(timeout=30), f"{path} never reached the app"
+
+    def finish(self) -> None:
+        self.app.release.set()
+        for thread in self.clients:
+            thread.join(30)
+        self.clients = []
+
+    def close(self) -> None:
+        self.finish()
+        self.server.shutdown()
+        self.thread.join(30)
+        self.keeper.close()
+
+
+@pytest.fixture
+def site() -> Iterator[Site]:
+    """A running demo site with the dashboard; released and stopped afterwards."""
+    running = Site()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) -> None:
+    """Held requests show as bars against their limits; releasing them updates the page
+    in place (no reload), rejections appear in the chart and counters."""
+    sync_api = _chromium_or_skip()
+    expect = sync_api.expect
+    site.hold("/checkout", "crm")
+    site.hold("/checkout", "erp")
+    site.hold("/login", "alice")
+    assert site.request("/checkout", "late") == 503  # checkout is full
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            url = f"http://127.0.0.1:{site.port}/gatekeeper/?token={TOKEN}"
+            page.goto(url)
+            expect.set_options(timeout=20_000)
+            checkout = page.locator('[data-limit="shop/checkout"]')
+            expect(checkout.locator(".count")).to_have_text("2 / 2")
+            expect(checkout.locator(".bar")).to_have_attribute("aria-valuenow", "2")
+            expect(checkout.locator(".fill")).to_have_class("fill full")
+            expect(page.locator('[data-limit="shop"] .count')).to_have_text("3 / 20")
+            alice = page.locator('[data-key="shop/login/alice"]')
+            expect(alice.locator(".count")).to_have_text("1 / 3")
+            expect(page.get_by_test_id("rejected")).to_have_text("1")
+            expect(page.get_by_test_id("admitted")).to_have_text("3")
+            expect(page.get_by_test_id("state")).to_have_text("live")
+            expect(page.locator('#stages tr[data-stage="decide"] td').nth(1)).not_to_have_text(
+                "0"
+            )
+            expect(page.locator('#by-limit tr[data-limit="shop/checkout"] td').nth(1)).to_have_text(
+                "1"
+            )
+            page.evaluate("window.__sameDocument = true")
+
+            # A rejection while the page is open shows up in the chart.
+            assert site.request("/checkout", "late") == 503
+            expect(page.get_by_test_id("rejected")).to_have_text("2")
+            expect(page.locator("#chart rect").first).to_be_visible()
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+            site.finish()
+            assert sorted(site.statuses) == [200, 200, 200]
+            expect(checkout.locator(".count")).to_have_text("0 / 2")
+            expect(checkout.locator(".bar")).to_have_attribute("aria-valuenow", "0")
+            expect(page.locator('[data-key="shop/login/alice"]')).to_have_count(0)
+            expect(page.get_by_test_id("admitted")).to_have_text("3")
+            assert page.evaluate("window.__sameDocument") is True
+            page.screenshot(path=str(ARTIFACTS / "dashboard-idle.png"), full_page=True)
+        finally:
+            browser.close()
+
+
+def test_dashboard_reports_a_wrong_token_on_the_page(site: Site) -> None:
+    """Opened with a wrong token, the page gets 403 and the browser shows no data."""
+    sync_api = _chromium_or_skip()
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            response = page.goto(f"http://127.0.0.1:{site.port}/gatekeeper/?token=wrong")
+            assert response is not None and response.status == 403
+            assert "shop/checkout" not in page.content()
+        finally:
+            browser.close()
