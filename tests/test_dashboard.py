@@ -162,9 +162,7 @@ def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) ->
             expect(page.get_by_test_id("rejected")).to_have_text("1")
             expect(page.get_by_test_id("admitted")).to_have_text("3")
             expect(page.get_by_test_id("state")).to_have_text("live")
-            expect(page.locator('#stages tr[data-stage="decide"] td').nth(1)).not_to_have_text(
-                "0"
-            )
+            expect(page.locator('#stages tr[data-stage="decide"] td').nth(1)).not_to_have_text("0")
             expect(page.locator('#by-limit tr[data-limit="shop/checkout"] td').nth(1)).to_have_text(
                 "1"
             )
