@@ -33,7 +33,7 @@ def key_segment(value: str | None) -> str:
         return "-"
     if CALLER_RE.fullmatch(value):
         return value
-    digest = hashlib.blake2b(value.encode("utf-8", "surrogateescape"), digest_size=8)
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8)
     return "~" + digest.hexdigest()
 
 
