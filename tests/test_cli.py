@@ -1,0 +1,436 @@
+"""The ``gatekeeper`` console script (SPEC §7): ``check`` prints the effective limit tree or
+file:line errors, ``status`` reads a shared/Redis backend from another process, ``replay``
+sends logged rejected requests again, faithfully, to a real server."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from werkzeug.serving import make_server
+from werkzeug.test import Client
+
+from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+from gatekeeper_wsgi.cli import main, parse_rate, run_check, run_replay, run_status
+from gatekeeper_wsgi.rejectlog import flush
+from tests.servers import free_port
+
+PROPERTIES = """\
+project = shop
+caller.header = X-Caller-Id
+limits.shop.concurrency = 100
+limits.shop.delay = 2.0
+limits.shop.timeout_status = 504
+limits.shop/checkout.concurrency = 10
+limits.shop/checkout.queue = 20, 1.5
+limits.shop/checkout.timeout_header = X-Fault-Code: TIMEOUT
+limits.shop/checkout/crm.concurrency = 2
+limits.shop/checkout/crm.delay = 5
+limits.shop/login/*.rate = 5/minute
+limits.shop/login/*.key = ip
+limits.shop/login/*.count = 401, 403
+limits.*/*/batch.concurrency = 1
+"""
+
+
+def gatekeeper_script() -> str:
+    """The installed console script next to this interpreter."""
+    script = Path(sys.executable).with_name("gatekeeper")
+    found = str(script) if script.exists() else shutil.which("gatekeeper")
+    assert found, "the gatekeeper console script is not installed (pip install -e .)"
+    return found
+
+
+@pytest.fixture
+def properties(tmp_path: Path) -> Path:
+    """A valid operators' .properties file."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(PROPERTIES, encoding="utf-8")
+    return path
+
+
+# --- check ------------------------------------------------------------------------------
+
+
+def test_check_prints_the_tree_with_inherited_delay_and_markers(
+    properties: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gatekeeper check` shows each path's own limit and what it inherits, and from where."""
+    assert main(["check", str(properties)]) == 0
+    output = capsys.readouterr().out
+    assert f"{properties}: OK" in output
+    crm = next(line for line in output.splitlines() if "shop/checkout/crm " in line)
+    assert "concurrency 2" in crm
+    assert "delay 5s" in crm and "delay 5s (from" not in crm
+    assert "timeout_status 504 (from shop)" in crm
+    assert "timeout_header 'X-Fault-Code: TIMEOUT' (from shop/checkout)" in crm
+    checkout = next(line for line in output.splitlines() if "shop/checkout " in line)
+    assert "queue 20 waiting up to 1.5s" in checkout
+    assert "delay 2s (from shop)" in checkout
+    login = next(line for line in output.splitlines() if "shop/login/* " in line)
+    assert "rate 5/minute" in login and "counting 401,403" in login
+    assert "one counter per ip" in login
+    batch = next(line for line in output.splitlines() if "*/*/batch" in line)
+    assert "one counter per project and service" in batch
+    assert "└─ shop/checkout/crm" in output
+
+
+def test_check_reports_file_and_line_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An invalid file exits 1 with file:line, key and what was expected on stderr."""
+    bad = tmp_path / "bad.properties"
+    bad.write_text("project = shop\n# comment\nlimits.shop.concurrency = -1\n", encoding="utf-8")
+    assert main(["check", str(bad)]) == 1
+    captured = capsys.readouterr()
+    assert f"{bad}:3: limits.shop.concurrency: expected an integer >= 0" in captured.err
+    assert captured.out == ""
+
+
+def test_check_toml_and_a_settings_dict_with_a_file_laid_over(tmp_path: Path) -> None:
+    """Settings plus reload.file are checked merged, as the engine would run them."""
+    toml = tmp_path / "limits.toml"
+    toml.write_text('[gatekeeper.limits."shop/checkout"]\nconcurrency = 3\n', encoding="utf-8")
+    out = io.StringIO()
+    settings = {
+        "project": "shop",
+        "reload": {"file": str(toml)},
+        "limits": {"shop": {"concurrency": 9}},
+    }
+    assert run_check(settings, out) == 0
+    text = out.getvalue()
+    assert "settings: OK" in text
+    assert "shop/checkout" in text and "concurrency 3" in text
+    assert "concurrency 9" in text
+    assert run_check(toml, io.StringIO()) == 0
+
+
+def test_check_finds_what_only_a_running_gatekeeper_would() -> None:
+    """Unimportable resolvers and unknown backends fail the check, not the first request."""
+    out = io.StringIO()
+    assert run_check({"caller": {"resolver": "no_such_module.resolve"}}, out) == 1
+    assert "caller.resolver" in out.getvalue()
+    out = io.StringIO()
+    assert run_check({"backend": "mongodb://x"}, out) == 1
+    assert "unknown backend 'mongodb://x'" in out.getvalue()
+
+
+def test_check_of_no_limits_says_everything_is_admitted() -> None:
+    """A config without limits is valid and says what that means."""
+    out = io.StringIO()
+    assert run_check({"project": "shop"}, out) == 0
+    assert "no limits: every request is admitted" in out.getvalue()
+
+
+def test_console_script_check(properties: Path, tmp_path: Path) -> None:
+    """The installed `gatekeeper check` exits 0 on a good file and 1 on a bad one."""
+    good = subprocess.run(
+        [gatekeeper_script(), "check", str(properties)], capture_output=True, text=True, check=False
+    )
+    assert good.returncode == 0, good.stderr
+    assert "shop/checkout/crm" in good.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gatekeeper]\nproject = 'shop'\nmode = 'loud'\n", encoding="utf-8")
+    failed = subprocess.run(
+        [gatekeeper_script(), "check", str(bad)], capture_output=True, text=True, check=False
+    )
+    assert failed.returncode == 1
+    assert f"{bad}:3: mode:" in failed.stderr
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """Missing arguments are usage errors (exit 2), as argparse does."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", "log.jsonl"])
+    assert exit_info.value.code == 2
+    assert main(["status"]) == 2
+    assert "--backend" in capsys.readouterr().err
+
+
+# --- status -----------------------------------------------------------------------------
+
+
+def test_status_of_the_memory_backend_explains_it_is_per_process() -> None:
+    """The memory backend cannot be read from outside: the command says why and where to
+    look instead."""
+    out = io.StringIO()
+    assert run_status("memory", as_json=False, out=out) == 2
+    assert "counts inside each process" in out.getvalue()
+    out = io.StringIO()
+    assert run_status("memory", as_json=True, out=out) == 2
+    assert "inside each process" in json.loads(out.getvalue())["error"]
+
+
+def test_status_of_a_missing_shared_file_fails_without_creating_it(tmp_path: Path) -> None:
+    """A shared backend file that does not exist is reported, not created."""
+    missing = tmp_path / "nope.shm"
+    out = io.StringIO()
+    assert run_status(f"shared://{missing}", as_json=False, out=out) == 1
+    assert "no such backend file" in out.getvalue()
+    assert not missing.exists()
+
+
+def test_status_of_an_unreachable_redis_fails_cleanly() -> None:
+    """A Redis that does not answer gives exit 1 and a message, no traceback."""
+    out = io.StringIO()
+    assert run_status(f"redis://127.0.0.1:{free_port()}/0", as_json=True, out=out) == 1
+    assert "backend failed" in json.loads(out.getvalue())["error"]
+
+
+@pytest.fixture(params=["shared", pytest.param("redis", marks=pytest.mark.redis)])
+def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A backend URL that other processes can read: shared file or Redis."""
+    if request.param == "shared":
+        try:
+            import gatekeeper_wsgi.backends.shared  # noqa: F401
+        except ImportError:
+            pytest.skip("the shared backend module is not in this checkout yet")
+        return f"shared://{tmp_path}/gatekeeper.shm"
+    base = request.getfixturevalue("redis_server")
+    return f"{base}?prefix=gk-cli-{os.getpid()}-{id(request)}"
+
+
+def test_status_reads_live_counts_from_another_process(shared_backend: str) -> None:
+    """`gatekeeper status --backend URL` (a separate process) sees the requests this one
+    holds, per concrete path, as text and as JSON."""
+    settings = {
+        "project": "shop",
+        "backend": shared_backend,
+        "limits": {"shop/checkout": {"concurrency": 5}, "shop/login/*": {"concurrency": 2}},
+    }
+    keeper = GateKeeper(settings)
+    held = [
+        keeper.admit("shop", "checkout", "crm"),
+        keeper.admit("shop", "checkout", "erp"),
+        keeper.admit("shop", "login", "alice"),
+    ]
+    try:
+        as_json = subprocess.run(
+            [gatekeeper_script(), "status", "--backend", shared_backend, "--json"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert as_json.returncode == 0, as_json.stdout + as_json.stderr
+        document = json.loads(as_json.stdout)
+        assert document["inflight"]["shop/checkout"] == 2
+        assert document["inflight"]["shop/login/alice"] == 1
+        out = io.StringIO()
+        assert run_status(shared_backend, as_json=False, out=out, config=settings) == 0
+        text = out.getvalue()
+        assert "3 in flight" in text
+        line = next(line for line in text.splitlines() if "shop/login/alice" in line)
+        assert "1 / 2" in line and "(shop/login/*)" in line
+    finally:
+        for admission in held:
+            admission.release(200)
+        keeper.close()
+    out = io.StringIO()
+    assert run_status(shared_backend, as_json=True, out=out) == 0
+    assert all(count == 0 for count in json.loads(out.getvalue())["inflight"].values())
+
+
+# --- replay -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """A WSGI app on a real loopback server that records every request it receives."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.server = make_server("127.0.0.1", 0, self, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def __call__(self, environ: Any, start_response: Any) -> list[bytes]:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        headers = {
+            key[5:].replace("_", "-").title(): value
+            for key, value in environ.items()
+            if key.startswith("HTTP_")
+        }
+        if environ.get("CONTENT_TYPE"):
+            headers["Content-Type"] = environ["CONTENT_TYPE"]
+        self.requests.append(
+            {
+                "method": environ["REQUEST_METHOD"],
+                "uri": environ.get("REQUEST_URI") or environ.get("RAW_URI"),
+                "path": environ["PATH_INFO"],
+                "query": environ["QUERY_STRING"],
+                "headers": headers,
+                "body": environ["wsgi.input"].read(length) if length else b"",
+            }
+        )
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"recorded"]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    """A recording server on 127.0.0.1."""
+    server = Recorder()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def rejected_log(tmp_path: Path) -> Iterator[Path]:
+    """A log file with the JSON lines of three rejected requests (and one foreign line)."""
+    path = tmp_path / "rejected.log"
+    logger = logging.getLogger("gatekeeper.rejected")
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+
+    def ok(environ: Any, start_response: Any) -> list[bytes]:
+        start_response("200 OK", [])
+        return [b""]
+
+    app = GateKeeperMiddleware(
+        ok,
+        {
+            "project": "shop",
+            "rejected_log": {"redact_headers": ["X-Api-Key"]},
+            "limits": {"shop": {"concurrency": 0}},
+        },
+    )
+    client = Client(app)
+    try:
+        client.post(
+            "/orders/7",
+            query_string="expand=items&note=a%20b",
+            data=b'{"item": 1}',
+            headers={
+                "Content-Type": "application/json",
+                "Authorization": "Bearer s3cret",
+                "X-Api-Key": "s3cret",
+                "X-Caller-Id": "crm",
+                "X-Request-Id": "orig-1",
+            },
+        )
+        client.put(
+            "/caf\u00e9/x y",
+            data=b"\x00\xff\xfebinary",
+            headers={"Content-Type": "application/octet-stream", "X-Request-Id": "orig-2"},
+        )
+        client.delete("/orders/8", headers={"X-Request-Id": "orig-3"})
+        assert flush()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(level)
+        logger.propagate = propagate
+    with path.open("a", encoding="utf-8") as log:
+        log.write("2024-01-01 an unrelated line\n")
+    yield path
+
+
+def test_replay_sends_method_path_query_headers_and_body_as_logged(
+    rejected_log: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each logged request arrives again at a real server exactly as it was sent; redacted
+    headers are left out unless supplied; results are printed per request."""
+    code = main(
+        ["replay", str(rejected_log), "--to", recorder.url, "-H", "Authorization: Bearer new"]
+    )
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert len(recorder.requests) == 3
+    post, put, delete = recorder.requests
+    assert post["method"] == "POST"
+    assert post["path"] == "/orders/7"
+    assert post["query"] == "expand=items&note=a%20b"
+    assert post["body"] == b'{"item": 1}'
+    assert post["headers"]["Content-Type"] == "application/json"
+    assert post["headers"]["X-Caller-Id"] == "crm"
+    assert post["headers"]["X-Request-Id"] == "orig-1"
+    assert post["headers"]["Authorization"] == "Bearer new"
+    assert "X-Api-Key" not in post["headers"]
+    assert put["method"] == "PUT"
+    assert put["uri"] == "/caf%C3%A9/x%20y"
+    assert put["body"] == b"\x00\xff\xfebinary"
+    assert delete["method"] == "DELETE" and delete["path"] == "/orders/8"
+    assert "POST /orders/7?expand=items&note=a%20b -> 201 Created" in output
+    assert "was GK-CONCURRENCY-LIMIT at shop, requestId orig-1" in output
+    assert "X-Api-Key was redacted: not sent" in output
+    assert "skipped: not a rejected-request record" in output
+    assert "sent 3, failed 0, skipped 1" in output
+
+
+def test_replay_dry_run_sends_nothing(rejected_log: Path, recorder: Recorder) -> None:
+    """--dry-run prints what would go out and sends nothing."""
+    out = io.StringIO()
+    assert run_replay(rejected_log, recorder.url, dry_run=True, out=out) == 0
+    assert recorder.requests == []
+    assert "would send 11 body bytes" in out.getvalue()
+    assert "would send 3, failed 0" in out.getvalue()
+
+
+def test_replay_with_a_rate_and_a_path_prefix(rejected_log: Path, recorder: Recorder) -> None:
+    """--rate paces the requests (all still arrive); a path in --to prefixes theirs."""
+    out = io.StringIO()
+    assert run_replay(rejected_log, recorder.url + "/mirror", rate="1000/s", out=out) == 0
+    assert [r["path"] for r in recorder.requests] == [
+        "/mirror/orders/7",
+        "/mirror/caf\xc3\xa9/x y",  # PEP 3333: UTF-8 bytes as latin-1
+        "/mirror/orders/8",
+    ]
+
+
+def test_replay_as_a_console_script(rejected_log: Path, recorder: Recorder) -> None:
+    """The installed `gatekeeper replay` re-sends the log too."""
+    result = subprocess.run(
+        [gatekeeper_script(), "replay", str(rejected_log), "--to", recorder.url, "--rate", "50/s"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r["method"] for r in recorder.requests] == ["POST", "PUT", "DELETE"]
+
+
+def test_replay_reports_unreachable_targets_and_fails(rejected_log: Path) -> None:
+    """Requests that cannot be sent are reported one by one and make the exit status 1."""
+    out = io.StringIO()
+    assert run_replay(rejected_log, f"http://127.0.0.1:{free_port()}", out=out) == 1
+    assert out.getvalue().count("-> failed:") == 3
+
+
+def test_replay_skips_truncated_bodies_unless_asked(tmp_path: Path, recorder: Recorder) -> None:
+    """A body the log cut short is not sent as if whole, unless --send-truncated."""
+    log = tmp_path / "cut.log"
+    record = {"method": "POST", "path": "/x", "query": "", "headers": {}, "body": "ab"}
+    log.write_text(json.dumps({**record, "body_truncated": True}) + "\n", encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out) == 0
+    assert recorder.requests == []
+    assert "body truncated in the log" in out.getvalue()
+    assert run_replay(log, recorder.url, out=io.StringIO(), send_truncated=True) == 0
+    assert recorder.requests[0]["body"] == b"ab"
+
+
+def test_replay_rejects_bad_arguments(rejected_log: Path, tmp_path: Path) -> None:
+    """A non-HTTP target, a bad rate or a missing log are usage errors (exit 2)."""
+    assert run_replay(rejected_log, "ftp://host", out=io.StringIO()) == 2
+    assert run_replay(rejected_log, "http://127.0.0.1:1", rate="fast", out=io.StringIO()) == 2
+    assert run_replay(tmp_path / "none.log", "http://127.0.0.1:1", out=io.StringIO()) == 2
+    assert parse_rate("30/m") == 0.5
+    assert parse_rate("5") == 5.0
