@@ -146,6 +146,29 @@ def test_scripts_reload_after_a_restart(own_redis: ControlledRedis) -> None:
 # --- semantics ----------------------------------------------------------------------------
 
 
+def test_query_reads_in_one_round_trip_and_writes_nothing(own_redis: ControlledRedis) -> None:
+    """A query (FRS 'query') answers what admit would, in one EVALSHA that writes nothing."""
+    gk = keeper(
+        own_redis.url, {"shop/work": {"concurrency": 1}, "shop/login/*": {"rate": "1/minute"}}
+    )
+    assert gk.query("shop", "work", "c") is None
+    held = gk.admit("shop", "work", "c")
+    gk.admit("shop", "login", "eve").release(200)
+    probe = redis.Redis.from_url(own_redis.url)
+    before = {key: probe.dump(key) for key in probe.scan_iter()}
+    answers: list[Any] = []
+    sent = client_commands(
+        own_redis.url,
+        lambda: answers.extend([gk.query("shop", "work", "c"), gk.query("shop", "login", "eve")]),
+    )
+    assert sent == ["EVALSHA", "EVALSHA"]
+    assert [answer.code for answer in answers] == ["GK-CONCURRENCY-LIMIT", "GK-RATE-LIMIT"]
+    assert {key: probe.dump(key) for key in probe.scan_iter()} == before
+    held.release(200)
+    assert gk.query("shop", "work", "c") is None
+    probe.close()
+
+
 def test_hash_tags_put_all_keys_of_a_project_in_one_cluster_slot(prefixed: str) -> None:
     """Every key carries its project as hash tag: one slot per project, under the prefix."""
     prefix = prefixed.rsplit("prefix=", 1)[1]

@@ -219,6 +219,7 @@ class RedisBackend(Backend):
         self._hold_ms = -(-self._hold_us // 1000)
         self._acquire_script: Script = client.register_script(_load_script("acquire.lua"))
         self._release_script: Script = client.register_script(_load_script("release.lua"))
+        self._peek_script: Script = client.register_script(_load_script("peek.lua"))
         self._breaker = _Breaker(breaker_cooldown, location)
         self.location = location
         self._keys: dict[str, tuple[str, str]] = {}
@@ -292,27 +293,7 @@ class RedisBackend(Backend):
             # decision sees them free.
             self._flush()
         lease = f"{_token}{next(_sequence):x}"
-        keys: list[str] = []
-        args: list[str | int] = [lease, self._hold_us, self._hold_ms]
-        lease_keys: list[str] = []
-        for slot in slots:
-            lease_key, log_key = self.keys_of(slot.key)
-            keys.append(lease_key)
-            lease_keys.append(lease_key)
-            limit = slot.limit
-            concurrency = limit.concurrency
-            rate = limit.rate
-            if rate is None:
-                args += (-1 if concurrency is None else concurrency, 0, 0, int(slot.enforce))
-            else:
-                keys.append(log_key)
-                window = round(rate.seconds * 1_000_000)
-                args += (
-                    -1 if concurrency is None else concurrency,
-                    rate.limit,
-                    window,
-                    int(slot.enforce),
-                )
+        keys, args, lease_keys = self._script_input(slots, lease)
         try:
             result = self._call(self._acquire_script, keys, args)
         except BackendError as exc:
@@ -333,6 +314,40 @@ class RedisBackend(Backend):
             and index not in unrecorded
         ]
         return _RedisGrant(slots, shadowed, lease, lease_keys, reserved)
+
+    def _script_input(
+        self, slots: Sequence[Slot], lease: str
+    ) -> tuple[list[str], list[str | int], list[str]]:
+        """KEYS and ARGV of acquire.lua / peek.lua, and the lease sets among the KEYS."""
+        keys: list[str] = []
+        args: list[str | int] = [lease, self._hold_us, self._hold_ms]
+        lease_keys: list[str] = []
+        for slot in slots:
+            lease_key, log_key = self.keys_of(slot.key)
+            keys.append(lease_key)
+            lease_keys.append(lease_key)
+            limit = slot.limit
+            concurrency = -1 if limit.concurrency is None else limit.concurrency
+            rate = limit.rate
+            if rate is None:
+                args += (concurrency, 0, 0, int(slot.enforce))
+            else:
+                keys.append(log_key)
+                args += (
+                    concurrency,
+                    rate.limit,
+                    round(rate.seconds * 1_000_000),
+                    int(slot.enforce),
+                )
+        return keys, args, lease_keys
+
+    def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
+        """Whether acquire would admit now, read in one script that writes nothing."""
+        keys, args, _ = self._script_input(slots, "")
+        result = self._call(self._peek_script, keys, args)
+        if result[0] == 1:
+            return None
+        return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6, 0)
 
     # --- release --------------------------------------------------------------------------
 
