@@ -35,12 +35,13 @@ from gatekeeper_wsgi.resolve import Route, key_segment
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
-__all__ = ["FRS_PROJECT", "MAX_BODY", "Answer", "FrequencyService"]
+__all__ = ["FRS_PROJECT", "MAX_BODY", "Answer", "FrequencyService", "Reply"]
 
 #: The project whose services are the biz ids.
 FRS_PROJECT = "frs"
 #: Larger request bodies are refused with 413 without being read.
 MAX_BODY = 64 * 1024
+_TOO_LARGE = f"body too large: at most {MAX_BODY} bytes"
 COMMANDS = ("query", "update")
 FIELDS = ("cmd_type", "key", "biz_id")
 
@@ -54,8 +55,6 @@ _REASONS = {
     413: "Content Too Large",
     503: "Service Unavailable",
 }
-# Every update changes the answers: no cache may keep one.
-_NO_CACHE = ("Cache-Control", "no-store")
 
 
 class Answer(NamedTuple):
@@ -149,33 +148,62 @@ class FrequencyService:
         admission.release(min(counted) if counted else 200)
         return _not_restricted("recorded")
 
-    # --- WSGI -----------------------------------------------------------------------------
+    # --- HTTP -----------------------------------------------------------------------------
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        as_json = _wants_json(environ)
-        method = environ.get("REQUEST_METHOD", "GET")
-        headers: list[tuple[str, str]] = []
+        method = str(environ.get("REQUEST_METHOD") or "GET")
+        accept = str(environ.get("HTTP_ACCEPT") or "")
+        try:
+            body = _read_body(environ) if method == "POST" else b""
+        except _Refused as refused:
+            reply = _reply(refused.answer, accept, method)
+        else:
+            content_type = str(environ.get("CONTENT_TYPE") or "")
+            reply = self.respond(method, body, content_type=content_type, accept=accept)
+        start_response(reply.status, reply.headers)
+        return [reply.body]
+
+    def respond(
+        self, method: str, body: bytes, *, content_type: str = "", accept: str = ""
+    ) -> Reply:
+        """The HTTP reply to one request, for framework views that read the body
+        themselves: pass at most ``MAX_BODY + 1`` bytes of it (more is answered 413)."""
         if method != "POST":
-            headers.append(("Allow", "POST"))
             answer = Answer(405, None, "method not allowed: use POST")
+        elif len(body) > MAX_BODY:
+            answer = Answer(413, None, _TOO_LARGE)
         else:
             try:
-                body = _read_body(environ)
-                fields = _parse(body, str(environ.get("CONTENT_TYPE") or ""))
+                fields = _parse(body, content_type)
                 answer = self._run(fields["cmd_type"], fields["biz_id"], fields["key"])
             except _Refused as refused:
                 answer = refused.answer
-        payload = _render(answer, as_json=as_json)
-        content_type = "application/json" if as_json else "application/xml; charset=utf-8"
-        headers += [
-            ("Content-Type", content_type),
-            ("Content-Length", str(len(payload))),
-            _NO_CACHE,
-        ]
-        if answer.retry_after is not None:
-            headers.append(("Retry-After", str(answer.retry_after)))
-        start_response(f"{answer.status} {_REASONS[answer.status]}", headers)
-        return [b""] if method == "HEAD" else [payload]
+        return _reply(answer, accept, method)
+
+
+class Reply(NamedTuple):
+    """A complete HTTP reply: status line, headers, body."""
+
+    status: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def _reply(answer: Answer, accept: str, method: str) -> Reply:
+    as_json = bool(accept) and _accept_prefers_xml(accept) is False
+    payload = _render(answer, as_json=as_json)
+    headers = [
+        ("Content-Type", "application/json" if as_json else "application/xml; charset=utf-8"),
+        ("Content-Length", str(len(payload))),
+        # Every update changes the answers: no cache may keep one.
+        ("Cache-Control", "no-store"),
+    ]
+    if answer.status == 405:
+        headers.append(("Allow", "POST"))
+    if answer.retry_after is not None:
+        headers.append(("Retry-After", str(answer.retry_after)))
+    status = f"{answer.status} {_REASONS[answer.status]}"
+    return Reply(status, headers, b"" if method == "HEAD" else payload)
 
 
 def _biz_limit(route: Route) -> Limit | None:
@@ -222,11 +250,6 @@ def _render(answer: Answer, *, as_json: bool = False) -> bytes:
     ).encode("utf-8", "replace")
 
 
-def _wants_json(environ: WSGIEnvironment) -> bool:
-    accept = environ.get("HTTP_ACCEPT")
-    return isinstance(accept, str) and _accept_prefers_xml(accept) is False
-
-
 def _read_body(environ: WSGIEnvironment) -> bytes:
     text = str(environ.get("CONTENT_LENGTH") or "").strip()
     stream = environ.get("wsgi.input")
@@ -237,7 +260,7 @@ def _read_body(environ: WSGIEnvironment) -> bytes:
             raise _Refused(400, "invalid Content-Length")
         length = int(text)
         if length > MAX_BODY:
-            raise _Refused(413, f"body too large: at most {MAX_BODY} bytes")
+            raise _Refused(413, _TOO_LARGE)
         return _read(stream, length)
     # No length: only a server that marks the stream as terminated (chunked requests)
     # lets us read to its end (PEP 3333 otherwise forbids reading past CONTENT_LENGTH).
@@ -245,7 +268,7 @@ def _read_body(environ: WSGIEnvironment) -> bytes:
         return b""
     body = _read(stream, MAX_BODY + 1)
     if len(body) > MAX_BODY:
-        raise _Refused(413, f"body too large: at most {MAX_BODY} bytes")
+        raise _Refused(413, _TOO_LARGE)
     return body
 
 

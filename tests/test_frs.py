@@ -523,6 +523,20 @@ def test_input_is_never_echoed() -> None:
         answer_of(response.data)  # still well-formed
 
 
+def test_respond_serves_framework_views() -> None:
+    """respond() gives the same replies to a view that read the body itself."""
+    service = FrequencyService({"limits": LIMITS})
+    reply = service.respond("POST", xml_request("update"), accept="application/json")
+    assert reply.status == "200 OK"
+    assert ("Content-Type", "application/json") in reply.headers
+    assert json.loads(reply.body) == {"result": 0, "msg": "recorded"}
+    too_large = service.respond("POST", b" " * (MAX_BODY + 1))
+    assert (too_large.status, answer_of(too_large.body)[0]) == ("413 Content Too Large", None)
+    not_allowed = service.respond("GET", b"")
+    assert not_allowed.status == "405 Method Not Allowed"
+    assert ("Allow", "POST") in not_allowed.headers
+
+
 # --- a real server ------------------------------------------------------------------------
 
 
