@@ -548,7 +548,8 @@ def run_replay(
         sent += 1
         try:
             status, reason = _send(target.scheme, host, port, request, timeout)
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            # ValueError: http.client refuses a logged path or header it cannot send.
             failed += 1
             print(f"{label} -> failed: {_printable(exc)} ({origin})", file=out)
             continue

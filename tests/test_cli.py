@@ -434,3 +434,20 @@ def test_replay_rejects_bad_arguments(rejected_log: Path, tmp_path: Path) -> Non
     assert run_replay(tmp_path / "none.log", "http://127.0.0.1:1", out=io.StringIO()) == 2
     assert parse_rate("30/m") == 0.5
     assert parse_rate("5") == 5.0
+
+
+def test_replay_reports_requests_that_cannot_be_put_on_the_wire(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A hand-edited log line with a raw space or newline in its path fails alone."""
+    log = tmp_path / "edited.log"
+    lines = [
+        {"method": "GET", "path": "/a b", "query": "", "headers": {}},
+        {"method": "GET", "path": "/ok", "query": "", "headers": {"X-Bad": "a\nb"}},
+        {"method": "GET", "path": "/fine", "query": "", "headers": {}},
+    ]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out) == 1
+    assert out.getvalue().count("-> failed:") == 2
+    assert [r["path"] for r in recorder.requests] == ["/fine"]
