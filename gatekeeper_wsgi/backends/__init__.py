@@ -42,11 +42,8 @@ def backend_from_url(url: str, config: Config | None = None) -> Backend:
     try:
         module = import_module(module_name)
     except ImportError as exc:
-        extra = "redis" if "redis" in module_name else scheme
-        raise ConfigError(
-            "backend",
-            f"backend {url!r} needs an extra: pip install 'gatekeeper-wsgi[{extra}]' ({exc})",
-        ) from exc
+        hint = " (pip install 'gatekeeper-wsgi[redis]')" if "redis" in module_name else ""
+        raise ConfigError("backend", f"backend {url!r} cannot be loaded: {exc}{hint}") from exc
     cls: type[Backend] = getattr(module, class_name)
     if scheme == "memory":
         if url.strip().lower() not in ("memory", "memory://", "memory:"):
