@@ -4,6 +4,8 @@ blueprint, the CLI group and application factories."""
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ from flask import Blueprint, Flask, Response, request, stream_with_context
 from gatekeeper_wsgi.contrib.flask import UNRESOLVED_SERVICE, GateKeeper
 from werkzeug.test import EnvironBuilder
 
-from gatekeeper_wsgi import ConfigError
+from gatekeeper_wsgi import ConfigError, rejectlog
 from tests.conftest import FakeClock
 
 
@@ -493,6 +495,12 @@ def test_constructor_config_wins_over_app_config() -> None:
     assert GateKeeper(make_app()).gatekeeper.config.project == "default"
 
 
+def test_unknown_backend_fails_at_init_app() -> None:
+    """An unknown backend scheme is reported by init_app, not by the first request."""
+    with pytest.raises(ConfigError, match="unknown backend 'mongo://x'"):
+        GateKeeper(make_app({"backend": "mongo://x"}))
+
+
 def test_double_init_raises() -> None:
     """Registering a gatekeeper twice on one app is an error, not a double wrap."""
     app = make_app()
@@ -612,3 +620,78 @@ def test_cli_group_is_registered() -> None:
     assert result.exit_code == 0
     for command in ("check", "status", "replay"):
         assert command in result.output
+
+
+def test_cli_check_prints_settings_and_view_limits() -> None:
+    """'flask gatekeeper check' shows the settings' limits and the decorator limits."""
+    app = make_app({"project": "shop", "limits": {"shop": {"concurrency": 50}}})
+    gk = GateKeeper(app)
+
+    @app.route("/login", methods=["POST"])
+    @gk.limit(rate="5/minute", key="ip")
+    def login() -> str:
+        return "welcome"
+
+    result = app.test_cli_runner().invoke(args=["gatekeeper", "check"])
+    assert result.exit_code == 0, result.output
+    assert "shop/login/*" in result.output
+    assert "5/minute" in result.output
+
+
+def test_cli_check_file_reports_file_and_line(tmp_path: Path) -> None:
+    """'flask gatekeeper check FILE' fails with file:line for an invalid file."""
+    bad = tmp_path / "gatekeeper.properties"
+    bad.write_text("project = shop\nlimits.shop.concurrency = -1\n")
+    app = make_app()
+    GateKeeper(app)
+    result = app.test_cli_runner().invoke(args=["gatekeeper", "check", str(bad)])
+    assert result.exit_code == 1
+    assert f"{bad}:2: limits.shop.concurrency" in result.output
+
+
+def test_cli_status_reads_the_shared_backend(tmp_path: Path) -> None:
+    """'flask gatekeeper status' reads the shared file, sized for views limited after init."""
+    app = make_app({"project": "shop", "backend": f"shared://{tmp_path}/gk.shm"})
+    gk = GateKeeper(app)
+
+    @app.route("/export")
+    @gk.limit(concurrency=2)
+    def export() -> Response:
+        return held_stream()
+
+    runner = app.test_cli_runner()
+    with app.test_client().get("/export"):
+        result = runner.invoke(args=["gatekeeper", "status", "--json"])
+        assert result.exit_code == 0, result.output
+        document = json.loads(result.output)
+        assert document["inflight"]["shop/export"] == 1
+        assert document["limits"]["shop/export"]["concurrency"] == 2
+    gk.gatekeeper.close()
+
+
+def test_cli_replay_dry_run_lists_a_rejected_request(tmp_path: Path) -> None:
+    """'flask gatekeeper replay LOG --dry-run' reads what the rejected-request log wrote."""
+    app = make_app({"project": "shop", "limits": {"shop/pay": {"concurrency": 0}}})
+    GateKeeper(app)
+
+    @app.route("/pay", methods=["POST"])
+    def pay() -> str:
+        return "paid"
+
+    log_file = tmp_path / "rejected.log"
+    handler = logging.FileHandler(log_file)
+    rejected_logger = logging.getLogger("gatekeeper.rejected")
+    rejected_logger.addHandler(handler)
+    rejected_logger.setLevel(logging.INFO)
+    try:
+        with app.test_client().post("/pay?cart=7", data="{}") as response:
+            assert response.status_code == 503
+        assert rejectlog.flush()
+    finally:
+        rejected_logger.removeHandler(handler)
+        handler.close()
+    result = app.test_cli_runner().invoke(
+        args=["gatekeeper", "replay", str(log_file), "--to", "http://127.0.0.1:9", "--dry-run"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "POST /pay?cart=7 -> dry run" in result.output

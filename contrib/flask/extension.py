@@ -27,24 +27,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from flask import Blueprint, Flask, current_app, has_app_context
 from werkzeug.exceptions import HTTPException
 
+from gatekeeper_wsgi.backends import BACKENDS, backend_from_url
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.engine import ConfigSource
 from gatekeeper_wsgi.engine import GateKeeper as Engine
 from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.middleware import GateKeeperMiddleware
 from gatekeeper_wsgi.resolve import key_segment
 
 if TYPE_CHECKING:
-    from _typeshed.wsgi import WSGIApplication, WSGIEnvironment
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
     from flask.sansio.blueprints import BlueprintSetupState
 
     from gatekeeper_wsgi.status import StatusApp
@@ -99,6 +102,21 @@ def _chain(view: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
         seen += 1
 
 
+def _validate(source: ConfigSource) -> None:
+    """Fail at start-up, not on the first request: settings, file, resolver, renderer,
+    routes and the backend's scheme."""
+    from gatekeeper_wsgi.cli import load_config
+
+    config = load_config(source)
+    Identifier(config)
+    scheme = config.backend.split(":", 1)[0].lower()
+    if scheme not in BACKENDS:
+        known = ", ".join(sorted(BACKENDS))
+        raise ConfigError(
+            "backend", f"unknown backend {config.backend!r}; expected one of: {known}"
+        )
+
+
 class GateKeeper:
     """Flask extension: limits per app, blueprint and view, by the core engine.
 
@@ -138,7 +156,8 @@ class GateKeeper:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._config = config
-        self._clock = clock
+        #: monotonic seconds for the engines; None: the engine's default
+        self.clock = clock
         self._view_limits: dict[Callable[..., Any], list[_ViewLimit]] = {}
         self._exempt: set[Callable[..., Any]] = set()
         self._blueprint_limits: dict[Blueprint, dict[str, Any]] = {}
@@ -152,10 +171,12 @@ class GateKeeper:
     # --- registration ---------------------------------------------------------------------
 
     def init_app(self, app: Flask) -> None:
-        """Create the app's engine and wrap ``app.wsgi_app`` with the core middleware.
+        """Wrap ``app.wsgi_app`` with the core middleware; its engine starts on first use.
 
-        Raises :class:`RuntimeError` if a gatekeeper is already registered on ``app``
-        (wrapping twice would be a mistake; call ``init_app`` once per app).
+                The settings are validated now (:class:`ConfigError` naming the key).
+        Raises
+                :class:`RuntimeError` if a gatekeeper is already registered on ``app`` (wrapping
+                twice would be a mistake; call ``init_app`` once per app).
         """
         if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
@@ -165,13 +186,10 @@ class GateKeeper:
         source: ConfigSource = (
             self._config if self._config is not None else (app.config.get("GATEKEEPER") or {})
         )
-        engine = Engine(source) if self._clock is None else Engine(source, clock=self._clock)
-        state = AppState(self, app, engine, source)
-        state.refresh()
+        _validate(source)
         inner: WSGIApplication = app.wsgi_app
-        app.wsgi_app = GateKeeperMiddleware(  # type: ignore[method-assign]
-            inner, engine, identify=state.identify
-        )
+        state = AppState(self, app, source, inner)
+        app.wsgi_app = state  # type: ignore[method-assign]
         app.extensions[EXTENSION_KEY] = state
         from .cli import gatekeeper_cli
 
@@ -405,36 +423,101 @@ def endpoint_identity(app: Flask, endpoint: str, project: str) -> tuple[str, str
     return project, key_segment(endpoint)
 
 
+def _with_limits(source: ConfigSource, limits: Mapping[str, Mapping[str, Any]]) -> ConfigSource:
+    """``source`` with code limits under its own (settings and file win per path)."""
+    if not limits:
+        return source
+    if not isinstance(source, Mapping):
+        return {"reload": {"file": os.fspath(source)}, "limits": dict(limits)}
+    own = source.get("limits")
+    return {**source, "limits": {**limits, **own} if isinstance(own, Mapping) else dict(limits)}
+
+
 class AppState:
     """What :meth:`GateKeeper.init_app` keeps per app in ``app.extensions["gatekeeper"]``:
-    the app's engine and the identify function of its middleware."""
+    the app's engine (started on first use) and the identify function of its middleware.
+
+    The engine starts at the first request (or the first look at ``gk.gatekeeper``), when
+    Flask's setup is normally finished: the backend is then sized for the view limits too,
+    which matters for the shared backend (its table is sized when it is created). Views
+    limited later are still added, within the table's spare room.
+    """
 
     def __init__(
-        self, extension: GateKeeper, app: Flask, gatekeeper: Engine, source: ConfigSource
+        self, extension: GateKeeper, app: Flask, source: ConfigSource, inner: WSGIApplication
     ) -> None:
         self.extension = extension
         self.app = app
-        self.gatekeeper = gatekeeper
-        #: the settings dict or file path the engine was built from
+        #: the settings dict or file path the engine is built from
         self.source = source
         #: the code limits last handed to the engine (decorators, limit_blueprint)
         self.code_limits: dict[str, Mapping[str, Any]] = {}
+        #: the StatusApp behind the status blueprint, built on first use
+        self.status_app: StatusApp | None = None
+        self._inner = inner
+        self._engine: Engine | None = None
+        self._middleware: GateKeeperMiddleware | None = None
         self._names: dict[str, tuple[str, str] | None] = {}
         self._seen: tuple[int, str, int] | None = None
         self._lock = threading.Lock()
-        #: the StatusApp behind the status blueprint, built on first use
-        self.status_app: StatusApp | None = None
+
+    @property
+    def gatekeeper(self) -> Engine:
+        """The app's engine, started now if it was not yet."""
+        return self.middleware().gatekeeper
+
+    def middleware(self) -> GateKeeperMiddleware:
+        """The core middleware around the app, with its engine; started on first use."""
+        middleware = self._middleware
+        if middleware is None:
+            with self._lock:
+                middleware = self._middleware
+                if middleware is None:
+                    middleware = self._middleware = self._start()
+        return middleware
+
+    def _start(self) -> GateKeeperMiddleware:
+        from gatekeeper_wsgi.cli import load_config
+
+        project = load_config(self.source).project
+        limits, names = self.extension.collect(self.app, project)
+        sized = load_config(_with_limits(self.source, limits))
+        backend = backend_from_url(sized.backend, sized)
+        clock = self.extension.clock
+        try:
+            engine = (
+                Engine(self.source, backend=backend)
+                if clock is None
+                else Engine(self.source, clock=clock, backend=backend)
+            )
+            if limits:
+                engine.add_limits(limits)
+        except BaseException:
+            backend.close()
+            raise
+        self._engine = engine
+        self.code_limits = limits
+        self._names = names
+        self._seen = self._stamp()
+        return GateKeeperMiddleware(self._inner, engine, identify=self.identify)
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        """``app.wsgi_app``: the core middleware, which admits, runs the app and releases."""
+        middleware = self._middleware or self.middleware()
+        return middleware(environ, start_response)
 
     def _stamp(self) -> tuple[int, str, int]:
+        assert self._engine is not None
         return (
             len(self.app.view_functions),
-            self.gatekeeper.config.project,
+            self._engine.config.project,
             self.extension.generation,
         )
 
     def refresh(self, *, if_changed: bool = False, in_request: bool = False) -> None:
         """Collect the app's view and blueprint limits and hand changes to the engine
         (``if_changed``: only when views, decorators or the project changed since)."""
+        engine = self.middleware().gatekeeper
         with self._lock:
             stamp = self._stamp()
             if (if_changed or in_request) and stamp == self._seen:
@@ -442,7 +525,7 @@ class AppState:
             limits, names = self.extension.collect(self.app, stamp[1])
             if limits != self.code_limits:
                 try:
-                    self.gatekeeper.add_limits(limits)
+                    engine.add_limits(limits)
                 except ConfigError as exc:
                     if not in_request:
                         raise
@@ -457,9 +540,10 @@ class AppState:
     def identify(self, environ: WSGIEnvironment) -> tuple[str, str] | None:
         """(project, service) of a request, or None for an exempt view."""
         app = self.app
+        engine = self._engine or self.gatekeeper
         if self._seen != self._stamp():
-            self.refresh(in_request=True)  # views registered or marked after init_app
-        project = self.gatekeeper.config.project
+            self.refresh(in_request=True)  # views registered or marked since the start
+        project = engine.config.project
         try:
             adapter = app.create_url_adapter(app.request_class(environ, shallow=True))
             if adapter is None:
@@ -477,13 +561,12 @@ class AppState:
         return endpoint_identity(app, name, project)
 
     def effective_settings(self) -> ConfigSource:
-        """The configured settings with the code limits under them (for ``check``)."""
-        source = self.source
-        code = dict(self.code_limits)
-        if not code:
-            return source
-        if not isinstance(source, Mapping):
-            return {"reload": {"file": str(source)}, "limits": code}
-        limits = source.get("limits")
-        merged = {**code, **limits} if isinstance(limits, Mapping) else code
-        return {**source, "limits": merged}
+        """The configured settings with the code limits under them (what ``check`` and
+        ``status`` show), collected now without starting the engine."""
+        from gatekeeper_wsgi.cli import load_config
+
+        if self._engine is not None:
+            self.refresh(if_changed=True)
+            return _with_limits(self.source, self.code_limits)
+        limits, _ = self.extension.collect(self.app, load_config(self.source).project)
+        return _with_limits(self.source, limits)
