@@ -1,0 +1,298 @@
+"""The Django middleware: the core engine's admission and release around Django's handler."""
+
+# mypy: disable-error-code="import-untyped"
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
+
+from django.http import HttpResponse
+from django.urls import Resolver404, resolve
+
+from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.engine import GateKeeper
+from gatekeeper_wsgi.errors import ConfigError, Rejected
+from gatekeeper_wsgi.fault import render_fault
+from gatekeeper_wsgi.identify import Identifier, request_id_from
+from gatekeeper_wsgi.middleware import ADMISSION_KEY, IDENTITY_KEY, REQUEST_ID_KEY, ResponseWatch
+from gatekeeper_wsgi.rejectlog import log_rejected
+
+from .conf import get_gatekeeper
+from .signals import request_rejected
+
+__all__ = ["UNRESOLVED", "GateKeeperMiddleware", "service_segment"]
+
+logger = logging.getLogger("gatekeeper")
+
+#: The service of a request whose path resolves to no URL pattern (Django answers 404).
+UNRESOLVED = "unresolved"
+
+_NOT_SEGMENT = re.compile(r"[^A-Za-z0-9._:@-]+")
+
+
+def service_segment(name: str) -> str:
+    """A URL name, namespace or view path as a limit path segment: every run of characters
+    outside ``[A-Za-z0-9._:@-]`` becomes ``_``, cut at 128 characters
+    (``views.<locals>.f`` -> ``views._locals_.f``)."""
+    return _NOT_SEGMENT.sub("_", name)[:128] or "_"
+
+
+def _view_path(func: Any) -> str:
+    """The dotted path of a view: module and qualified name of the function or class."""
+    view = getattr(func, "view_class", func)
+    if not hasattr(view, "__qualname__"):  # a callable instance, a functools.partial
+        view = type(view)
+    return f"{view.__module__}.{view.__qualname__}"
+
+
+def _is_exempt(func: Any) -> bool:
+    return bool(
+        getattr(func, "gatekeeper_exempt", False)
+        or getattr(getattr(func, "view_class", None), "gatekeeper_exempt", False)
+    )
+
+
+class _Identity:
+    """What one configuration needs per request, built once per configuration."""
+
+    __slots__ = ("config", "identifier", "needs_user")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.identifier = Identifier(config)
+        self.needs_user = any(limit.key == "user" for limit in config.limits.values())
+
+
+def _username(request: Any) -> str | None:
+    user = getattr(request, "user", None)
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    return str(user.get_username())
+
+
+def _watched(content: Iterable[bytes], watch: ResponseWatch) -> Iterator[bytes]:
+    """Streamed content, scanned for a timeout marker; an error mid-stream is faulty and
+    releases at once."""
+    try:
+        if watch.scans_body:
+            for chunk in content:
+                watch.chunk(chunk)
+                yield chunk
+        else:
+            yield from content
+    except GeneratorExit:  # closed early: the client went away
+        raise
+    except BaseException:
+        watch.error()
+        # The response is dead; release now rather than trust a close() that Django's
+        # ASGI handler skips when a stream raises.
+        watch.finish()
+        raise
+
+
+async def _awatched(content: AsyncIterator[bytes], watch: ResponseWatch) -> AsyncIterator[bytes]:
+    """The async twin of :func:`_watched`."""
+    try:
+        async for chunk in content:
+            watch.chunk(chunk)
+            yield chunk
+    except (GeneratorExit, asyncio.CancelledError):
+        raise
+    except BaseException:
+        watch.error()
+        watch.finish()
+        raise
+
+
+class GateKeeperMiddleware:
+    """Django middleware that admits or rejects each request by ``settings.GATEKEEPER``.
+
+    Put it first, so it decides before any other middleware or the view does work::
+
+        MIDDLEWARE = [
+            "gatekeeper_wsgi.contrib.django.GateKeeperMiddleware",
+            "django.middleware.security.SecurityMiddleware",
+            ...
+        ]
+        GATEKEEPER = {
+            "project": "shop",
+            "limits": {
+                "shop": {"concurrency": 100},
+                "shop/checkout": {"concurrency": 10, "queue": {"size": 20, "wait": 1.5}},
+            },
+        }
+
+    **Naming.** The request path (``request.path_info``, resolved against
+    ``request.urlconf`` when set, else ``ROOT_URLCONF``) gives the levels: project = the
+    URL namespace (``"shop"``, nested ``"shop:admin"``), else the ``project`` setting;
+    service = the URL name; a pattern without a name uses the view's dotted path
+    (``myapp.views.checkout``, ``myapp.views.CheckoutView``); names are made safe by
+    :func:`service_segment`. A path that resolves to nothing counts as service
+    ``unresolved`` (:data:`UNRESOLVED`) of the ``project`` setting, so 404 floods are
+    limited too. Views marked ``@gatekeeper_exempt`` are never limited. The ``routes``
+    setting is for bare WSGI and ignored here.
+
+    **Caller.** From the configured header, or ``caller.resolver(request.META)``. Limits
+    with ``key: "user"`` read ``request.user`` (its username when authenticated), else
+    ``REMOTE_USER``. Running first, this middleware sees ``request.user`` only if
+    something set it before Django's middleware ran - ``AuthenticationMiddleware`` comes
+    later - so for per-user limits authenticate at the server (``REMOTE_USER``) or derive
+    the caller with ``caller.resolver`` (e.g. from a token header) and key by ``caller``.
+
+    **Release.** The slots come back when the server closes Django's response (a
+    closer on ``response._resource_closers``), whatever the response: streamed
+    (``StreamingHttpResponse`` content is wrapped, so timeout markers are scanned as it
+    streams and an error mid-stream counts as faulty), ``FileResponse`` (passed through
+    untouched, keeping ``wsgi.file_wrapper``, unless a body marker must be scanned),
+    500 responses Django made from exceptions in views or other middleware (faulty, so
+    ``delay`` applies), and responses short-circuited by middleware below. A response
+    dropped without ``close()`` releases when it is garbage collected.
+
+    **Rejection.** A ServiceFault rendered like the WSGI middleware's, logged on
+    ``gatekeeper.rejected``, and the ``request_rejected`` signal sent (see
+    :mod:`gatekeeper_wsgi.contrib.django.signals`). When the WSGI
+    ``GateKeeperMiddleware`` also wraps the Django app, the request was counted there
+    (``request.META["gatekeeper.admission"]``) and is not counted again.
+
+    **ASGI.** This is a synchronous middleware; under ``ASGIHandler`` Django adapts it
+    (runs it in the request's thread-sensitive worker thread). It works the same, but a
+    request waiting in a ``queue`` holds that thread while it waits. If the client
+    disconnects while the view runs, Django cancels the request: the slots come back
+    (not as faulty) once the view has stopped - an async view at its cancellation, a
+    sync view when it returns, since its thread cannot be interrupted.
+    """
+
+    sync_capable = True
+    async_capable = False
+
+    def __init__(self, get_response: Callable[[Any], Any]) -> None:
+        self.get_response = get_response
+        # Built now, so a broken configuration fails at start-up, not on a request.
+        self._identity = _Identity(get_gatekeeper().config)
+        #: a newer configuration whose resolver or renderer failed to load
+        self._unusable: Config | None = None
+
+    def __call__(self, request: Any) -> Any:
+        meta = request.META
+        if ADMISSION_KEY in meta:  # already counted by the WSGI middleware around Django
+            return self.get_response(request)
+        started = time.perf_counter_ns()
+        keeper = get_gatekeeper()
+        identity = self._identity
+        if identity.config is not keeper.config and keeper.config is not self._unusable:
+            identity = self._reidentify(keeper.config)
+        config = identity.config
+        names = self._names(request, config.project)
+        if names is None:
+            return self.get_response(request)
+        project, service = names
+        caller = identity.identifier.caller(meta)
+        try:
+            if caller is None:
+                if config.caller.required:
+                    raise keeper._counted(Rejected("GK-CALLER-MISSING"))
+                caller = config.caller.default
+            meta[IDENTITY_KEY] = (project, service, caller)
+            user = _username(request) if identity.needs_user else None
+            admission = keeper.admit(project, service, caller, meta, user)
+        except Rejected as rejected:
+            return self._reject(request, rejected, identity, keeper)
+        meta[ADMISSION_KEY] = admission
+        keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
+        watch = ResponseWatch(admission)
+        try:
+            response = self.get_response(request)
+            self._watch(response, watch)
+        except asyncio.CancelledError:  # under ASGI: the client went away, not a fault
+            watch.finish()
+            raise
+        except BaseException:
+            watch.error()
+            watch.finish()
+            raise
+        return response
+
+    def _reidentify(self, config: Config) -> _Identity:
+        """The identity of a new configuration (hot reload, replaced settings). Validation
+        does not import ``caller.resolver`` / ``fault.renderer``; if one fails, keep the
+        previous identity (logged once) rather than fail every request with a 500."""
+        try:
+            self._identity = _Identity(config)
+        except ConfigError as exc:
+            self._unusable = config
+            logger.error(
+                "gatekeeper: new configuration unusable (%s); keeping the previous caller "
+                "and fault settings until it is fixed",
+                exc,
+            )
+        return self._identity
+
+    def _names(self, request: Any, default_project: str) -> tuple[str, str] | None:
+        """(project, service) of the request, or None for an exempt view."""
+        try:
+            match = resolve(request.path_info, getattr(request, "urlconf", None))
+        except Resolver404:
+            return default_project, UNRESOLVED
+        if _is_exempt(match.func):
+            return None
+        project = service_segment(match.namespace) if match.namespace else default_project
+        service = match.url_name or _view_path(match.func)
+        return project, service_segment(service)
+
+    @staticmethod
+    def _watch(response: Any, watch: ResponseWatch) -> None:
+        """Feed the response to the watch and release on its close."""
+        watch.headers(response.status_code, response.items())
+        if response.streaming:
+            if getattr(response, "file_to_stream", None) is None or watch.scans_body:
+                if response.is_async:
+                    response.streaming_content = _awatched(response.streaming_content, watch)
+                else:
+                    response.streaming_content = _watched(response.streaming_content, watch)
+        elif watch.scans_body:
+            watch.chunk(response.content)
+        response._resource_closers.append(watch.finish)
+        # A safety net for servers (and ASGI cancellations) that drop a response unclosed.
+        weakref.finalize(response, watch.finish).atexit = False
+
+    def _reject(
+        self, request: Any, rejected: Rejected, identity: _Identity, keeper: GateKeeper
+    ) -> HttpResponse:
+        started = time.perf_counter_ns()
+        config = identity.config
+        identifier = identity.identifier
+        meta = request.META
+        request_id = request_id_from(meta, identifier.request_id_key)
+        meta[REQUEST_ID_KEY] = request_id
+        status, headers, body = render_fault(
+            rejected,
+            meta,
+            request_id,
+            fault_format=config.fault.format,
+            request_id_header=config.request_id_header,
+            renderer=identifier.renderer,
+        )
+        code, _, reason = status.partition(" ")
+        response = HttpResponse(body, status=int(code), reason=reason or None)
+        for name, value in headers:
+            response[name] = value
+        # Under ASGI there is no wsgi.input; the request reads its own (limited) body.
+        log_environ = meta if "wsgi.input" in meta else {**meta, "wsgi.input": request}
+        log_rejected(log_environ, rejected, request_id, config)
+        for receiver, result in request_rejected.send_robust(
+            sender=type(self), request=request, rejected=rejected, request_id=request_id
+        ):
+            if isinstance(result, Exception):
+                logger.error(
+                    "gatekeeper: request_rejected receiver %r raised",
+                    receiver,
+                    exc_info=result,
+                )
+        keeper.monitor.stages["reject"].record(time.perf_counter_ns() - started)
+        return response

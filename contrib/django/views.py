@@ -1,0 +1,126 @@
+"""The status JSON and the dashboard as Django views, served by the core
+:class:`~gatekeeper_wsgi.status.StatusApp` after a Django-side access check.
+
+Access: active staff users (``user.is_staff``; needs ``AuthenticationMiddleware``), or the
+``dashboard.token`` setting presented as ``Authorization: Bearer <token>`` or
+``?token=<token>`` (for monitoring scrapers). Anonymous browsers are sent to
+``LOGIN_URL`` for the dashboard, logged-in non-staff users get 403, anonymous clients of
+``status.json`` 401 (403 when no token is configured). Pass ``allow`` in a
+pattern's kwargs to use another rule::
+
+    path("ops/status.json", status_json, {"allow": lambda request: request.user.is_superuser})
+"""
+
+# mypy: disable-error-code="import-untyped"
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from io import BytesIO
+from typing import Any
+
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpResponse, HttpResponseForbidden
+
+from gatekeeper_wsgi.engine import GateKeeper
+
+from .conf import get_gatekeeper
+from .decorators import gatekeeper_exempt
+
+__all__ = ["dashboard", "is_staff", "status_json"]
+
+#: environ key telling the StatusApp that Django already allowed the request
+_ALLOWED_KEY = "gatekeeper.django.allowed"
+
+Allow = Callable[[Any], bool]
+
+_status_app: tuple[GateKeeper, Any] | None = None
+
+
+def is_staff(request: Any) -> bool:
+    """The default access rule: an authenticated, active staff user."""
+    user = getattr(request, "user", None)
+    return bool(
+        user is not None
+        and user.is_authenticated
+        and getattr(user, "is_active", False)
+        and getattr(user, "is_staff", False)
+    )
+
+
+def _allowed_by_django(environ: Any) -> bool:
+    return environ.get(_ALLOWED_KEY) is True
+
+
+def _status_app_for(keeper: GateKeeper) -> Any:
+    global _status_app
+    current = _status_app
+    if current is not None and current[0] is keeper:
+        return current[1]
+    from gatekeeper_wsgi.status import StatusApp
+
+    app = StatusApp(keeper, allow=_allowed_by_django)
+    _status_app = (keeper, app)
+    return app
+
+
+def _presents_token(request: Any) -> bool:
+    scheme = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")[0]
+    return scheme.lower() == "bearer" or "token" in request.GET
+
+
+def _serve(request: Any, sub_path: str, allow: Allow) -> HttpResponse:
+    allowed = allow(request)
+    if not allowed and not _presents_token(request):
+        user = getattr(request, "user", None)
+        if user is not None and user.is_authenticated:
+            return HttpResponseForbidden("forbidden: staff only\n", content_type="text/plain")
+        if sub_path == "/":
+            return redirect_to_login(request.get_full_path())
+        # An anonymous API client: the StatusApp answers 401 with a Bearer challenge.
+    path = request.path
+    environ = {key: value for key, value in request.META.items() if isinstance(key, str)}
+    environ.update(
+        {
+            _ALLOWED_KEY: allowed,
+            "REQUEST_METHOD": request.method,
+            "SCRIPT_NAME": path[: len(path) - len(sub_path)] if path.endswith(sub_path) else path,
+            "PATH_INFO": sub_path,
+            "QUERY_STRING": request.META.get("QUERY_STRING", ""),
+            "wsgi.input": BytesIO(),
+            "wsgi.errors": sys.stderr,
+            "wsgi.url_scheme": request.scheme,
+        }
+    )
+    captured: list[Any] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        captured[:] = [status, headers]
+        return lambda data: None
+
+    result = _status_app_for(get_gatekeeper())(environ, start_response)
+    try:
+        body = b"".join(result)
+    finally:
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()
+    status, headers = captured
+    code, _, reason = status.partition(" ")
+    response = HttpResponse(body, status=int(code), reason=reason or None)
+    for name, value in headers:
+        response[name] = value
+    return response
+
+
+@gatekeeper_exempt
+def status_json(request: Any, allow: Allow = is_staff) -> HttpResponse:
+    """Live counters, in-flight per limit and stage timings as JSON."""
+    return _serve(request, "/status.json", allow)
+
+
+@gatekeeper_exempt
+def dashboard(request: Any, allow: Allow = is_staff) -> HttpResponse:
+    """The live HTML dashboard (it polls ``status.json`` next to it)."""
+    return _serve(request, "/", allow)

@@ -1,0 +1,96 @@
+"""System checks `gatekeeper.E001…`: one test per id, each with the setting that triggers it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.core.checks import run_checks
+from gatekeeper_wsgi.contrib.django.checks import check_settings
+
+from tests.django_project import configure
+
+configure()
+
+FIRST = "gatekeeper_wsgi.contrib.django.GateKeeperMiddleware"
+SESSIONS = "django.contrib.sessions.middleware.SessionMiddleware"
+
+
+def ids() -> list[str]:
+    """The ids the gatekeeper checks report for the current settings."""
+    return [message.id for message in check_settings()]
+
+
+def test_valid_settings_pass(settings: Any) -> None:
+    """The test project's own settings raise nothing."""
+    assert ids() == []
+
+
+def test_checks_run_with_manage_py_check(settings: Any) -> None:
+    """The app registers its checks: Django's check run reports them."""
+    settings.GATEKEEPER = ["not", "a", "dict"]
+    assert "gatekeeper.E001" in [message.id for message in run_checks()]
+
+
+def test_e001_setting_is_not_a_dict(settings: Any) -> None:
+    """E001: GATEKEEPER must be a dict."""
+    settings.GATEKEEPER = "/etc/gatekeeper.toml"
+    assert ids() == ["gatekeeper.E001"]
+
+
+def test_e002_invalid_configuration_names_key_and_expectation(settings: Any) -> None:
+    """E002: an invalid value is reported with the ConfigError message."""
+    settings.GATEKEEPER = {"limits": {"shop": {"concurrency": -1}}}
+    (message,) = check_settings()
+    assert message.id == "gatekeeper.E002"
+    assert "limits.shop.concurrency" in message.msg
+
+
+def test_e002_invalid_operators_file_names_file_and_line(settings: Any, tmp_path: Path) -> None:
+    """E002 also covers the file laid over the settings, with its name and line."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text("project = shop\nlimits.shop.concurrency = many\n")
+    settings.GATEKEEPER = {"reload": {"file": str(path)}}
+    (message,) = check_settings()
+    assert message.id == "gatekeeper.E002"
+    assert f"{path}:2" in message.msg
+
+
+def test_e003_middleware_not_first(settings: Any) -> None:
+    """E003: GateKeeperMiddleware below another middleware."""
+    settings.MIDDLEWARE = [SESSIONS, FIRST]
+    assert ids() == ["gatekeeper.E003"]
+
+
+def test_e004_unknown_backend(settings: Any) -> None:
+    """E004: a backend URL of no known scheme."""
+    settings.GATEKEEPER = {"backend": "memcached://localhost"}
+    (message,) = check_settings()
+    assert message.id == "gatekeeper.E004"
+    assert "memcached://localhost" in message.msg
+
+
+def test_e005_resolver_cannot_be_imported(settings: Any) -> None:
+    """E005: caller.resolver names nothing importable."""
+    settings.GATEKEEPER = {"caller": {"resolver": "no_such_module.resolve_caller"}}
+    (message,) = check_settings()
+    assert message.id == "gatekeeper.E005"
+    assert "caller.resolver" in message.msg
+
+
+def test_w001_middleware_missing(settings: Any) -> None:
+    """W001: the app is installed but the middleware is not: nothing is limited."""
+    settings.MIDDLEWARE = [SESSIONS]
+    assert ids() == ["gatekeeper.W001"]
+
+
+def test_w002_routes_are_ignored_under_django(settings: Any) -> None:
+    """W002: `routes` names bare-WSGI services; Django uses URL names."""
+    settings.GATEKEEPER = {"routes": {"/orders/<int:id>": "order"}}
+    assert ids() == ["gatekeeper.W002"]
+
+
+def test_middleware_by_its_module_path_counts_as_first(settings: Any) -> None:
+    """The middleware may be named by its module path too."""
+    settings.MIDDLEWARE = ["gatekeeper_wsgi.contrib.django.middleware.GateKeeperMiddleware"]
+    assert ids() == []

@@ -1,0 +1,539 @@
+"""The Django middleware through Django's test client (which closes responses as a WSGI
+server does): naming by URL namespace and name, release on close for every kind of
+response, faulty responses, rejections, the signal, and no double counting."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.handlers.wsgi import WSGIHandler
+from django.http import HttpResponse
+from django.test import Client, RequestFactory
+from gatekeeper_wsgi.contrib.django import get_gatekeeper, request_rejected
+from gatekeeper_wsgi.contrib.django.middleware import (
+    UNRESOLVED,
+    GateKeeperMiddleware,
+    service_segment,
+)
+from werkzeug.test import Client as WerkzeugClient
+
+from gatekeeper_wsgi import GateKeeperMiddleware as WSGIGateKeeperMiddleware
+from tests.django_project import configure, views
+
+configure()
+
+DEADLINE = 10.0
+
+
+def configure_gatekeeper(settings: Any, limits: dict[str, Any], **extra: Any) -> None:
+    """Give this test its own GATEKEEPER (the project is "site" unless said otherwise)."""
+    settings.GATEKEEPER = {"project": "site", **extra, "limits": limits}
+
+
+def nonzero(inflight: dict[str, int]) -> dict[str, int]:
+    """In-flight counts without the paths at zero."""
+    return {path: count for path, count in inflight.items() if count}
+
+
+def counted_during(response: Any) -> dict[str, int]:
+    """What the view saw counted in flight while it ran (the test views report it)."""
+    return nonzero(json.loads(response.content)["inflight"])
+
+
+def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` until it holds; fail after the deadline."""
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not reached within {DEADLINE}s: {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def client() -> Client:
+    """Django's test client that answers exceptions with 500 like a server would."""
+    return Client(raise_request_exception=False)
+
+
+@pytest.fixture
+def hold() -> Iterator[views.Hold]:
+    """A fresh server-side gate for views that wait; opened at the end in any case."""
+    current = views.reset_hold()
+    yield current
+    current.gate.set()
+
+
+# -- naming ----------------------------------------------------------------------------
+
+
+def test_named_url_counts_under_the_project_setting_and_its_url_name(
+    settings: Any, client: Client
+) -> None:
+    """Without a namespace the project is the setting and the service is the URL name."""
+    configure_gatekeeper(settings, {"site": {"concurrency": 5}, "site/work": {"concurrency": 2}})
+    response = client.get("/work/")
+    assert response.status_code == 200
+    assert counted_during(response) == {"site": 1, "site/work": 1}
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+def test_url_namespace_is_the_project(settings: Any, client: Client) -> None:
+    """A namespaced URL counts under its namespace as project."""
+    configure_gatekeeper(
+        settings, {"shop": {"concurrency": 5}, "shop/checkout": {"concurrency": 1}}
+    )
+    response = client.get("/shop/checkout/")
+    assert counted_during(response) == {"shop": 1, "shop/checkout": 1}
+
+
+@pytest.mark.parametrize(
+    ("path", "counted"),
+    [
+        ("/unnamed/", "site/tests.django_project.views.unnamed"),
+        ("/shop/unnamed/", "shop/tests.django_project.views.unnamed"),
+    ],
+)
+def test_unnamed_url_counts_under_the_views_dotted_path(
+    settings: Any, client: Client, path: str, counted: str
+) -> None:
+    """A pattern without a name is counted under its view's dotted path."""
+    configure_gatekeeper(settings, {"*/*": {"concurrency": 5}})
+    assert counted_during(client.get(path)) == {counted: 1}
+
+
+def test_unresolvable_path_counts_as_service_unresolved(settings: Any, client: Client) -> None:
+    """A path no URL pattern matches is limited as service `unresolved` of the project."""
+    configure_gatekeeper(settings, {f"site/{UNRESOLVED}": {"concurrency": 0}})
+    response = client.get("/no/such/page/")
+    assert response.status_code == 503
+    fault = response.json()
+    assert fault["code"] == "GK-CONCURRENCY-LIMIT"
+    assert fault["limit"] == {"path": "site/unresolved", "value": "0"}
+    assert client.get("/work/").status_code == 200
+
+
+def test_names_outside_the_segment_alphabet_are_made_safe() -> None:
+    """Characters a limit path cannot hold become `_`; the result is at most 128 long."""
+    assert service_segment("views.<locals>.f") == "views._locals_.f"
+    assert service_segment("order detail") == "order_detail"
+    assert len(service_segment("x" * 300)) == 128
+
+
+def test_exempt_view_is_never_limited(settings: Any, client: Client) -> None:
+    """A `@gatekeeper_exempt` view answers even when its project is blocked."""
+    configure_gatekeeper(settings, {"site": {"concurrency": 0}})
+    assert client.get("/work/").status_code == 503
+    response = client.get("/health/")
+    assert response.status_code == 200
+    assert get_gatekeeper().stats()["counters"]["admitted"] == 0
+
+
+def test_caller_header_counts_at_the_caller_level(settings: Any, client: Client) -> None:
+    """The caller header picks the caller-level limit; a missing caller is the default."""
+    configure_gatekeeper(settings, {"site/work/*": {"concurrency": 1}})
+    response = client.get("/work/", headers={"X-Caller-Id": "crm"})
+    assert counted_during(response) == {"site/work/crm": 1}
+    assert counted_during(client.get("/work/")) == {"site/work/anonymous": 1}
+
+
+def test_required_caller_missing_is_rejected_with_400(settings: Any, client: Client) -> None:
+    """With `caller.required`, a request without a valid caller gets GK-CALLER-MISSING."""
+    configure_gatekeeper(settings, {}, caller={"required": True})
+    response = client.get("/work/", headers={"X-Caller-Id": "not valid!"})
+    assert response.status_code == 400
+    assert response.json()["code"] == "GK-CALLER-MISSING"
+    assert client.get("/work/", headers={"X-Caller-Id": "crm"}).status_code == 200
+
+
+def run_middleware(request: Any) -> dict[str, int]:
+    """Run one request through the Django middleware around a view; what it counted."""
+    seen: dict[str, int] = {}
+
+    def view(request: Any) -> HttpResponse:
+        seen.update(nonzero(get_gatekeeper().inflight()))
+        return HttpResponse("ok")
+
+    GateKeeperMiddleware(view)(request).close()
+    return seen
+
+
+def test_user_key_reads_the_authenticated_request_user(settings: Any) -> None:
+    """`key: "user"` counts by `request.user`'s username when the user is already set."""
+    configure_gatekeeper(settings, {"site/whoami/*": {"concurrency": 1, "key": "user"}})
+
+    class User:
+        is_authenticated = True
+
+        def get_username(self) -> str:
+            return "alice"
+
+    request = RequestFactory().get("/whoami/", REMOTE_USER="from-server")
+    request.user = User()
+    assert run_middleware(request) == {"site/whoami/alice": 1}
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+def test_user_key_falls_back_to_remote_user(settings: Any) -> None:
+    """Without `request.user` (GateKeeper runs first), `key: "user"` reads REMOTE_USER."""
+    configure_gatekeeper(settings, {"site/whoami/*": {"concurrency": 1, "key": "user"}})
+    request = RequestFactory().get("/whoami/", REMOTE_USER="bob")
+    assert run_middleware(request) == {"site/whoami/bob": 1}
+
+
+# -- release on close ------------------------------------------------------------------
+
+
+def test_streamed_response_holds_its_slot_until_consumed(settings: Any, client: Client) -> None:
+    """A StreamingHttpResponse is counted while it streams and released when closed."""
+    configure_gatekeeper(settings, {"site/stream": {"concurrency": 1}})
+    response = client.get("/stream/")
+    assert nonzero(get_gatekeeper().inflight()) == {"site/stream": 1}
+    assert client.get("/stream/").status_code == 503
+    assert b"".join(response.streaming_content) == b"first 1 last"
+    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert client.get("/stream/").status_code == 200
+
+
+def test_error_mid_stream_is_faulty_and_releases_after_the_delay(
+    settings: Any, client: Client
+) -> None:
+    """A stream that raises counts as faulty: its slot is held for `delay`."""
+    configure_gatekeeper(settings, {"site/stream": {"concurrency": 1, "delay": 3600}})
+    response = client.get("/stream/?fail=1")
+    with pytest.raises(RuntimeError, match="the stream failed"):
+        b"".join(response.streaming_content)
+    keeper = get_gatekeeper()
+    assert keeper.stats()["counters"]["delayed_pending"] == 1
+    assert nonzero(keeper.inflight()) == {"site/stream": 1}
+
+
+def test_body_marker_in_a_stream_is_faulty(settings: Any, client: Client) -> None:
+    """`timeout_body` is scanned in streamed content as it passes through."""
+    configure_gatekeeper(
+        settings, {"site/stream": {"concurrency": 1, "delay": 3600, "timeout_body": "TIMEOUT"}}
+    )
+    response = client.get("/stream/?marker=1")
+    assert b"TIMEOUT" in b"".join(response.streaming_content)
+    assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 1
+    clean = client.get("/stream/")
+    assert clean.status_code == 503  # the faulty response still holds the only slot
+
+
+def test_body_marker_in_a_plain_response_is_faulty(settings: Any, client: Client) -> None:
+    """`timeout_body` is found in an ordinary response's content."""
+    configure_gatekeeper(
+        settings, {"site/body": {"concurrency": 5, "delay": 3600, "timeout_body": "TIMEOUT"}}
+    )
+    assert client.get("/body/?text=all+good").status_code == 200
+    assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 0
+    assert client.get("/body/?text=backend+TIMEOUT").status_code == 200
+    assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 1
+
+
+def test_file_response_is_released_on_close(settings: Any, client: Client) -> None:
+    """A FileResponse holds its slot until its content is consumed and closed."""
+    configure_gatekeeper(settings, {"site/file": {"concurrency": 1}})
+    response = client.get("/file/")
+    assert nonzero(get_gatekeeper().inflight()) == {"site/file": 1}
+    assert b"".join(response.streaming_content) == b"file body " * 100
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+def test_file_response_keeps_the_servers_file_wrapper(settings: Any) -> None:
+    """Under WSGI a FileResponse still uses `wsgi.file_wrapper` and releases on its close."""
+    configure_gatekeeper(settings, {"site/file": {"concurrency": 1}})
+
+    class FileWrapper:
+        def __init__(self, filelike: Any, block_size: int = 8192) -> None:
+            self.filelike = filelike
+
+        def __iter__(self) -> Iterator[bytes]:
+            return iter(lambda: self.filelike.read(4096), b"")
+
+        def close(self) -> None:
+            self.filelike.close()
+
+    environ = {
+        "REQUEST_METHOD": "GET",
+        "PATH_INFO": "/file/",
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(),
+        "wsgi.file_wrapper": FileWrapper,
+    }
+    result = WSGIHandler()(environ, lambda status, headers, exc_info=None: None)
+    assert isinstance(result, FileWrapper)
+    assert nonzero(get_gatekeeper().inflight()) == {"site/file": 1}
+    assert b"".join(result) == b"file body " * 100
+    result.close()
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        ("/boom/", {}),
+        ("/work/", {"X-Middleware-Raise": "1"}),
+        ("/status/500/", {}),
+        ("/status/504/", {}),
+        ("/status/200/?header=TIMEOUT", {}),
+    ],
+    ids=["view-raises", "middleware-raises", "status-500", "timeout-status", "timeout-header"],
+)
+def test_faulty_responses_hold_the_slot_for_the_delay(
+    settings: Any, client: Client, path: str, headers: dict[str, str]
+) -> None:
+    """Exceptions (Django's 500s), 5xx and timeout markers are faulty: delayed release."""
+    configure_gatekeeper(
+        settings,
+        {
+            "site": {
+                "concurrency": 10,
+                "delay": 3600,
+                "timeout_status": [504],
+                "timeout_header": "X-Fault-Code: TIMEOUT",
+            }
+        },
+    )
+    response = client.get(path, headers=headers)
+    assert response.status_code in (200, 500, 504)
+    keeper = get_gatekeeper()
+    assert keeper.stats()["counters"]["delayed_pending"] == 1
+    assert nonzero(keeper.inflight()) == {"site": 1}
+
+
+def test_healthy_response_releases_at_once(settings: Any, client: Client) -> None:
+    """A 2xx/4xx without markers releases immediately, whatever the delay."""
+    configure_gatekeeper(settings, {"site": {"concurrency": 10, "delay": 3600}})
+    assert client.get("/status/404/").status_code == 404
+    assert client.get("/work/").status_code == 200
+    keeper = get_gatekeeper()
+    assert keeper.stats()["counters"]["delayed_pending"] == 0
+    assert nonzero(keeper.inflight()) == {}
+
+
+def test_response_short_circuited_below_is_released(settings: Any, client: Client) -> None:
+    """A response made by a middleware below GateKeeper (the view never runs) releases."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
+    for _ in range(3):
+        assert client.get("/work/", headers={"X-Short-Circuit": "1"}).status_code == 204
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+def test_response_dropped_without_close_is_released(settings: Any) -> None:
+    """A response the server never closes releases when it is garbage collected."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
+    middleware = GateKeeperMiddleware(lambda request: views.inflight_now(request))
+    response = middleware(RequestFactory().get("/work/"))
+    assert nonzero(get_gatekeeper().inflight()) == {"site/work": 1}
+    del response
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+def test_count_statuses_see_the_django_response_status(settings: Any, client: Client) -> None:
+    """A rate limit counting only some statuses counts the status Django answered."""
+    configure_gatekeeper(settings, {"site/status": {"rate": "1/hour", "count": [401]}})
+    assert client.get("/status/200/").status_code == 200
+    assert client.get("/status/200/").status_code == 200
+    assert client.get("/status/401/").status_code == 401
+    assert client.get("/status/200/").status_code == 429
+
+
+# -- concurrency -----------------------------------------------------------------------
+
+
+def test_concurrency_limit_is_exact_across_threads(settings: Any, hold: views.Hold) -> None:
+    """With the slots held by running views, newcomers are rejected; then all counts are 0."""
+    configure_gatekeeper(settings, {"site/hold": {"concurrency": 3}})
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def call() -> None:
+        status = Client().get("/hold/").status_code
+        with lock:
+            statuses.append(status)
+
+    holders = [threading.Thread(target=call) for _ in range(3)]
+    for thread in holders:
+        thread.start()
+    eventually(lambda: hold.active == 3, "three views running")
+    for _ in range(4):
+        response = Client().get("/hold/")
+        assert response.status_code == 503
+        assert response.json()["limit"] == {"path": "site/hold", "value": "3"}
+    hold.gate.set()
+    for thread in holders:
+        thread.join(DEADLINE)
+    assert statuses == [200, 200, 200]
+    assert hold.max_active == 3
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+# -- rejections ------------------------------------------------------------------------
+
+
+def test_rejection_is_a_service_fault_with_retry_after_and_request_id(
+    settings: Any, client: Client
+) -> None:
+    """A rejected request gets the ServiceFault problem JSON, Retry-After and its id."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    response = client.get("/work/", headers={"X-Request-Id": "req-42"})
+    assert response.status_code == 503
+    assert response["Content-Type"] == "application/problem+json"
+    assert int(response["Retry-After"]) >= 1
+    assert response["X-Request-Id"] == "req-42"
+    fault = response.json()
+    assert fault["type"] == "urn:gatekeeper-wsgi:fault:GK-CONCURRENCY-LIMIT"
+    assert fault["level"] == "service"
+    assert fault["requestId"] == "req-42"
+
+
+def test_rejection_is_xml_when_the_client_asks_for_xml(settings: Any, client: Client) -> None:
+    """`Accept: application/xml` gets the ServiceFault XML."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    response = client.get("/work/", headers={"Accept": "application/xml"})
+    assert response.status_code == 503
+    assert response["Content-Type"].startswith("application/xml")
+    assert b"<code>GK-CONCURRENCY-LIMIT</code>" in response.content
+
+
+def test_rate_limit_rejection_is_429_with_ratelimit_fields(settings: Any, client: Client) -> None:
+    """A rate limit answers 429 with the IETF RateLimit fields."""
+    configure_gatekeeper(settings, {"site/work": {"rate": "2/minute"}})
+    assert [client.get("/work/").status_code for _ in range(3)] == [200, 200, 429]
+    response = client.get("/work/")
+    assert "RateLimit-Policy" in response
+    assert response.json()["code"] == "GK-RATE-LIMIT"
+
+
+def test_rejection_sends_the_request_rejected_signal(settings: Any, client: Client) -> None:
+    """Receivers get the request, the Rejected and the request id."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    received: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        received.append(kwargs)
+
+    request_rejected.connect(receiver)
+    try:
+        client.get("/work/", headers={"X-Request-Id": "sig-1"})
+        client.get("/health/")
+    finally:
+        request_rejected.disconnect(receiver)
+    assert len(received) == 1
+    assert received[0]["rejected"].code == "GK-CONCURRENCY-LIMIT"
+    assert received[0]["request_id"] == "sig-1"
+    assert received[0]["request"].path == "/work/"
+
+
+def test_failing_signal_receiver_does_not_break_the_fault(
+    settings: Any, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver that raises is logged; the client still gets the ServiceFault."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+
+    def broken(sender: Any, **kwargs: Any) -> None:
+        raise ValueError("receiver bug")
+
+    request_rejected.connect(broken)
+    try:
+        response = client.get("/work/")
+    finally:
+        request_rejected.disconnect(broken)
+    assert response.status_code == 503
+    assert any("request_rejected receiver" in r.getMessage() for r in caplog.records)
+
+
+def test_rejection_is_logged_with_its_body(
+    settings: Any, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rejected-request log gets one JSON line with method, path, body, no secrets."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    caplog.set_level(logging.INFO, logger="gatekeeper.rejected")
+    client.post(
+        "/work/?x=1",
+        data=b'{"item": 1}',
+        content_type="application/json",
+        headers={"Authorization": "Bearer s3cret", "X-Request-Id": "log-7"},
+    )
+
+    def lines() -> list[dict[str, Any]]:
+        return [
+            json.loads(r.getMessage()) for r in caplog.records if r.name == "gatekeeper.rejected"
+        ]
+
+    eventually(lambda: any(line["requestId"] == "log-7" for line in lines()), "the log line")
+    (line,) = [line for line in lines() if line["requestId"] == "log-7"]
+    assert line["method"] == "POST"
+    assert line["path"] == "/work/"
+    assert line["query"] == "x=1"
+    assert line["body"] == '{"item": 1}'
+    assert line["headers"]["Authorization"] == "[redacted]"
+
+
+# -- settings and the WSGI middleware --------------------------------------------------
+
+
+def test_override_settings_rebuilds_the_gatekeeper(settings: Any, client: Client) -> None:
+    """Replacing settings.GATEKEEPER takes effect on the next request."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    assert client.get("/work/").status_code == 503
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
+    assert client.get("/work/").status_code == 200
+
+
+def test_one_gatekeeper_per_process_while_settings_stay(settings: Any, client: Client) -> None:
+    """Requests share one GateKeeper: its counters see all of them."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
+    keeper = get_gatekeeper()
+    for _ in range(3):
+        client.get("/work/")
+    assert get_gatekeeper() is keeper
+    assert keeper.stats()["counters"]["admitted"] == 3
+
+
+def test_wsgi_middleware_around_django_is_not_counted_twice(settings: Any) -> None:
+    """Behind the WSGI middleware, the Django middleware does not count a request again."""
+    configure_gatekeeper(settings, {"site": {"concurrency": 1}})
+    app = WSGIGateKeeperMiddleware(WSGIHandler(), get_gatekeeper())
+    response = WerkzeugClient(app).get("/work/", buffered=True)
+    assert response.status_code == 200
+    assert nonzero(json.loads(response.get_data())["inflight"]) == {"site": 1}
+    assert get_gatekeeper().stats()["counters"]["admitted"] == 1
+    assert nonzero(get_gatekeeper().inflight()) == {}
+
+
+def test_operators_file_hot_reloads_under_django(
+    settings: Any, client: Client, tmp_path: Path
+) -> None:
+    """Limits in `reload.file` take effect on the requests after the file changes."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text("limits.site/work.concurrency = 5\n")
+    settings.GATEKEEPER = {"project": "site", "reload": {"file": str(path), "every_requests": 1}}
+    assert client.get("/work/").status_code == 200
+    path.write_text("limits.site/work.concurrency = 0\n# now blocked\n")
+    assert client.get("/work/").status_code == 503
+
+
+def test_reloaded_unimportable_resolver_keeps_serving(
+    settings: Any, client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hot-reloaded unimportable resolver is logged once; requests go on as before."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text("limits.site/work.concurrency = 5\n")
+    settings.GATEKEEPER = {"project": "site", "reload": {"file": str(path), "every_requests": 1}}
+    assert client.get("/work/").status_code == 200
+    path.write_text("caller.resolver = no_such_module.caller\nlimits.site/work.concurrency = 5\n")
+    statuses = [client.get("/work/").status_code for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    unusable = [r for r in caplog.records if "configuration unusable" in r.getMessage()]
+    assert len(unusable) == 1

@@ -1,0 +1,98 @@
+"""The status JSON and dashboard views from `include("gatekeeper_wsgi.contrib.django.urls")`:
+staff only by default, or the dashboard token; never limited themselves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from tests.django_project import configure
+
+configure()
+
+TOKEN = "test-token"
+
+
+def gatekeeper(settings: Any, **extra: Any) -> None:
+    """A configuration that blocks the whole project, so only exempt views answer."""
+    settings.GATEKEEPER = {
+        "project": "site",
+        "dashboard": {"token": TOKEN},
+        "limits": {"site": {"concurrency": 0}},
+        **extra,
+    }
+
+
+@pytest.fixture
+def staff_client(django_user_model: Any) -> Client:
+    """A client logged in as an active staff user."""
+    user = django_user_model.objects.create_user("ops", password="x", is_staff=True)
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db
+def test_staff_user_gets_the_status_json(settings: Any, staff_client: Client) -> None:
+    """Staff see live counters and in-flight per limit, even with the project blocked."""
+    gatekeeper(settings)
+    assert staff_client.get("/work/").status_code == 503
+    response = staff_client.get(reverse("gatekeeper:status"))
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/json"
+    payload = response.json()
+    assert payload["stats"]["counters"]["rejected"] == {"GK-CONCURRENCY-LIMIT": 1}
+    assert payload["config"]["project"] == "site"
+
+
+@pytest.mark.django_db
+def test_staff_user_gets_the_dashboard(settings: Any, staff_client: Client) -> None:
+    """The dashboard page is served under the include's prefix and polls status.json there."""
+    gatekeeper(settings)
+    response = staff_client.get(reverse("gatekeeper:dashboard"))
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/html")
+    assert b"/gk/status.json" in response.content
+
+
+@pytest.mark.django_db
+def test_non_staff_user_is_forbidden(settings: Any, django_user_model: Any) -> None:
+    """A logged-in user without is_staff gets 403 on both views."""
+    gatekeeper(settings)
+    client = Client()
+    client.force_login(django_user_model.objects.create_user("eve", password="x"))
+    assert client.get(reverse("gatekeeper:status")).status_code == 403
+    assert client.get(reverse("gatekeeper:dashboard")).status_code == 403
+
+
+@pytest.mark.django_db
+def test_anonymous_browser_is_sent_to_login(settings: Any) -> None:
+    """An anonymous visitor of the dashboard is redirected to LOGIN_URL."""
+    gatekeeper(settings)
+    response = Client().get(reverse("gatekeeper:dashboard"))
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/?next=/gk/")
+
+
+@pytest.mark.django_db
+def test_anonymous_json_client_gets_a_bearer_challenge(settings: Any) -> None:
+    """The JSON endpoint does not redirect: an anonymous client is asked for the token."""
+    gatekeeper(settings)
+    response = Client().get(reverse("gatekeeper:status"))
+    assert response.status_code == 401
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+@pytest.mark.django_db
+def test_dashboard_token_admits_a_scraper(settings: Any) -> None:
+    """The `dashboard.token` as a bearer token opens the JSON; a wrong one does not."""
+    gatekeeper(settings)
+    url = reverse("gatekeeper:status")
+    good = Client().get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert good.status_code == 200
+    assert "counters" in good.json()["stats"]
+    wrong = Client().get(url, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403
