@@ -161,8 +161,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_status_of_the_memory_backend_explains_it_is_per_process() -> None:
-    """The memory backend cannot be read from outside: the command says why and where to
-    look instead."""
+    """The memory backend cannot be read from outside: the command says why (exit 2)."""
     out = io.StringIO()
     assert run_status("memory", as_json=False, out=out) == 2
     assert "counts inside each process" in out.getvalue()
@@ -201,8 +200,7 @@ def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_status_reads_live_counts_from_another_process(shared_backend: str) -> None:
-    """`gatekeeper status --backend URL` (a separate process) sees the requests this one
-    holds, per concrete path, as text and as JSON."""
+    """`gatekeeper status` in another process sees the requests held here, per path."""
     settings = {
         "project": "shop",
         "backend": shared_backend,
@@ -346,8 +344,7 @@ def rejected_log(tmp_path: Path) -> Iterator[Path]:
 def test_replay_sends_method_path_query_headers_and_body_as_logged(
     rejected_log: Path, recorder: Recorder, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Each logged request arrives again at a real server exactly as it was sent; redacted
-    headers are left out unless supplied; results are printed per request."""
+    """Logged requests arrive again exactly as sent; redacted headers only when supplied."""
     code = main(
         ["replay", str(rejected_log), "--to", recorder.url, "-H", "Authorization: Bearer new"]
     )

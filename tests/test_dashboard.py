@@ -136,8 +136,7 @@ def site() -> Iterator[Site]:
 
 
 def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) -> None:
-    """Held requests show as bars against their limits; releasing them updates the page
-    in place (no reload), rejections appear in the chart and counters."""
+    """Held requests show as bars against their limits; releasing them updates in place."""
     sync_api = _chromium_or_skip()
     expect = sync_api.expect
     site.hold("/checkout", "crm")

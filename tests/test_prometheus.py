@@ -46,8 +46,7 @@ def keeper() -> Iterator[GateKeeper]:
 
 
 def test_counters_gauges_and_histograms_in_one_process(keeper: GateKeeper) -> None:
-    """Scraped values follow the GateKeeper: admitted, rejected by code and limit, in
-    flight per limit (wildcards summed), stage histograms."""
+    """Scrapes show admitted, rejected by code/limit, in flight per limit, stage timings."""
     registry = CollectorRegistry()
     collector = register(keeper, registry, multiprocess=False)
     assert isinstance(collector, GateKeeperCollector)
@@ -176,9 +175,7 @@ def scrape(directory: Path) -> CollectorRegistry:
 
 @pytest.mark.slow
 def test_two_worker_processes_aggregate_in_multiprocess_mode(tmp_path: Path) -> None:
-    """Two processes writing into one PROMETHEUS_MULTIPROC_DIR scrape as one service:
-    counters add up, in-flight adds the live workers, histograms merge; a dead worker's
-    gauges go away while its counters stay."""
+    """Two workers sharing PROMETHEUS_MULTIPROC_DIR scrape as one service, dead ones too."""
     directory = tmp_path / "prom"
     directory.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
