@@ -1,1 +1,4 @@
-"""Framework integrations: ``gatekeeper_wsgi.contrib.django`` and ``gatekeeper_wsgi.contrib.flask``."""
+"""Framework integrations.
+
+``gatekeeper_wsgi.contrib.django`` and ``gatekeeper_wsgi.contrib.flask``.
+"""
