@@ -242,8 +242,10 @@ class GateKeeper:
             self.monitor.admitted += 1
             return Admission(self, route, None, delay)
         try:
-            if self._waiting and self._queued_slot(slots) is not None:
-                result: Grant | Denial = self._wait(slots, self._queued_slot(slots), now)
+            # Looked up once: the last waiter may leave between two lookups.
+            queued = self._queued_slot(slots) if self._waiting else None
+            if queued is not None:
+                result: Grant | Denial = self._wait(slots, queued, now)
             else:
                 result = self.backend.acquire(slots, now)
                 if type(result) is Denial:
