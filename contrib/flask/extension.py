@@ -60,6 +60,7 @@ logger = logging.getLogger("gatekeeper")
 EXTENSION_KEY = "gatekeeper"
 #: Service of requests that match no route (404, 405, redirects, untrusted hosts).
 UNRESOLVED_SERVICE = "unresolved"
+_ENDPOINT_CACHE_SIZE = 4096
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 QueueArg = Mapping[str, float] | tuple[int, float] | str
@@ -460,6 +461,10 @@ class AppState:
         self._names: dict[str, tuple[str, str] | None] = {}
         self._seen: tuple[int, str, int] | None = None
         self._lock = threading.Lock()
+        # Matching a URL costs more than admission; the endpoint of a request line is
+        # remembered (bounded), for as long as the views stay the same.
+        self._endpoints: dict[tuple[Any, ...], str | None] = {}
+        self._endpoints_for: tuple[int, str, int] | None = None
 
     @property
     def gatekeeper(self) -> Engine:
@@ -539,26 +544,51 @@ class AppState:
 
     def identify(self, environ: WSGIEnvironment) -> tuple[str, str] | None:
         """(project, service) of a request, or None for an exempt view."""
-        app = self.app
         engine = self._engine or self.gatekeeper
         if self._seen != self._stamp():
             self.refresh(in_request=True)  # views registered or marked since the start
         project = engine.config.project
+        if self._endpoints_for != self._seen:
+            self._endpoints = {}
+            self._endpoints_for = self._seen
+        get = environ.get
+        key = (
+            get("HTTP_HOST"),
+            get("SERVER_NAME"),
+            get("SERVER_PORT"),
+            get("wsgi.url_scheme"),
+            get("SCRIPT_NAME"),
+            get("PATH_INFO"),
+            get("REQUEST_METHOD"),
+        )
+        endpoints = self._endpoints
+        try:
+            endpoint = endpoints[key]
+        except KeyError:
+            endpoint = self._match(environ)
+            if len(endpoints) >= _ENDPOINT_CACHE_SIZE:
+                endpoints.clear()
+            endpoints[key] = endpoint
+        if endpoint is None:
+            return project, UNRESOLVED_SERVICE
+        names = self._names
+        if endpoint in names:
+            return names[endpoint]
+        return endpoint_identity(self.app, endpoint, project)
+
+    def _match(self, environ: WSGIEnvironment) -> str | None:
+        """The endpoint Flask will route this request to, or None when it will not."""
+        app = self.app
         try:
             adapter = app.create_url_adapter(app.request_class(environ, shallow=True))
             if adapter is None:
-                return project, UNRESOLVED_SERVICE
-            endpoint = adapter.match()[0]
+                return None
+            return str(adapter.match()[0])
         except HTTPException:  # NotFound, MethodNotAllowed, RequestRedirect, SecurityError
-            return project, UNRESOLVED_SERVICE
+            return None
         except Exception:  # a hostile request must never turn into a 500 here
             logger.debug("gatekeeper: URL matching failed", exc_info=True)
-            return project, UNRESOLVED_SERVICE
-        name = str(endpoint)
-        names = self._names
-        if name in names:
-            return names[name]
-        return endpoint_identity(app, name, project)
+            return None
 
     def effective_settings(self) -> ConfigSource:
         """The configured settings with the code limits under them (what ``check`` and
