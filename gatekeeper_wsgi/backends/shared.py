@@ -1,0 +1,1713 @@
+"""The host-wide backend: every counter, lease and rate window of all worker processes of
+one host in one memory-mapped file, guarded by an open-file-description lock.
+
+``backend = "shared:///run/gatekeeper/shop.shm"``. Linux only (``F_OFD_SETLKW``). The
+table is sized from the configuration when the file is created; ``?size=``, ``?leases=``
+and ``?procs=`` in the URL override the derived sizes.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
+from urllib.parse import parse_qsl, urlsplit
+
+from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.config import Config, Limit, Rate
+from gatekeeper_wsgi.errors import BackendError, ConfigError
+
+__all__ = ["LayoutMismatch", "SharedBackend", "TableFullError"]
+
+logger = logging.getLogger("gatekeeper")
+
+
+class TableFullError(BackendError):
+    """The table has no room: all nodes, leases or rate windows that could be evicted are
+    in use (or a wildcard limit tracks ``max_keys`` keys, all in flight)."""
+
+
+class LayoutMismatch(BackendError):
+    """The file holds a table of another layout that live leases still use."""
+
+
+# --- the byte layout (documented in SharedBackend's docstring) ----------------------------
+
+MAGIC = b"GKSHARED"
+#: written first when a table is (re)initialised, replaced by MAGIC when done: a process
+#: killed half-way leaves a file that is recognisably ours and unfinished.
+MAGIC_INIT = b"GKSHINIT"
+VERSION = 1
+HEADER = 4096
+CHAIN = 8  #: nodes per hash bucket
+NIL = 0xFFFFFFFF
+CHUNK_STAMPS = 7  #: admission times per window chunk (64 bytes)
+#: window chunks reserved by default at most (128 MiB); ``?windows=`` overrides
+DEFAULT_CHUNKS_CAP = 1 << 21
+MAX_REFS = 5  #: slots per lease
+#: how far an eviction for ``max_keys`` looks for an idle key before taking the least
+#: recently used key that has nothing in flight
+LRU_SCAN = 64
+
+_U32 = struct.Struct("<I")
+_F64 = struct.Struct("<d")
+_JLEN_EPOCH = struct.Struct("<IQ")  # at 12
+_MAGIC_VERSION = struct.Struct("<8sI")  # at 0
+_GEOMETRY = struct.Struct("<8I")  # at 272
+_NODE = struct.Struct("<IHBxIIIIIId")
+_LEASE = struct.Struct("<IIdI5I")
+_LEASE_HEAD = struct.Struct("<II")  # pid, serial
+_HEAP = struct.Struct("<dII")
+_PROC = struct.Struct("<IIQ")
+_REG = struct.Struct("<QIII4x")
+_TAGS = struct.Struct(f"<{CHAIN}I")
+_CHUNK = struct.Struct(f"<I4x{CHUNK_STAMPS}d")
+_CHUNK_STAMPS = struct.Struct(f"<{CHUNK_STAMPS}d")
+_JENTRY = struct.Struct("<QI")
+# struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+_LOCK = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+_UNLOCK = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
+
+# header fields
+H_JLEN = 12
+H_EPOCH = 16
+H_LIVE = 24
+H_LEASE_FREE = 28
+H_LEASE_HIGH = 32
+H_HEAP_LEN = 36
+H_SERIAL = 40
+H_PROCS_HIGH = 44
+H_NODES_USED = 48
+H_CHUNK_FREE = 56
+H_CHUNK_HIGH = 60
+MUT_START, MUT_END = H_LIVE, 64
+H_BOOT = 256
+H_GEOMETRY = 272
+H_FILE_BYTES = 304
+
+# node fields
+NODE_HEAD = _NODE.size  # 40: the key follows
+N_INFLIGHT, N_OFFSET, N_FIRST, N_LAST, N_LEN = 0, 6, 8, 12, 16
+N_REG, N_PREV, N_NEXT, N_IDLE = 20, 24, 28, 32
+LEASE_SIZE = _LEASE.size  # 40
+L_EXPIRY, L_REFS = 8, 20
+HEAP_SIZE = _HEAP.size
+PROC_SIZE = _PROC.size
+REG_SIZE = _REG.size
+R_COUNT, R_HEAD, R_TAIL = 8, 12, 16
+CHUNK_SIZE = _CHUNK.size  # 64
+JENTRY_SIZE = _JENTRY.size  # 12
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as file:
+            return bytes.fromhex(file.read().decode("ascii").strip().replace("-", ""))[:16]
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+_BOOT_ID = _boot_id()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of a process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            text = file.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ("?", 0)
+    # The command name may hold spaces and parentheses: fields resume after the last ')'.
+    fields = text[text.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode("ascii", "replace"), int(fields[19])
+    except (IndexError, ValueError):
+        return ("?", 0)
+
+
+def _dead(pid: int, start: int, *, deep: bool) -> bool:
+    """Whether process ``pid`` (started at ``start`` ticks after boot, 0: unknown) is gone.
+    ``deep`` also reads /proc: a zombie (killed, not yet reaped) or a process that reuses
+    the pid counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, owned by another user
+    if not deep:
+        return False
+    stat = _proc_stat(pid)
+    return stat is None or stat[0] in ("Z", "X") or bool(start and stat[1] and stat[1] != start)
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+class _Layout:
+    """The sizes of a table and the offsets that follow from them."""
+
+    __slots__ = (
+        "buckets",
+        "chunks",
+        "chunks_off",
+        "heap_off",
+        "journal",
+        "journal_off",
+        "key_size",
+        "leases",
+        "leases_off",
+        "node_size",
+        "nodes_off",
+        "procs",
+        "procs_off",
+        "registry",
+        "registry_off",
+        "tags_off",
+        "total",
+    )
+
+    def __init__(
+        self,
+        *,
+        key_size: int,
+        buckets: int,
+        leases: int,
+        procs: int,
+        registry: int,
+        journal: int,
+        chunks: int,
+    ) -> None:
+        self.key_size = key_size
+        self.buckets = buckets
+        self.leases = leases
+        self.procs = procs
+        self.registry = registry
+        self.journal = journal
+        self.chunks = chunks
+        self.node_size = NODE_HEAD + key_size
+        offset = self.tags_off = HEADER
+        offset = self.nodes_off = _align(offset + buckets * CHAIN * 4, 64)
+        offset = self.leases_off = _align(offset + buckets * CHAIN * self.node_size, 64)
+        offset = self.heap_off = _align(offset + leases * LEASE_SIZE, 64)
+        offset = self.procs_off = _align(offset + leases * HEAP_SIZE, 64)
+        offset = self.registry_off = _align(offset + procs * PROC_SIZE, 64)
+        offset = self.journal_off = _align(offset + registry * REG_SIZE, 64)
+        offset = self.chunks_off = _align(offset + journal, 4096)
+        self.total = _align(offset + chunks * CHUNK_SIZE, 4096)
+
+    @property
+    def nodes(self) -> int:
+        return self.buckets * CHAIN
+
+    def _sizes(self) -> tuple[int, ...]:
+        return (
+            self.key_size,
+            self.buckets,
+            self.leases,
+            self.procs,
+            self.registry,
+            self.journal,
+            self.chunks,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Layout) and self._sizes() == other._sizes()
+
+    def __hash__(self) -> int:
+        return hash(self._sizes())
+
+    def covers(self, other: _Layout) -> bool:
+        """Whether this table holds at least what ``other`` asks for, in every respect."""
+        return all(
+            mine >= theirs for mine, theirs in zip(self._sizes(), other._sizes(), strict=True)
+        )
+
+    def merged(self, other: _Layout) -> _Layout:
+        """The smallest layout covering both."""
+        return _Layout(
+            key_size=max(self.key_size, other.key_size),
+            buckets=max(self.buckets, other.buckets),
+            leases=max(self.leases, other.leases),
+            procs=max(self.procs, other.procs),
+            registry=max(self.registry, other.registry),
+            journal=max(self.journal, other.journal),
+            chunks=max(self.chunks, other.chunks),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.nodes} keys of <= {self.key_size - 1} bytes, {self.leases} leases, "
+            f"{self.procs} processes, {self.chunks * CHUNK_STAMPS} rate window entries, "
+            f"{self.total} bytes"
+        )
+
+    def write(self, mm: mmap.mmap) -> None:
+        _GEOMETRY.pack_into(
+            mm,
+            H_GEOMETRY,
+            self.key_size,
+            self.buckets,
+            CHAIN,
+            self.leases,
+            self.procs,
+            self.registry,
+            self.journal,
+            self.chunks,
+        )
+        struct.pack_into("<Q", mm, H_FILE_BYTES, self.total)
+
+    @classmethod
+    def read(cls, header: bytes) -> _Layout | None:
+        key_size, buckets, chain, leases, procs, registry, journal, chunks = _GEOMETRY.unpack_from(
+            header, H_GEOMETRY
+        )
+        if chain != CHAIN or not (buckets and leases and procs and key_size):
+            return None
+        return cls(
+            key_size=key_size,
+            buckets=buckets,
+            leases=leases,
+            procs=procs,
+            registry=registry,
+            journal=journal,
+            chunks=chunks,
+        )
+
+    @classmethod
+    def derive(
+        cls,
+        config: Config | None,
+        *,
+        size: int | None = None,
+        leases: int | None = None,
+        procs: int | None = None,
+        windows: int | None = None,
+    ) -> _Layout:
+        """The table a configuration needs: a node per key (``max_keys`` per wildcard
+        limit), room for N admission times per key of an ``N/...`` limit (up to
+        ``DEFAULT_CHUNKS_CAP`` chunks), a lease per request in flight, room for limits a
+        reload may add."""
+        keys = 0
+        key_size = 64
+        wildcards = 0
+        concurrency = 0
+        chunks = 0
+        longest_count = 0
+        limits: Iterable[Limit] = config.limits.values() if config is not None else ()
+        for limit in limits:
+            if limit.concurrency is None and limit.rate is None:
+                continue
+            count = limit.max_keys if limit.wildcard else 1
+            if size is not None:
+                count = min(count, size)
+            keys += count
+            wildcards += limit.wildcard
+            # A wildcard segment takes a request value: at most 128 characters.
+            length = sum(128 if seg == "*" else len(seg) for seg in limit.segments)
+            key_size = max(key_size, length + len(limit.segments))  # separators + NUL
+            if limit.concurrency is not None and not limit.wildcard:
+                concurrency += limit.concurrency
+            rate = limit.rate
+            if rate is not None:
+                # A window of N entries spans at most this many chunks.
+                chunks += count * ((rate.limit + 2 * CHUNK_STAMPS - 2) // CHUNK_STAMPS)
+                if limit.count is not None:
+                    longest_count = max(longest_count, rate.limit)
+        if size is not None:
+            keys = size
+        nodes = keys * 5 // 4 + 64
+        if windows is None:
+            windows = min(chunks + 1024, DEFAULT_CHUNKS_CAP)
+        # A give-back rewrites the chunks after the entry: journal room for that.
+        rewrite = (longest_count // CHUNK_STAMPS + 2) * (CHUNK_SIZE + _JENTRY.size)
+        return cls(
+            key_size=_align(key_size, 8),
+            buckets=-(-nodes // CHAIN),
+            leases=leases if leases is not None else min(max(16384, 2 * concurrency), 1 << 22),
+            procs=procs if procs is not None else 1024,
+            registry=2 * wildcards + 64,
+            journal=_align(65536 + MAX_REFS * rewrite, 4096),
+            chunks=windows,
+        )
+
+
+class _SharedGrant(Grant):
+    __slots__ = ("epoch", "lease", "nodes", "pid", "serial", "stamps")
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        shadowed: tuple[int, ...],
+        epoch: int,
+        pid: int,
+        lease: int,
+        serial: int,
+        nodes: list[int],
+        stamps: list[float | None],
+    ) -> None:
+        super().__init__(slots, shadowed)
+        self.epoch = epoch
+        self.pid = pid
+        self.lease = lease
+        self.serial = serial
+        self.nodes = nodes
+        #: per slot: the window entry reserved at admission (None: no rate / not recorded)
+        self.stamps = stamps
+
+
+_INSTANCES: weakref.WeakSet[SharedBackend] = weakref.WeakSet()
+#: serialises noticing a fork that bypassed the at-fork hook (threads race to notice)
+_FORK_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _FORK_LOCK
+    _FORK_LOCK = threading.Lock()
+    for backend in list(_INSTANCES):
+        backend._drop_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class SharedBackend(Backend):
+    """Counters of all worker processes of a host in one memory-mapped file.
+
+    Use it where a WSGI server runs several worker processes (gunicorn, uWSGI): the limits
+    hold for the host, not per process::
+
+        gk = GateKeeper({"backend": "shared:///run/gatekeeper/shop.shm",
+                         "limits": {"shop": {"concurrency": 100}}})
+
+    **Semantics** are those of :class:`~gatekeeper_wsgi.backends.memory.MemoryBackend`:
+    all-or-nothing admission, exact concurrency, an exact sliding log per rate key, ``count``
+    reservations confirmed or given back at release, shadow slots, delayed decreases,
+    ``max_keys`` with idle keys evicted first (an idle key is looked for among the
+    ``LRU_SCAN`` least recently used; then the least recently used key with nothing in
+    flight goes), never a key with requests in flight.
+
+    **Locking.** Every read and write of the table happens under one exclusive Linux
+    open-file-description lock (``F_OFD_SETLKW`` on byte 0) plus a ``threading.Lock`` (OFD
+    locks belong to the open file description, which the threads of a process share). The
+    kernel drops an OFD lock when its last descriptor closes, so a killed process cannot
+    leave it held; each process opens the file itself (the descriptor inherited across
+    ``fork`` is closed in the child at once).
+
+    **Crash safety.** Each update is a transaction: before a byte range is changed, its old
+    bytes go to the undo journal; the journal is emptied when the update is complete. The
+    next process to take the lock after one was killed mid-update rolls the journal back,
+    so the table never holds half an admission. Unexpected errors roll back the same way.
+
+    **Leases and reclaim.** Each admission holds a lease: (owner pid, serial, expiry, node
+    references). Release deletes it; a delayed decrease makes it ownerless with an expiry
+    (a min-heap by expiry matures them during later calls). Leases of processes that died
+    are reclaimed whenever a request would be rejected (it is then decided again) and on
+    ``inflight()``. *Reclaim time*: none once the dead process is reaped (``kill(pid, 0)``
+    fails) - a SIGKILLed gunicorn worker's slots come back before any request is refused
+    for lack of them; at most 50 ms while it is an unreaped zombie, or when its pid was
+    reused by a newer process (both read from ``/proc`` at most every 50 ms per backend).
+
+    **Queues** work across processes: a waiter polls every ``poll_interval`` (5 ms), as
+    a slot freed in another process wakes nobody here; the wait is bounded by ``wait``.
+    FIFO order holds among the waiters of one process, not across processes.
+
+    **Layout** (little-endian; the offsets of the regions follow from the sizes in the
+    header, each region aligned to 64 bytes, the window chunks to 4096)::
+
+        header, 4096 bytes
+          0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
+          8   4  u32 layout version (1)
+         12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
+         16   8  u64 epoch: random, new at every initialisation; grants of another epoch
+                 are void
+         24   4  u32 live leases, held or delayed (at this offset in every version)
+         28   4  u32 first free lease, or 0xFFFFFFFF    |  the mutable block [24, 64),
+         32   4  u32 leases ever used (bump mark)        |  saved to the journal as one
+         36   4  u32 entries in the delay heap          |  range
+         40   4  u32 last lease serial
+         44   4  u32 process slots ever used (bump mark)
+         48   4  u32 keys in the table
+         52   4  (reserved)
+         56   4  u32 first free window chunk, or 0xFFFFFFFF
+         60   4  u32 window chunks ever used (bump mark)
+        256  16  boot id (/proc/sys/kernel/random/boot_id): another boot = stale table
+        272   4  u32 key bytes per node (K, including a NUL terminator)
+        276   4  u32 hash buckets (m)
+        280   4  u32 nodes per bucket (8)
+        284   4  u32 leases (L)
+        288   4  u32 process slots (P)
+        292   4  u32 registry entries (R)
+        296   4  u32 journal bytes (J)
+        300   4  u32 window chunks (W)
+        304   8  u64 file bytes
+        (the rest is zero)
+
+        tags, m x 8 x u32: a node's 32-bit key hash, 0 = free slot. A key lives in one of
+          two buckets (two-choice hashing on its blake2b digest), so a lookup reads 16
+          tags and compares at most a few keys; both buckets full -> an idle node of the
+          16 is evicted, else TableFullError.
+        nodes, m x 8 x (40 + K) bytes, node i belongs to tag i:
+          0 u32 requests in flight       4 u16 key length
+          6 u8  index of the oldest window entry in the first chunk      7 pad
+          8 u32 first window chunk      12 u32 last window chunk (0xFFFFFFFF: none)
+         16 u32 window entries          20 u32 registry entry + 1 (0: not a wildcard key)
+         24 u32 previous, 28 u32 next node in its limit's least-recently-used list
+         32 f64 when its window is empty (last entry + window length)
+         40 key bytes (UTF-8), NUL terminated
+        leases, L x 40 bytes:
+          0 u32 owner pid (0: ownerless, a delayed decrease)   4 u32 serial (0: free)
+          8 f64 expiry (0: held by its owner)   16 u32 node count   20 5 x u32 nodes
+          (a free lease keeps the next free lease in its first node field)
+        delay heap, L x 16 bytes: f64 expiry, u32 lease, u32 serial; a binary min-heap
+        processes, P x 16 bytes: u32 pid (0: free), 4 pad, u64 start time (clock ticks
+          after boot, /proc/<pid>/stat field 22: tells a reused pid apart)
+        registry, R x 24 bytes, one per wildcard limit path: u64 blake2b of the path
+          (0: free), u32 keys, u32 least recently used node, u32 most recently used node,
+          4 pad
+        journal, J bytes: entries of u64 offset, u32 length, the old bytes
+        window chunks, W x 64 bytes: u32 next chunk of the same window (0xFFFFFFFF:
+          last), 4 pad, 7 x f64 admission times. A rate key's sliding log is a chain of
+          chunks, oldest entry first: appending and expiring are O(1), memory follows the
+          entries actually held. Free chunks form a list through their first field.
+
+    Writes that other processes read concurrently need no special care: nobody reads
+    without the lock. The file is sparse: pages of unused nodes and windows cost nothing.
+    """
+
+    local = False
+    engine_clock = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config | None = None,
+        *,
+        size: int | None = None,
+        leases: int | None = None,
+        procs: int | None = None,
+        windows: int | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self._wanted = _Layout.derive(
+            config, size=size, leases=leases, procs=procs, windows=windows
+        )
+        #: no configuration: an observer that takes the table as it is
+        self._adopt = config is None and (size, leases, procs, windows) == (None,) * 4
+        self._tlock = threading.Lock()
+        self._pid = os.getpid()
+        self._fd = -1
+        self._mm: mmap.mmap | None = None
+        self._closed = False
+        self._reset_state()
+        self._open()
+        _INSTANCES.add(self)
+        # Attach now, so a bad file is reported at start-up; a layout still in use by
+        # live leases is retried on every call (BackendError meanwhile).
+        try:
+            self._enter()
+        except LayoutMismatch as exc:
+            logger.error("gatekeeper: %s", exc)
+        except BackendError as exc:
+            self.close()
+            raise ConfigError("backend", str(exc)) from exc
+        else:
+            self._leave()
+
+    @classmethod
+    def from_url(cls, url: str, config: Config | None = None) -> SharedBackend:
+        """``shared:///absolute/path/file`` (or ``shared://relative/path``), with optional
+        ``?size=<keys>&leases=<n>&procs=<n>&windows=<chunks>`` overriding the sizes derived
+        from ``config`` (a chunk holds 7 rate window entries)."""
+        parts = urlsplit(url)
+        path = parts.netloc + parts.path
+        if not path:
+            raise ConfigError(
+                "backend", f"expected 'shared:///path/to/file', got {url!r} (no file path)"
+            )
+        options: dict[str, int] = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name not in ("size", "leases", "procs", "windows"):
+                raise ConfigError(
+                    "backend",
+                    f"unknown option {name!r} in {url!r}; expected size, leases, procs, windows",
+                )
+            try:
+                number = int(value)
+            except ValueError:
+                number = 0
+            if number < 1 or number >= 1 << 31:
+                raise ConfigError(
+                    "backend", f"option {name}={value!r} in {url!r}: expected a positive integer"
+                )
+            options[name] = number
+        return cls(path, config, **options)
+
+    # --- file, map, lock ------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        self._layout: _Layout | None = None
+        self._epoch = 0
+        self._jlen = 0
+        self._saved: dict[int, int] = {}
+        self._keys: dict[str, tuple[bytes, int, int, int]] = {}
+        self._regs: dict[str, tuple[int, int]] = {}
+        self._proc_index = -1
+        self._proc_epoch = 0
+        self._start_time: int | None = None
+        self._last_deep_check = -1.0
+
+    def _open(self) -> None:
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ConfigError(
+                "backend", f"cannot open the shared table {self.path!r}: {exc.strerror}"
+            ) from exc
+
+    def _unmap(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self._layout = None
+        self._epoch = 0
+
+    def _drop_inherited(self) -> None:
+        """In a forked child: the descriptor is the parent's open file description, whose
+        lock the parent may hold. Close it now; the child opens its own on first use."""
+        mm, fd = self._mm, self._fd
+        self._mm = None
+        self._fd = -1
+        self._tlock = threading.Lock()
+        self._pid = os.getpid()
+        self._reset_state()
+        if mm is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                mm.close()
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _enter(self) -> mmap.mmap:
+        """Take the thread and file locks and return the attached map."""
+        if self._closed:
+            raise BackendError(f"the shared table {self.path!r} is closed")
+        if os.getpid() != self._pid:
+            with _FORK_LOCK:
+                if os.getpid() != self._pid:
+                    self._drop_inherited()
+        self._tlock.acquire()
+        try:
+            if self._fd < 0:
+                self._open()
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _LOCK)
+        except (OSError, ConfigError) as exc:
+            self._tlock.release()
+            raise BackendError(f"cannot lock the shared table {self.path!r}: {exc}") from exc
+        try:
+            mm = self._mm
+            if mm is None:
+                self._attach()
+                mm = self._mm
+                assert mm is not None
+            else:
+                jlen, epoch = _JLEN_EPOCH.unpack_from(mm, H_JLEN)
+                if epoch != self._epoch:
+                    self._attach()
+                    mm = self._mm
+                    assert mm is not None
+                elif jlen:
+                    self._recover(jlen)
+            return mm
+        except BaseException as exc:
+            self._leave()
+            if isinstance(exc, OSError):
+                raise BackendError(f"shared table {self.path!r}: {exc}") from exc
+            raise
+
+    def _leave(self) -> None:
+        try:
+            if self._fd >= 0:
+                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _UNLOCK)
+        finally:
+            self._tlock.release()
+
+    def _attach(self) -> None:
+        """Map the table the file holds, or (re)initialise it. Under the file lock."""
+        self._unmap()
+        fd = self._fd
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, HEADER, 0) if size else b""
+        head = head.ljust(HEADER, b"\0")
+        magic, version = _MAGIC_VERSION.unpack_from(head, 0)
+        wanted = self._wanted
+        if magic == MAGIC and version == VERSION:
+            layout = _Layout.read(head)
+            if layout is None or size < layout.total:
+                logger.warning("gatekeeper: shared table %s is damaged; re-creating it", self.path)
+                self._initialise(wanted, size)
+                return
+            if head[H_BOOT : H_BOOT + 16] != _BOOT_ID:
+                # Written before a reboot: its processes are gone and its clock is void.
+                self._initialise(layout.merged(wanted), size)
+                return
+            self._map(layout, head)
+            jlen = _U32.unpack_from(head, H_JLEN)[0]
+            if jlen:
+                self._recover(jlen)
+            if self._adopt or layout.covers(wanted):
+                return
+            live = self._live_leases_after_reclaim()
+            if live:
+                self._unmap()
+                raise LayoutMismatch(
+                    f"shared table {self.path!r} holds {layout.describe()}, too small for "
+                    f"this configuration ({wanted.describe()}), and {live} leases are live; "
+                    f"it is re-created as soon as none is"
+                )
+            logger.warning(
+                "gatekeeper: re-creating shared table %s for this configuration (%s)",
+                self.path,
+                wanted.describe(),
+            )
+            self._initialise(layout.merged(wanted), size)
+        elif magic == MAGIC_INIT or not head.strip(b"\0"):
+            self._initialise(wanted, size)
+        elif magic == MAGIC:
+            live = _U32.unpack_from(head, H_LIVE)[0]
+            if live:
+                raise LayoutMismatch(
+                    f"shared table {self.path!r} has layout version {version} (this is "
+                    f"{VERSION}) and {live} live leases; it is re-created as soon as none is"
+                )
+            logger.warning(
+                "gatekeeper: re-creating shared table %s (layout version %d -> %d)",
+                self.path,
+                version,
+                VERSION,
+            )
+            self._initialise(wanted, size)
+        else:
+            raise BackendError(
+                f"{self.path!r} is not a gatekeeper shared table (magic {magic!r}); "
+                f"refusing to overwrite it"
+            )
+
+    def _map(self, layout: _Layout, head: bytes) -> None:
+        self._mm = mmap.mmap(self._fd, layout.total)
+        self._layout = layout
+        self._epoch = struct.unpack_from("<Q", head, H_EPOCH)[0]
+        self._jlen = 0
+        self._saved = {}
+        self._keys = {}
+        self._regs = {}
+        self._proc_index = -1
+        g = layout
+        self._buckets = g.buckets
+        self._key_size = g.key_size
+        self._node_size = g.node_size
+        self._tags_off = g.tags_off
+        self._nodes_off = g.nodes_off
+        self._leases_off = g.leases_off
+        self._heap_off = g.heap_off
+        self._procs_off = g.procs_off
+        self._registry_off = g.registry_off
+        self._journal_off = g.journal_off
+        self._journal_cap = g.journal
+        self._chunks_off = g.chunks_off
+        self._chunks = g.chunks
+
+    def _initialise(self, layout: _Layout, size: int) -> None:
+        fd = self._fd
+        if size < layout.total:
+            # Never shrink: another process may still map the old, larger size.
+            os.ftruncate(fd, layout.total)
+        fresh = size == 0
+        self._map(layout, bytes(HEADER))
+        mm = self._mm
+        assert mm is not None
+        mm[0:8] = MAGIC_INIT
+        mm[8:HEADER] = bytes(HEADER - 8)
+        if not fresh:
+            for start, length in (
+                (layout.tags_off, layout.nodes * 4),
+                (layout.procs_off, layout.procs * PROC_SIZE),
+                (layout.registry_off, layout.registry * REG_SIZE),
+            ):
+                for chunk in range(start, start + length, 1 << 20):
+                    end = min(start + length, chunk + (1 << 20))
+                    mm[chunk:end] = bytes(end - chunk)
+        _U32.pack_into(mm, H_LEASE_FREE, NIL)
+        _U32.pack_into(mm, H_CHUNK_FREE, NIL)
+        mm[H_BOOT : H_BOOT + 16] = _BOOT_ID
+        layout.write(mm)
+        epoch = secrets.randbits(63) | 1
+        struct.pack_into("<Q", mm, H_EPOCH, epoch)
+        _MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
+        self._epoch = epoch
+        logger.info("gatekeeper: initialised shared table %s: %s", self.path, layout.describe())
+
+    def close(self) -> None:
+        """Unmap and close the file. Leases this process still holds stay in the table
+        (they are reclaimed when the process exits)."""
+        if self._closed:
+            return
+        with self._tlock:
+            self._closed = True
+            _INSTANCES.discard(self)
+            mm, fd = self._mm, self._fd
+            self._mm = None
+            self._fd = -1
+            if mm is not None:
+                mm.close()
+            if fd >= 0:
+                os.close(fd)
+
+    # --- the undo journal -----------------------------------------------------------------
+
+    def _save(self, offset: int, length: int) -> None:
+        """Put the current bytes at ``offset`` in the journal before they change."""
+        saved = self._saved
+        if saved.get(offset, 0) >= length:
+            return
+        mm = self._mm
+        assert mm is not None
+        start = self._jlen
+        end = start + JENTRY_SIZE + length
+        if end > self._journal_cap:
+            raise TableFullError(f"shared table {self.path!r}: update too large for its journal")
+        at = self._journal_off + start
+        _JENTRY.pack_into(mm, at, offset, length)
+        mm.move(at + JENTRY_SIZE, offset, length)
+        # Only now is the entry part of the journal.
+        _U32.pack_into(mm, H_JLEN, end)
+        self._jlen = end
+        saved[offset] = length
+
+    def _commit(self) -> None:
+        if self._jlen:
+            _U32.pack_into(self._mm, H_JLEN, 0)  # type: ignore[arg-type]
+            self._jlen = 0
+            self._saved = {}
+
+    def _rollback(self) -> None:
+        if self._jlen and self._mm is not None:
+            self._undo(self._jlen)
+        self._jlen = 0
+        self._saved = {}
+
+    def _recover(self, jlen: int) -> None:
+        logger.warning(
+            "gatekeeper: a process died while updating shared table %s; its unfinished "
+            "update was rolled back",
+            self.path,
+        )
+        self._undo(jlen)
+
+    def _undo(self, jlen: int) -> None:
+        mm = self._mm
+        assert mm is not None
+        base = self._journal_off
+        entries = []
+        position = 0
+        while position < jlen:
+            offset, length = _JENTRY.unpack_from(mm, base + position)
+            start = base + position + _JENTRY.size
+            entries.append((offset, mm[start : start + length]))
+            position += _JENTRY.size + length
+        for offset, old in reversed(entries):
+            mm[offset : offset + len(old)] = old
+        _U32.pack_into(mm, H_JLEN, 0)
+        self._jlen = 0
+        self._saved = {}
+
+    def _save_header(self) -> None:
+        self._save(MUT_START, MUT_END - MUT_START)
+
+    # --- public operations ----------------------------------------------------------------
+
+    def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        result, owners = self._locked(slots, now, keep=True)
+        if owners and isinstance(result, Denial) and self._reap(owners):
+            result, _ = self._locked(slots, now, keep=True)
+        return result
+
+    def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
+        """Whether ``acquire`` would admit now, read atomically: the admission is worked
+        out under the lock and rolled back."""
+        result, owners = self._locked(slots, now, keep=False)
+        if owners and isinstance(result, Denial) and self._reap(owners):
+            result, _ = self._locked(slots, now, keep=False)
+        return result if isinstance(result, Denial) else None
+
+    def _locked(
+        self, slots: Sequence[Slot], now: float, *, keep: bool
+    ) -> tuple[Grant | Denial, list[tuple[int, int, int]]]:
+        self._enter()
+        try:
+            self._mature(now)
+            if keep:
+                self._register()
+                self._commit()
+            result = self._admit(slots, now)
+            owners = self._owners() if isinstance(result, Denial) else []
+            if keep:
+                self._commit()
+            else:
+                self._rollback()
+            return result, owners
+        except BaseException as exc:
+            self._rollback()
+            self._reraise(exc)
+        finally:
+            self._leave()
+
+    def _reraise(self, exc: BaseException) -> NoReturn:
+        if isinstance(exc, (OSError, ValueError, IndexError, struct.error)):
+            raise BackendError(f"shared table {self.path!r}: {exc!r}") from exc
+        raise exc
+
+    def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
+        assert isinstance(grant, _SharedGrant)
+        self._enter()
+        try:
+            if grant.epoch == self._epoch:
+                self._release(grant, status, delay, now)
+                self._commit()
+            self._mature(now)
+        except BaseException as exc:
+            self._rollback()
+            self._reraise(exc)
+        finally:
+            self._leave()
+
+    def inflight(self, now: float) -> dict[str, int]:
+        self._enter()
+        try:
+            self._mature(now)
+            owners = self._owners()
+        except BaseException as exc:
+            self._rollback()
+            self._reraise(exc)
+        finally:
+            self._leave()
+        self._reap(owners, deep=True)
+        self._enter()
+        try:
+            return self._read_inflight()
+        except BaseException as exc:
+            self._reraise(exc)
+        finally:
+            self._leave()
+
+    def next_due(self) -> float | None:
+        try:
+            mm = self._enter()
+        except BackendError:
+            return None
+        try:
+            if _U32.unpack_from(mm, H_HEAP_LEN)[0]:
+                due: float = _F64.unpack_from(mm, self._heap_off)[0]
+                return due
+            return None
+        finally:
+            self._leave()
+
+    def delayed_pending(self) -> int:
+        try:
+            mm = self._enter()
+        except BackendError:
+            return 0
+        try:
+            pending: int = _U32.unpack_from(mm, H_HEAP_LEN)[0]
+            return pending
+        finally:
+            self._leave()
+
+    def usage(self) -> dict[str, Any]:
+        """How full the table is: keys, leases, delayed releases, processes, file size."""
+        mm = self._enter()
+        try:
+            layout = self._layout
+            assert layout is not None
+            live, _, _, heap_len, _, procs_high, nodes_used = struct.unpack_from("<7I", mm, H_LIVE)
+            pids = [
+                _PROC.unpack_from(mm, self._procs_off + PROC_SIZE * i)[0] for i in range(procs_high)
+            ]
+            return {
+                "path": self.path,
+                "keys": nodes_used,
+                "key_capacity": layout.nodes,
+                "leases": live,
+                "lease_capacity": layout.leases,
+                "delayed": heap_len,
+                "processes": sorted(pid for pid in pids if pid),
+                "bytes": layout.total,
+            }
+        finally:
+            self._leave()
+
+    # --- admission ------------------------------------------------------------------------
+
+    def _admit(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        mm = self._mm
+        assert mm is not None
+        nodes_off = self._nodes_off
+        node_size = self._node_size
+        nodes: list[int] = []
+        shadowed: list[int] = []
+        rate_full: list[int] = []
+        for index, (key, limit, enforce) in enumerate(slots):
+            entry = self._key(key)
+            node = self._find(entry)
+            if node < 0:
+                node = self._create(entry, limit, now)
+            elif limit.wildcard:
+                self._touch(node, limit)
+            offset = nodes_off + node * node_size
+            concurrency = limit.concurrency
+            if concurrency is not None and _U32.unpack_from(mm, offset)[0] >= concurrency:
+                if enforce:
+                    return Denial(index, "concurrency", self._soonest(now), 0)
+                shadowed.append(index)
+            rate = limit.rate
+            if rate is not None:
+                cutoff = now - rate.seconds
+                length, oldest = self._purge(node, cutoff)
+                if length >= rate.limit:
+                    if enforce:
+                        return Denial(index, "rate", oldest - cutoff, 0)
+                    if index not in shadowed:
+                        shadowed.append(index)
+                    rate_full.append(index)
+            nodes.append(node)
+        if len(nodes) > MAX_REFS:
+            raise BackendError(f"a request may hold at most {MAX_REFS} slots, got {len(nodes)}")
+        pid = self._pid
+        stamps: list[float | None] = []
+        for index, node in enumerate(nodes):
+            offset = nodes_off + node * node_size
+            self._save(offset, NODE_HEAD)
+            _U32.pack_into(mm, offset, _U32.unpack_from(mm, offset)[0] + 1)
+            rate = slots[index].limit.rate
+            # Shadow over concurrency still counts in the window; only a full window is
+            # not extended (as enforce mode would not have admitted).
+            if rate is not None and index not in rate_full:
+                self._append(node, now, rate)
+                stamps.append(now)
+            else:
+                stamps.append(None)
+        lease, serial = self._new_lease(pid, nodes)
+        return _SharedGrant(slots, tuple(shadowed), self._epoch, pid, lease, serial, nodes, stamps)
+
+    def _soonest(self, now: float) -> float:
+        mm = self._mm
+        assert mm is not None
+        if _U32.unpack_from(mm, H_HEAP_LEN)[0]:
+            due: float = _F64.unpack_from(mm, self._heap_off)[0]
+            return max(0.0, due - now)
+        return 0.0
+
+    # --- keys and nodes -------------------------------------------------------------------
+
+    def _key(self, key: str) -> tuple[bytes, int, int, int]:
+        """(key bytes + NUL, tag, first bucket, second bucket), cached per key."""
+        entry = self._keys.get(key)
+        if entry is None:
+            raw = key.encode("utf-8", "surrogateescape")
+            if len(raw) >= self._key_size:
+                raise TableFullError(
+                    f"key {key[:40]!r}... is longer than the {self._key_size - 1} bytes the "
+                    f"shared table {self.path!r} was sized for"
+                )
+            digest = int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
+            buckets = self._buckets
+            first = (digest >> 32) % buckets
+            second = (digest >> 80) % buckets
+            if second == first and buckets > 1:
+                second = (first + 1) % buckets
+            entry = (raw + b"\0", (digest & 0xFFFFFFFF) or 1, first, second)
+            if len(self._keys) >= 8192:
+                self._keys = {}
+            self._keys[key] = entry
+        return entry
+
+    def _find(self, entry: tuple[bytes, int, int, int]) -> int:
+        mm = self._mm
+        assert mm is not None
+        raw, tag, first, second = entry
+        tags_off = self._tags_off
+        key_at = self._nodes_off + NODE_HEAD
+        node_size = self._node_size
+        size = len(raw)
+        for bucket in (first, second):
+            tags = _TAGS.unpack_from(mm, tags_off + bucket * CHAIN * 4)
+            if tag in tags:
+                for position in range(CHAIN):
+                    if tags[position] == tag:
+                        node = bucket * CHAIN + position
+                        start = key_at + node * node_size
+                        if mm[start : start + size] == raw:
+                            return node
+        return -1
+
+    def _create(self, entry: tuple[bytes, int, int, int], limit: Limit, now: float) -> int:
+        mm = self._mm
+        assert mm is not None
+        raw, tag, first, second = entry
+        tags_off = self._tags_off
+        tags1 = _TAGS.unpack_from(mm, tags_off + first * CHAIN * 4)
+        tags2 = _TAGS.unpack_from(mm, tags_off + second * CHAIN * 4)
+        free1, free2 = tags1.count(0), tags2.count(0)
+        if free1 or free2:
+            if free1 >= free2:
+                node = first * CHAIN + tags1.index(0)
+            else:
+                node = second * CHAIN + tags2.index(0)
+        else:
+            node = self._chain_victim(first, second, now)
+            self._remove(node)
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD + len(raw))
+        _NODE.pack_into(mm, offset, 0, len(raw) - 1, 0, NIL, NIL, 0, 0, NIL, NIL, 0.0)
+        mm[offset + NODE_HEAD : offset + NODE_HEAD + len(raw)] = raw
+        tag_at = tags_off + node * 4
+        self._save(tag_at, 4)
+        _U32.pack_into(mm, tag_at, tag)
+        self._save_header()
+        _U32.pack_into(mm, H_NODES_USED, _U32.unpack_from(mm, H_NODES_USED)[0] + 1)
+        if limit.wildcard:
+            self._track(node, limit)
+        return node
+
+    def _track(self, node: int, limit: Limit) -> None:
+        """Count a node under a wildcard limit, evicting one of its keys at ``max_keys``."""
+        mm = self._mm
+        assert mm is not None
+        registry = self._registry(limit.path)
+        count = _U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_COUNT)[0]
+        if count >= limit.max_keys:
+            self._evict_lru(registry, limit.path, count)
+            registry = self._registry(limit.path)  # its entry goes with its last key
+        at = self._registry_off + registry * REG_SIZE
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD)
+        _U32.pack_into(mm, offset + N_REG, registry + 1)
+        self._lru_append(registry, node)
+        _U32.pack_into(mm, at + R_COUNT, _U32.unpack_from(mm, at + R_COUNT)[0] + 1)
+
+    def _untrack(self, registry: int, node: int) -> None:
+        """Take a node out of its wildcard limit's list and count."""
+        mm = self._mm
+        assert mm is not None
+        self._lru_unlink(registry, node)
+        at = self._registry_off + registry * REG_SIZE
+        count = _U32.unpack_from(mm, at + R_COUNT)[0] - 1
+        if count <= 0:
+            mm[at : at + REG_SIZE] = bytes(REG_SIZE)
+        else:
+            _U32.pack_into(mm, at + R_COUNT, count)
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD)
+        _U32.pack_into(mm, offset + N_REG, 0)
+
+    def _chain_victim(self, first: int, second: int, now: float) -> int:
+        """An idle node of two full buckets: nothing in flight, no admission left in its
+        window (one whose window has only expired entries will do)."""
+        mm = self._mm
+        assert mm is not None
+        expired = -1
+        for bucket in (first, second):
+            for position in range(CHAIN):
+                node = bucket * CHAIN + position
+                fields = _NODE.unpack_from(mm, self._nodes_off + node * self._node_size)
+                if fields[0]:
+                    continue
+                if not fields[5]:
+                    return node
+                if expired < 0 and fields[9] <= now:
+                    expired = node
+        if expired >= 0:
+            return expired
+        raise TableFullError(
+            f"shared table {self.path!r} is full: both buckets of a new key hold keys in "
+            f"use; give it more room with ?size=<keys> (it holds {self._buckets * CHAIN})"
+        )
+
+    def _remove(self, node: int) -> None:
+        """Take a node (nothing in flight) out of the table: window, LRU list, tag."""
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        fields = _NODE.unpack_from(mm, offset)
+        if fields[5]:
+            self._free_chunks(fields[3], fields[4])
+        registry = fields[6]
+        if registry:
+            self._untrack(registry - 1, node)
+        tag_at = self._tags_off + node * 4
+        self._save(tag_at, 4)
+        _U32.pack_into(mm, tag_at, 0)
+        self._save_header()
+        _U32.pack_into(mm, H_NODES_USED, _U32.unpack_from(mm, H_NODES_USED)[0] - 1)
+
+    # --- wildcard limits: the registry and least-recently-used lists ----------------------
+
+    def _registry(self, path: str) -> int:
+        mm = self._mm
+        assert mm is not None
+        base = self._registry_off
+        cached = self._regs.get(path)
+        if cached is not None:
+            index, digest = cached
+            if struct.unpack_from("<Q", mm, base + index * REG_SIZE)[0] == digest:
+                return index
+        else:
+            digest = (
+                int.from_bytes(
+                    hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest(), "little"
+                )
+                or 1
+            )
+        free = -1
+        for index in range(self._layout.registry):  # type: ignore[union-attr]
+            stored = struct.unpack_from("<Q", mm, base + index * REG_SIZE)[0]
+            if stored == digest:
+                self._regs[path] = (index, digest)
+                return index
+            if not stored and free < 0:
+                free = index
+        if free < 0:
+            raise TableFullError(
+                f"shared table {self.path!r}: no room for wildcard limit {path!r} "
+                f"(it tracks {self._layout.registry} wildcard limits)"  # type: ignore[union-attr]
+            )
+        at = base + free * REG_SIZE
+        self._save(at, REG_SIZE)
+        _REG.pack_into(mm, at, digest, 0, NIL, NIL)
+        self._regs[path] = (free, digest)
+        return free
+
+    def _evict_lru(self, registry: int, path: str, count: int) -> None:
+        mm = self._mm
+        assert mm is not None
+        node = _U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_HEAD)[0]
+        nodes_off, node_size = self._nodes_off, self._node_size
+        victim = fallback = -1
+        seen = 0
+        while node != NIL:
+            fields = _NODE.unpack_from(mm, nodes_off + node * node_size)
+            if not fields[0]:
+                if not fields[5]:
+                    victim = node
+                    break
+                if fallback < 0:
+                    fallback = node
+            seen += 1
+            if seen >= LRU_SCAN and fallback >= 0:
+                break
+            node = fields[8]
+        if victim < 0:
+            victim = fallback
+        if victim < 0:
+            raise TableFullError(f"limit {path!r} tracks max_keys={count} keys, all in flight")
+        self._remove(victim)
+
+    def _lru_append(self, registry: int, node: int) -> None:
+        mm = self._mm
+        assert mm is not None
+        at = self._registry_off + registry * REG_SIZE
+        nodes_off, node_size = self._nodes_off, self._node_size
+        tail = _U32.unpack_from(mm, at + R_TAIL)[0]
+        self._save(at, REG_SIZE)
+        offset = nodes_off + node * node_size
+        self._save(offset, NODE_HEAD)
+        _U32.pack_into(mm, offset + N_PREV, tail)
+        _U32.pack_into(mm, offset + N_NEXT, NIL)
+        if tail != NIL:
+            self._save(nodes_off + tail * node_size, NODE_HEAD)
+            _U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
+        else:
+            _U32.pack_into(mm, at + R_HEAD, node)
+        _U32.pack_into(mm, at + R_TAIL, node)
+
+    def _lru_unlink(self, registry: int, node: int) -> None:
+        mm = self._mm
+        assert mm is not None
+        at = self._registry_off + registry * REG_SIZE
+        nodes_off, node_size = self._nodes_off, self._node_size
+        offset = nodes_off + node * node_size
+        prev = _U32.unpack_from(mm, offset + N_PREV)[0]
+        nxt = _U32.unpack_from(mm, offset + N_NEXT)[0]
+        self._save(at, REG_SIZE)
+        if prev != NIL:
+            self._save(nodes_off + prev * node_size, NODE_HEAD)
+            _U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
+        else:
+            _U32.pack_into(mm, at + R_HEAD, nxt)
+        if nxt != NIL:
+            self._save(nodes_off + nxt * node_size, NODE_HEAD)
+            _U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
+        else:
+            _U32.pack_into(mm, at + R_TAIL, prev)
+
+    def _touch(self, node: int, limit: Limit) -> None:
+        """Mark a wildcard key most recently used in its limit's list. A key counted so far
+        under another limit (an exact path a 'user' or 'header' value equals, or a pattern
+        a reload replaced) moves to this limit's list, counted against its ``max_keys``."""
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        registry = self._registry(limit.path)
+        current = _U32.unpack_from(mm, offset + N_REG)[0] - 1
+        if current == registry:
+            if _U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_TAIL)[0] != node:
+                self._lru_unlink(registry, node)
+                self._lru_append(registry, node)
+            return
+        if current >= 0:
+            self._untrack(current, node)
+        self._track(node, limit)
+
+    # --- rate windows: a log of admission times in a chain of chunks -------------------
+
+    def _chunk_at(self, chunk: int) -> int:
+        return self._chunks_off + chunk * CHUNK_SIZE
+
+    def _purge(self, node: int, cutoff: float) -> tuple[int, float]:
+        """Drop window entries at or before ``cutoff``; return (entries left, oldest)."""
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        _, _, start, first, last, length, *_ = _NODE.unpack_from(mm, offset)
+        if not length:
+            return 0, 0.0
+        chunk = first
+        stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
+        left = length
+        oldest: float = stamps[start]
+        while oldest <= cutoff:
+            left -= 1
+            start += 1
+            if not left:
+                break
+            if start == CHUNK_STAMPS:
+                following = _U32.unpack_from(mm, self._chunk_at(chunk))[0]
+                self._free_chunks(chunk, chunk)
+                chunk, start = following, 0
+                stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
+            oldest = stamps[start]
+        if left == length:
+            return left, oldest
+        self._save(offset, NODE_HEAD)
+        if not left:
+            self._free_chunks(chunk, last)
+            self._clear_window(offset)
+            return 0, 0.0
+        mm[offset + N_OFFSET] = start
+        _U32.pack_into(mm, offset + N_FIRST, chunk)
+        _U32.pack_into(mm, offset + N_LEN, left)
+        return left, oldest
+
+    def _clear_window(self, offset: int) -> None:
+        mm = self._mm
+        assert mm is not None
+        mm[offset + N_OFFSET] = 0
+        struct.pack_into("<III", mm, offset + N_FIRST, NIL, NIL, 0)
+
+    def _append(self, node: int, now: float, rate: Rate) -> None:
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        _, _, start, first, last, length, _, _, _, idle = _NODE.unpack_from(mm, offset)
+        self._save(offset, NODE_HEAD)
+        position = (start + length) % CHUNK_STAMPS
+        if not length:
+            first = last = self._new_chunk()
+            start = position = 0
+            mm[offset + N_OFFSET] = 0
+            struct.pack_into("<II", mm, offset + N_FIRST, first, last)
+        elif not position:
+            chunk = self._new_chunk()
+            self._save(self._chunk_at(last), 8)
+            _U32.pack_into(mm, self._chunk_at(last), chunk)
+            last = chunk
+            _U32.pack_into(mm, offset + N_LAST, last)
+        # The slot past the last entry is free space: no journal entry needed.
+        _F64.pack_into(mm, self._chunk_at(last) + 8 + 8 * position, now)
+        _U32.pack_into(mm, offset + N_LEN, length + 1)
+        _F64.pack_into(mm, offset + N_IDLE, max(idle, now + rate.seconds))
+
+    def _give_back(self, node: int, stamp: float) -> None:
+        """Remove the first window entry equal to ``stamp`` (it may have slid out): the
+        entries after it move up one place, keeping the log in order."""
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        _, _, start, first, last, length, *_ = _NODE.unpack_from(mm, offset)
+        if not length:
+            return
+        chunks: list[int] = []
+        values: list[float] = []
+        chunk = first
+        for _ in range((start + length + CHUNK_STAMPS - 1) // CHUNK_STAMPS):
+            following, *stamps = _CHUNK.unpack_from(mm, self._chunk_at(chunk))
+            chunks.append(chunk)
+            values.extend(stamps)
+            chunk = following
+        try:
+            at = values.index(stamp, start, start + length)
+        except ValueError:
+            return
+        self._save(offset, NODE_HEAD)
+        if length == 1:
+            self._free_chunks(first, last)
+            self._clear_window(offset)
+            return
+        del values[at]
+        values.append(0.0)
+        used = (start + length - 1 + CHUNK_STAMPS - 1) // CHUNK_STAMPS
+        for index in range(at // CHUNK_STAMPS, used):
+            where = self._chunk_at(chunks[index]) + 8
+            self._save(where, 8 * CHUNK_STAMPS)
+            part = values[index * CHUNK_STAMPS : (index + 1) * CHUNK_STAMPS]
+            _CHUNK_STAMPS.pack_into(mm, where, *part)
+        if used < len(chunks):
+            self._free_chunks(chunks[-1], chunks[-1])
+            last = chunks[used - 1]
+            self._save(self._chunk_at(last), 8)
+            _U32.pack_into(mm, self._chunk_at(last), NIL)
+            _U32.pack_into(mm, offset + N_LAST, last)
+        _U32.pack_into(mm, offset + N_LEN, length - 1)
+
+    def _new_chunk(self) -> int:
+        """A window chunk off the free list (or never used yet), its link set to NIL."""
+        mm = self._mm
+        assert mm is not None
+        free, high = struct.unpack_from("<II", mm, H_CHUNK_FREE)
+        self._save_header()
+        chunk: int
+        if free != NIL:
+            chunk = free
+            self._save(self._chunk_at(chunk), 8)
+            _U32.pack_into(mm, H_CHUNK_FREE, _U32.unpack_from(mm, self._chunk_at(chunk))[0])
+        elif high < self._chunks:
+            chunk = high
+            _U32.pack_into(mm, H_CHUNK_HIGH, high + 1)
+        else:
+            raise TableFullError(
+                f"shared table {self.path!r}: all {high * CHUNK_STAMPS} rate window entries "
+                f"are in use; give it more with ?windows=<chunks of {CHUNK_STAMPS}>"
+            )
+        _U32.pack_into(mm, self._chunk_at(chunk), NIL)
+        return chunk
+
+    def _free_chunks(self, first: int, last: int) -> None:
+        """Put the chain of chunks ``first`` .. ``last`` on the free list."""
+        mm = self._mm
+        assert mm is not None
+        self._save_header()
+        self._save(self._chunk_at(last), 8)
+        _U32.pack_into(mm, self._chunk_at(last), _U32.unpack_from(mm, H_CHUNK_FREE)[0])
+        _U32.pack_into(mm, H_CHUNK_FREE, first)
+
+    # --- leases ---------------------------------------------------------------------------
+
+    def _new_lease(self, pid: int, nodes: list[int]) -> tuple[int, int]:
+        mm = self._mm
+        assert mm is not None
+        live, free, high, _, serial = struct.unpack_from("<5I", mm, H_LIVE)
+        self._save_header()
+        if free != NIL:
+            lease = free
+            at = self._leases_off + lease * LEASE_SIZE
+            self._save(at, LEASE_SIZE)
+            _U32.pack_into(mm, H_LEASE_FREE, _U32.unpack_from(mm, at + L_REFS)[0])
+        elif high < self._layout.leases:  # type: ignore[union-attr]
+            lease = high
+            _U32.pack_into(mm, H_LEASE_HIGH, high + 1)
+        else:
+            raise TableFullError(
+                f"shared table {self.path!r}: all {high} leases are held; "
+                f"give it more with ?leases=<n>"
+            )
+        serial = serial % 0xFFFFFFFF + 1
+        _U32.pack_into(mm, H_SERIAL, serial)
+        _U32.pack_into(mm, H_LIVE, live + 1)
+        refs = (*nodes, *(0,) * (MAX_REFS - len(nodes)))
+        _LEASE.pack_into(
+            mm, self._leases_off + lease * LEASE_SIZE, pid, serial, 0.0, len(nodes), *refs
+        )
+        return lease, serial
+
+    def _free_lease(self, lease: int) -> None:
+        """Give the lease's slots back and put it on the free list."""
+        mm = self._mm
+        assert mm is not None
+        at = self._leases_off + lease * LEASE_SIZE
+        fields = _LEASE.unpack_from(mm, at)
+        nodes_off, node_size = self._nodes_off, self._node_size
+        for node in fields[4 : 4 + fields[3]]:
+            offset = nodes_off + node * node_size
+            self._save(offset, NODE_HEAD)
+            count = _U32.unpack_from(mm, offset)[0]
+            _U32.pack_into(mm, offset, count - 1 if count else 0)
+        self._save_header()
+        self._save(at, LEASE_SIZE)
+        _LEASE_HEAD.pack_into(mm, at, 0, 0)
+        _U32.pack_into(mm, at + L_REFS, _U32.unpack_from(mm, H_LEASE_FREE)[0])
+        _U32.pack_into(mm, H_LEASE_FREE, lease)
+        _U32.pack_into(mm, H_LIVE, max(0, _U32.unpack_from(mm, H_LIVE)[0] - 1))
+
+    def _release(self, grant: _SharedGrant, status: int | None, delay: float, now: float) -> None:
+        mm = self._mm
+        assert mm is not None
+        at = self._leases_off + grant.lease * LEASE_SIZE
+        if _LEASE_HEAD.unpack_from(mm, at) != (grant.pid, grant.serial):
+            return  # reclaimed meanwhile (its owner was taken for dead)
+        for index, stamp in enumerate(grant.stamps):
+            if stamp is None:
+                continue
+            count = grant.slots[index].limit.count
+            if count is not None and status not in count:
+                self._give_back(grant.nodes[index], stamp)
+        if delay > 0:
+            self._save(at, LEASE_SIZE)
+            _U32.pack_into(mm, at, 0)
+            _F64.pack_into(mm, at + L_EXPIRY, now + delay)
+            self._heap_push(now + delay, grant.lease, grant.serial)
+        else:
+            self._free_lease(grant.lease)
+
+    # --- delayed releases: a min-heap by expiry -------------------------------------------
+
+    def _heap_push(self, due: float, lease: int, serial: int) -> None:
+        mm = self._mm
+        assert mm is not None
+        base = self._heap_off
+        size = _U32.unpack_from(mm, H_HEAP_LEN)[0]
+        position = size
+        while position:
+            parent = (position - 1) >> 1
+            entry = _HEAP.unpack_from(mm, base + parent * HEAP_SIZE)
+            if entry[0] <= due:
+                break
+            self._save(base + position * HEAP_SIZE, HEAP_SIZE)
+            _HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
+            position = parent
+        self._save(base + position * HEAP_SIZE, HEAP_SIZE)
+        _HEAP.pack_into(mm, base + position * HEAP_SIZE, due, lease, serial)
+        self._save_header()
+        _U32.pack_into(mm, H_HEAP_LEN, size + 1)
+
+    def _heap_pop(self) -> tuple[float, int, int]:
+        mm = self._mm
+        assert mm is not None
+        base = self._heap_off
+        size = _U32.unpack_from(mm, H_HEAP_LEN)[0] - 1
+        top: tuple[float, int, int] = _HEAP.unpack_from(mm, base)
+        self._save_header()
+        _U32.pack_into(mm, H_HEAP_LEN, size)
+        if size:
+            last = _HEAP.unpack_from(mm, base + size * HEAP_SIZE)
+            position = 0
+            while True:
+                child = 2 * position + 1
+                if child >= size:
+                    break
+                entry = _HEAP.unpack_from(mm, base + child * HEAP_SIZE)
+                if child + 1 < size:
+                    right = _HEAP.unpack_from(mm, base + (child + 1) * HEAP_SIZE)
+                    if right[0] < entry[0]:
+                        child, entry = child + 1, right
+                if entry[0] >= last[0]:
+                    break
+                self._save(base + position * HEAP_SIZE, HEAP_SIZE)
+                _HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
+                position = child
+            self._save(base + position * HEAP_SIZE, HEAP_SIZE)
+            _HEAP.pack_into(mm, base + position * HEAP_SIZE, *last)
+        return top
+
+    def _mature(self, now: float) -> None:
+        """Apply the delayed releases that are due; each one is its own transaction."""
+        mm = self._mm
+        assert mm is not None
+        if not _U32.unpack_from(mm, H_HEAP_LEN)[0] or _F64.unpack_from(mm, self._heap_off)[0] > now:
+            return
+        started = time.perf_counter_ns()
+        leases_off = self._leases_off
+        while (
+            _U32.unpack_from(mm, H_HEAP_LEN)[0] and _F64.unpack_from(mm, self._heap_off)[0] <= now
+        ):
+            _, lease, serial = self._heap_pop()
+            if _LEASE_HEAD.unpack_from(mm, leases_off + lease * LEASE_SIZE) == (0, serial):
+                self._free_lease(lease)
+            self._commit()
+        if self.delay_stage is not None:
+            self.delay_stage.record(time.perf_counter_ns() - started)
+
+    # --- processes: registration, liveness, reclaim ---------------------------------------
+
+    def _own_start(self) -> int:
+        if self._start_time is None:
+            stat = _proc_stat(os.getpid())
+            self._start_time = stat[1] if stat is not None else 0
+        return self._start_time
+
+    def _register(self) -> None:
+        """Make sure this process has a slot in the process table, so that its leases are
+        reclaimed if it dies."""
+        mm = self._mm
+        assert mm is not None
+        base = self._procs_off
+        pid = self._pid
+        index = self._proc_index
+        if index >= 0 and _U32.unpack_from(mm, base + index * PROC_SIZE)[0] == pid:
+            return
+        start = self._own_start()
+        high = _U32.unpack_from(mm, H_PROCS_HIGH)[0]
+        free = -1
+        for index in range(high):
+            entry_pid, _, entry_start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
+            if entry_pid == pid:
+                if entry_start and start and entry_start != start:
+                    # A process that had our pid before us died: its leases are void.
+                    self._reclaim_pid(pid)
+                    self._save(base + index * PROC_SIZE, PROC_SIZE)
+                    _PROC.pack_into(mm, base + index * PROC_SIZE, pid, 0, start)
+                self._proc_index = index
+                return
+            if not entry_pid and free < 0:
+                free = index
+        if free < 0:
+            for index, entry_pid, entry_start in self._owners():
+                if _dead(entry_pid, entry_start, deep=True):
+                    self._drop_process(index, entry_pid, entry_start)
+                    if free < 0:
+                        free = index
+        if free < 0:
+            if high >= self._layout.procs:  # type: ignore[union-attr]
+                raise TableFullError(
+                    f"shared table {self.path!r}: all {high} process slots are taken; "
+                    f"give it more with ?procs=<n>"
+                )
+            free = high
+            self._save_header()
+            _U32.pack_into(mm, H_PROCS_HIGH, high + 1)
+        self._save(base + free * PROC_SIZE, PROC_SIZE)
+        _PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
+        self._proc_index = free
+
+    def _owners(self) -> list[tuple[int, int, int]]:
+        """(slot, pid, start time) of the other processes in the table."""
+        mm = self._mm
+        assert mm is not None
+        base = self._procs_off
+        owners = []
+        for index in range(_U32.unpack_from(mm, H_PROCS_HIGH)[0]):
+            pid, _, start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
+            if pid and pid != self._pid:
+                owners.append((index, pid, start))
+        return owners
+
+    def _reap(self, owners: list[tuple[int, int, int]], *, deep: bool = False) -> bool:
+        """Reclaim the leases of dead owners; True if there were any. Outside the lock."""
+        clock = time.monotonic()
+        # kill(pid, 0) is cheap; reading /proc (zombies, reused pids) is done at most
+        # every 50 ms on the rejection path.
+        deep = deep or clock - self._last_deep_check >= 0.05
+        if deep:
+            self._last_deep_check = clock
+        dead = [owner for owner in owners if _dead(owner[1], owner[2], deep=deep)]
+        if not dead:
+            return False
+        self._enter()
+        try:
+            for index, pid, start in dead:
+                self._drop_process(index, pid, start)
+            return True
+        except BaseException as exc:
+            self._rollback()
+            self._reraise(exc)
+        finally:
+            self._leave()
+
+    def _drop_process(self, index: int, pid: int, start: int) -> None:
+        """Reclaim the leases of a dead process and free its slot. Under the lock."""
+        mm = self._mm
+        assert mm is not None
+        at = self._procs_off + index * PROC_SIZE
+        if _PROC.unpack_from(mm, at) != (pid, 0, start):
+            return  # the slot changed hands meanwhile
+        if self._reclaim_pid(pid):
+            logger.warning(
+                "gatekeeper: process %d died holding slots of shared table %s; reclaimed them",
+                pid,
+                self.path,
+            )
+        self._save(at, PROC_SIZE)
+        mm[at : at + PROC_SIZE] = bytes(PROC_SIZE)
+        self._commit()
+
+    def _reclaim_pid(self, pid: int) -> int:
+        """Give back the leases ``pid`` holds (not its delayed ones: those are ownerless)."""
+        mm = self._mm
+        assert mm is not None
+        base = self._leases_off
+        high = _U32.unpack_from(mm, H_LEASE_HIGH)[0]
+        owned = [
+            lease
+            for lease, (owner, serial) in enumerate(
+                struct.iter_unpack("<II32x", mm[base : base + high * LEASE_SIZE])
+            )
+            if owner == pid and serial
+        ]
+        for lease in owned:
+            self._free_lease(lease)
+            self._commit()
+        return len(owned)
+
+    def _live_leases_after_reclaim(self) -> int:
+        """Live leases once those of dead processes are reclaimed. Under the lock."""
+        mm = self._mm
+        assert mm is not None
+        for index, pid, start in self._owners():
+            if _dead(pid, start, deep=True):
+                self._drop_process(index, pid, start)
+        live: int = _U32.unpack_from(mm, H_LIVE)[0]
+        return live
+
+    # --- observation ----------------------------------------------------------------------
+
+    def _read_inflight(self) -> dict[str, int]:
+        mm = self._mm
+        assert mm is not None
+        layout = self._layout
+        assert layout is not None
+        tags = array.array("I")
+        tags.frombytes(mm[self._tags_off : self._tags_off + layout.nodes * 4])
+        result = {}
+        nodes_off, node_size = self._nodes_off, self._node_size
+        for node, tag in enumerate(tags):
+            if tag:
+                offset = nodes_off + node * node_size
+                count, key_length = struct.unpack_from("<IH", mm, offset)
+                key = mm[offset + NODE_HEAD : offset + NODE_HEAD + key_length]
+                result[key.decode("utf-8", "surrogateescape")] = count
+        return result

@@ -1,0 +1,750 @@
+"""The shared backend (``shared:///path``): one mmap'd file holds the limits of every process
+of a host. Real processes and real gunicorn workers, no mocks; processes report through
+pipes and queues, never through sleeps.
+
+The engine conformance suite (tests/test_engine.py) runs on this backend too, through the
+backend table in conftest.py; these tests cover what only a multi-process backend has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import http.client
+import logging
+import multiprocessing
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Barrier, Lock
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gatekeeper_wsgi import GateKeeper, Rejected
+from gatekeeper_wsgi.backends.shared import (
+    NODE_HEAD,
+    VERSION,
+    LayoutMismatch,
+    SharedBackend,
+)
+from gatekeeper_wsgi.errors import ConfigError
+from tests.apps.shared_app import read_observer, reset_observer
+from tests.conftest import FakeClock
+from tests.servers import free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE = 20.0
+
+
+def config(path: Path, limits: dict[str, Any], query: str = "", **options: Any) -> dict[str, Any]:
+    """Settings for a GateKeeper on the table at ``path``."""
+    return {"project": "shop", **options, "backend": f"shared://{path}{query}", "limits": limits}
+
+
+def busy(source: GateKeeper | SharedBackend) -> dict[str, int]:
+    """In-flight counts without the paths at zero."""
+    counts = (
+        source.inflight() if isinstance(source, GateKeeper) else source.inflight(time.monotonic())
+    )
+    return {path: count for path, count in counts.items() if count}
+
+
+def refused(gk: GateKeeper, service: str = "api", caller: str = "c") -> Rejected:
+    with pytest.raises(Rejected) as info:
+        gk.admit("shop", service, caller)
+    return info.value
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    """The path of a table file that does not exist yet."""
+    return tmp_path / "gatekeeper.shm"
+
+
+# --- one process -------------------------------------------------------------------------
+
+
+def test_two_keepers_in_one_process_share_limits(table: Path, clock: FakeClock) -> None:
+    """Two GateKeepers on one file count together: concurrency, rate and delays."""
+    limits = {"shop": {"concurrency": 2, "delay": 5.0}, "shop/login/*": {"rate": "2/minute"}}
+    first = GateKeeper(config(table, limits), clock=clock)
+    second = GateKeeper(config(table, limits), clock=clock)
+    held = first.admit("shop", "api", "c")
+    second.admit("shop", "api", "c").release(200)
+    other = second.admit("shop", "api", "c")
+    assert refused(first).code == "GK-CONCURRENCY-LIMIT"
+    assert busy(first) == busy(second) == {"shop": 2}
+    other.release(500, faulty=True)  # held back for 5 s, seen by both
+    held.release(200)
+    assert busy(first) == {"shop": 1}
+    assert first.stats()["counters"]["delayed_pending"] == 1
+    clock.advance(5.0)
+    assert busy(second) == {}
+    first.admit("shop", "login", "alice").release(200)
+    second.admit("shop", "login", "alice").release(200)
+    assert refused(first, "login", "alice").code == "GK-RATE-LIMIT"
+    first.close()
+    second.close()
+
+
+def test_threads_of_two_keepers_never_exceed_concurrency(table: Path) -> None:
+    """8 threads on 2 keepers (2 descriptors, each shared by 4 threads) stay within 3."""
+    limit = 3
+    keepers = [GateKeeper(config(table, {"shop": {"concurrency": limit}})) for _ in range(2)]
+    guard = threading.Lock()
+    current = highest = admitted = rejected = 0
+    barrier = threading.Barrier(8)
+
+    def run(keeper: GateKeeper) -> None:
+        nonlocal current, highest, admitted, rejected
+        barrier.wait()
+        for _ in range(300):
+            try:
+                admission = keeper.admit("shop", "api", "c")
+            except Rejected:
+                with guard:
+                    rejected += 1
+                continue
+            with guard:
+                current += 1
+                highest = max(highest, current)
+                admitted += 1
+            with guard:
+                current -= 1
+            admission.release(200)
+
+    threads = [threading.Thread(target=run, args=(keepers[i % 2],)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert highest <= limit
+    assert admitted + rejected == 8 * 300
+    assert busy(keepers[0]) == {}
+    for keeper in keepers:
+        keeper.close()
+
+
+def test_observer_sees_live_counters(table: Path) -> None:
+    """A SharedBackend opened without a configuration reads another keeper's live counts."""
+    gk = GateKeeper(config(table, {"shop": {"concurrency": 5}, "shop/api": {"concurrency": 5}}))
+    held = [gk.admit("shop", "api", "c") for _ in range(3)]
+    observer = SharedBackend.from_url(f"shared://{table}")
+    assert busy(observer) == {"shop": 3, "shop/api": 3}
+    usage = observer.usage()
+    assert (usage["leases"], usage["keys"], usage["processes"]) == (3, 2, [os.getpid()])
+    for admission in held:
+        admission.release(200)
+    assert busy(observer) == {}
+    observer.close()
+    gk.close()
+
+
+def test_url_options_size_the_table(tmp_path: Path) -> None:
+    """?size, ?leases, ?procs and ?windows set the sizes; unknown options are refused."""
+    backend = SharedBackend.from_url(
+        f"shared://{tmp_path}/a.shm?size=100&leases=7&procs=3&windows=50"
+    )
+    usage = backend.usage()
+    assert usage["lease_capacity"] == 7
+    assert usage["key_capacity"] >= 100
+    backend.close()
+    with pytest.raises(ConfigError, match="unknown option 'sise'"):
+        SharedBackend.from_url(f"shared://{tmp_path}/b.shm?sise=100")
+    with pytest.raises(ConfigError, match="positive integer"):
+        SharedBackend.from_url(f"shared://{tmp_path}/b.shm?size=-1")
+    with pytest.raises(ConfigError, match="no file path"):
+        SharedBackend.from_url("shared://")
+    with pytest.raises(ConfigError, match="cannot open"):
+        SharedBackend.from_url(f"shared://{tmp_path}/missing/dir/c.shm")
+
+
+# --- a full table ------------------------------------------------------------------------
+
+
+def test_full_lease_table_applies_on_backend_error(table: Path) -> None:
+    """With every lease taken the next request gets on_backend_error; nothing is corrupted."""
+    gk = GateKeeper(
+        config(table, {"shop": {"concurrency": 100}}, "?leases=3", on_backend_error="reject")
+    )
+    held = [gk.admit("shop", "api", "c") for _ in range(3)]
+    assert refused(gk).code == "GK-BACKEND-UNAVAILABLE"
+    assert gk.stats()["counters"]["backend_errors"] == 1
+    assert busy(gk) == {"shop": 3}
+    for admission in held:
+        admission.release(200)
+    assert busy(gk) == {}
+    gk.admit("shop", "api", "c").release(200)
+    gk.close()
+
+
+def test_full_key_table_applies_on_backend_error(table: Path) -> None:
+    """Keys that fill their hash buckets with requests in flight: errors, exact counts,
+    and after release the idle keys make room again."""
+    gk = GateKeeper(config(table, {"shop/api/*": {"concurrency": 1}}, "?size=1&leases=500"))
+    held = []
+    callers = [f"c{number}" for number in range(300)]
+    for caller in callers:
+        admission = gk.admit("shop", "api", caller)
+        if gk.stats()["counters"]["backend_errors"]:
+            break  # allowed (on_backend_error), without a slot
+        held.append(admission)
+    else:
+        pytest.fail("the table never filled up")
+    assert len(held) < len(callers)
+    assert busy(gk) == {f"shop/api/c{number}": 1 for number in range(len(held))}
+    for admission in held:
+        admission.release(200)
+    assert busy(gk) == {}
+    # Idle nodes are evicted for new keys now.
+    for caller in callers[len(held) :]:
+        gk.admit("shop", "api", caller).release(200)
+    assert gk.stats()["counters"]["backend_errors"] == 1
+    gk.close()
+
+
+def test_max_keys_all_in_flight_applies_on_backend_error(table: Path) -> None:
+    """A wildcard limit tracking max_keys keys, all in flight, refuses a new key; an idle
+    key is evicted first."""
+    limits = {"shop/api/*": {"concurrency": 1, "max_keys": 2}}
+    gk = GateKeeper(config(table, limits, on_backend_error="reject"))
+    first = gk.admit("shop", "api", "a")
+    second = gk.admit("shop", "api", "b")
+    assert refused(gk, "api", "c").code == "GK-BACKEND-UNAVAILABLE"
+    first.release(200)
+    third = gk.admit("shop", "api", "c")  # evicts idle 'a'
+    assert busy(gk) == {"shop/api/b": 1, "shop/api/c": 1}
+    assert set(gk.inflight()) == {"shop/api/b", "shop/api/c"}
+    second.release(200)
+    third.release(200)
+    gk.close()
+
+
+@pytest.fixture(params=["memory", "shared"])
+def keeper(request: pytest.FixtureRequest, table: Path, clock: FakeClock) -> Iterator[Any]:
+    """Builds a GateKeeper on the memory backend and on the shared one: both evict alike."""
+    built: list[GateKeeper] = []
+
+    def build(limits: dict[str, Any], **options: Any) -> GateKeeper:
+        settings_ = config(table, limits, **options)
+        if request.param == "memory":
+            settings_["backend"] = "memory"
+        built.append(GateKeeper(settings_, clock=clock))
+        return built[-1]
+
+    yield build
+    for gk in built:
+        gk.close()
+
+
+def test_spraying_client_cannot_grow_the_table(keeper: Any) -> None:
+    """5 000 caller names sprayed at a limit with max_keys=100: at most 100 are tracked."""
+    gk = keeper({"shop/api/*": {"concurrency": 1, "rate": "5/minute", "max_keys": 100}})
+    for index in range(5000):
+        gk.admit("shop", "api", f"spray-{index}").release(200)
+    assert len(gk.inflight()) <= 100
+    assert busy(gk) == {}
+
+
+def test_idle_keys_are_evicted_first(keeper: Any) -> None:
+    """A key still inside its rate window outlives newer idle keys when room is needed."""
+    gk = keeper({"shop/login/*": {"rate": "1/minute", "count": [401], "max_keys": 2}})
+    gk.admit("shop", "login", "mallory").release(401)
+    gk.admit("shop", "login", "alice").release(200)
+    gk.admit("shop", "login", "bob").release(200)
+    assert set(gk.inflight()) == {"shop/login/mallory", "shop/login/bob"}
+    assert refused(gk, "login", "mallory").code == "GK-RATE-LIMIT"
+
+
+def test_least_recently_used_key_goes_first(keeper: Any) -> None:
+    """Among idle keys the one unused for longest is evicted; without an idle key, the
+    least recently used one with nothing in flight loses its window."""
+    gk = keeper({"shop/api/*": {"concurrency": 1, "max_keys": 3}})
+    for caller in ("a", "b", "c", "a", "d"):
+        gk.admit("shop", "api", caller).release(200)
+    assert set(gk.inflight()) == {"shop/api/a", "shop/api/c", "shop/api/d"}
+    gk = keeper({"shop/login/*": {"rate": "1/minute", "max_keys": 2}})
+    for caller in ("x", "y", "x", "z"):
+        with contextlib.suppress(Rejected):
+            gk.admit("shop", "login", caller).release(200)
+    assert set(gk.inflight()) == {"shop/login/x", "shop/login/z"}
+
+
+def test_delayed_state_is_not_evicted(keeper: Any, clock: FakeClock) -> None:
+    """A key whose slot is held by a delayed decrease is in flight, so it is kept."""
+    gk = keeper({"shop/api/*": {"concurrency": 1, "delay": 10, "max_keys": 1}})
+    gk.admit("shop", "api", "a").release(500, faulty=True)
+    gk.admit("shop", "api", "b")
+    assert busy(gk) == {"shop/api/a": 1}
+    assert gk.stats()["counters"]["backend_errors"] == 1
+    clock.advance(10)
+    gk.admit("shop", "api", "b")
+    assert busy(gk) == {"shop/api/b": 1}
+
+
+# --- files of another layout -------------------------------------------------------------
+
+
+def test_smaller_table_is_recreated_when_idle_and_refused_while_in_use(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table too small for a configuration: BackendError while leases are live, then
+    re-created bigger; the old keeper follows onto the new table."""
+    small = GateKeeper(config(table, {"shop": {"concurrency": 5}}))
+    held = small.admit("shop", "api", "c")
+    big_limits = {"shop": {"concurrency": 5}, "shop/api/*": {"concurrency": 1, "max_keys": 500_000}}
+    with caplog.at_level(logging.ERROR, "gatekeeper"):
+        big = GateKeeper(config(table, big_limits, on_backend_error="reject"))
+    assert "too small for this configuration" in caplog.text
+    assert refused(big).code == "GK-BACKEND-UNAVAILABLE"
+    held.release(200)
+    with caplog.at_level(logging.WARNING, "gatekeeper"):
+        admission = big.admit("shop", "api", "c")
+    assert "re-creating shared table" in caplog.text
+    assert busy(small) == {"shop": 1, "shop/api/c": 1}  # small follows onto the new table
+    admission.release(200)
+    small.admit("shop", "api", "c").release(200)
+    assert busy(big) == {}
+    small.close()
+    big.close()
+
+
+def test_other_layout_version_is_recreated_only_when_idle(table: Path) -> None:
+    """A file of another layout version is re-created when it has no live leases, and
+    reported (BackendError) while it has."""
+    SharedBackend(table).close()
+    with open(table, "r+b") as file:
+        file.seek(8)
+        file.write(struct.pack("<I", VERSION + 1))
+        file.seek(24)
+        file.write(struct.pack("<I", 2))  # live leases
+    backend = SharedBackend(table)
+    with pytest.raises(LayoutMismatch, match=f"layout version {VERSION + 1}"):
+        backend.inflight(0.0)
+    backend.close()
+    with open(table, "r+b") as file:
+        file.seek(24)
+        file.write(struct.pack("<I", 0))
+    backend = SharedBackend(table)
+    assert backend.inflight(0.0) == {}
+    backend.close()
+    with open(table, "rb") as file:
+        assert struct.unpack_from("<I", file.read(12), 8)[0] == VERSION
+
+
+def test_foreign_file_is_refused_untouched(table: Path) -> None:
+    """A file that is not a gatekeeper table is never overwritten."""
+    content = b"precious data, not a table\n" * 100
+    table.write_bytes(content)
+    with pytest.raises(ConfigError, match="not a gatekeeper shared table"):
+        GateKeeper(config(table, {"shop": {"concurrency": 1}}))
+    assert table.read_bytes() == content
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def _hammer(
+    path: str,
+    limit: int,
+    iterations: int,
+    barrier: Barrier,
+    lock: Lock,
+    current: Synchronized[int],
+    highest: Synchronized[int],
+    outcomes: Any,
+) -> None:
+    gk = GateKeeper(config(Path(path), {"shop": {"concurrency": limit}}))
+    admitted = rejected = 0
+    barrier.wait()
+    for _ in range(iterations):
+        try:
+            admission = gk.admit("shop", "api", "c")
+        except Rejected:
+            rejected += 1
+            continue
+        with lock:
+            current.value += 1
+            highest.value = max(highest.value, current.value)
+        os.sched_yield()  # let another process run while this one holds its slot
+        with lock:
+            current.value -= 1
+        admission.release(200)
+        admitted += 1
+    outcomes.put((admitted, rejected))
+    gk.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_processes_never_exceed_concurrency(table: Path, start_method: str) -> None:
+    """4 processes hammering one table with a limit of 2: the in-flight count an observer
+    outside the gatekeeper sees never exceeds 2, and nothing leaks."""
+    context = (
+        multiprocessing.get_context("spawn")
+        if start_method == "spawn"
+        else multiprocessing.get_context("fork")
+    )
+    limit, processes, iterations = 2, 4, 2000
+    lock = context.Lock()
+    current = context.Value("i", 0, lock=False)
+    highest = context.Value("i", 0, lock=False)
+    barrier = context.Barrier(processes)
+    outcomes = context.Queue()
+    workers = [
+        context.Process(
+            target=_hammer,
+            args=(str(table), limit, iterations, barrier, lock, current, highest, outcomes),
+        )
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    results = [outcomes.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    assert highest.value <= limit
+    assert sum(admitted + rejected for admitted, rejected in results) == processes * iterations
+    assert sum(rejected for _, rejected in results) > 0  # they did contend
+    reader = SharedBackend(table)
+    assert busy(reader) == {}
+    assert reader.usage()["leases"] == 0
+    reader.close()
+
+
+def _hold_then_wait(path: str, count: int, delay_release: bool, conn: Connection) -> None:
+    """Take ``count`` slots (optionally release one with a delay), report, block forever."""
+    clock = FakeClock()
+    gk = GateKeeper(config(Path(path), {"shop": {"concurrency": 2, "delay": 3.0}}), clock=clock)
+    held = [gk.admit("shop", "api", "c") for _ in range(count)]
+    if delay_release:
+        held.pop().release(500, faulty=True)
+    conn.send("held")
+    conn.recv()  # never comes: the test kills this process
+
+
+def _start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
+    """A forked child running ``target(*args, conn)``, once it has reported in."""
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    assert parent.poll(DEADLINE), "child did not report"
+    assert parent.recv() in ("held", "inside")
+    return process, parent
+
+
+def _kill(process: Any) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=DEADLINE)
+    assert process.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_sigkilled_holder_slots_come_back_when_a_request_would_be_rejected(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process killed with slots in hand: the next request that would be rejected for
+    lack of them reclaims them and is admitted."""
+    process, _ = _start(_hold_then_wait, str(table), 2, False)
+    clock = FakeClock()
+    gk = GateKeeper(config(table, {"shop": {"concurrency": 2, "delay": 3.0}}), clock=clock)
+    assert refused(gk).code == "GK-CONCURRENCY-LIMIT"  # the child is alive: it holds both
+    _kill(process)
+    with caplog.at_level(logging.WARNING, "gatekeeper"):
+        admissions = [gk.admit("shop", "api", "c") for _ in range(2)]
+    assert f"process {process.pid} died holding slots" in caplog.text
+    assert busy(gk) == {"shop": 2}
+    for admission in admissions:
+        admission.release(200)
+    assert busy(gk) == {}
+    gk.close()
+
+
+@pytest.mark.slow
+def test_delayed_release_outlives_its_process(table: Path) -> None:
+    """A delayed decrease is an ownerless lease: it keeps the slot after its process died,
+    until the delay has passed."""
+    process, _ = _start(_hold_then_wait, str(table), 2, True)
+    clock = FakeClock()  # the child's clock started at the same time
+    gk = GateKeeper(config(table, {"shop": {"concurrency": 2, "delay": 3.0}}), clock=clock)
+    _kill(process)
+    assert busy(gk) == {"shop": 1}  # the live lease reclaimed, the delayed one kept
+    assert gk.stats()["counters"]["delayed_pending"] == 1
+    assert gk.backend.next_due() == clock.now + 3.0
+    clock.advance(3.0)
+    assert busy(gk) == {}
+    gk.close()
+
+
+def _die_inside_the_lock(path: str, conn: Connection) -> None:
+    """Take the table lock, start an update (add 5 to 'shop'), report, block forever."""
+    backend = SharedBackend(path)
+    mm = backend._enter()
+    node = backend._find(backend._key("shop"))
+    offset = backend._nodes_off + node * backend._node_size
+    backend._save(offset, NODE_HEAD)
+    struct.pack_into("<I", mm, offset, struct.unpack_from("<I", mm, offset)[0] + 5)
+    conn.send("inside")
+    conn.recv()  # never comes
+
+
+def _lock_holder(path: Path) -> int:
+    """F_OFD_GETLK: the type of lock someone else holds on the table (F_UNLCK: none)."""
+    flock = struct.Struct("hhxxxxqqixxxx")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        result = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+    finally:
+        os.close(fd)
+    lock_type: int = flock.unpack(result)[0]
+    return lock_type
+
+
+@pytest.mark.slow
+def test_sigkill_inside_the_lock_leaves_neither_lock_nor_half_an_update(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process killed while it holds the table lock mid-update: the kernel drops the
+    lock, and the next process rolls the unfinished update back from the journal."""
+    gk = GateKeeper(config(table, {"shop": {"concurrency": 3}}))
+    held = gk.admit("shop", "api", "c")
+    process, _ = _start(_die_inside_the_lock, str(table))
+    assert _lock_holder(table) == fcntl.F_WRLCK
+    _kill(process)
+    assert _lock_holder(table) == fcntl.F_UNLCK
+    with caplog.at_level(logging.WARNING, "gatekeeper"):
+        assert busy(gk) == {"shop": 1}  # not 6: the half update was rolled back
+    assert "its unfinished update was rolled back" in caplog.text
+    gk.admit("shop", "api", "c").release(200)
+    held.release(200)
+    assert busy(gk) == {}
+    gk.close()
+
+
+def _use_inherited(gk: GateKeeper, conn: Connection) -> None:
+    """In a forked child: admit through the parent's GateKeeper object."""
+    admission = gk.admit("shop", "api", "c")
+    try:
+        gk.admit("shop", "api", "c")
+    except Rejected as rejection:
+        conn.send(("rejected", rejection.code, busy(gk)))
+    else:
+        conn.send(("admitted",))
+    conn.recv()  # holds its slot until killed
+    admission.release(200)
+
+
+@pytest.mark.slow
+def test_forked_child_counts_in_the_same_table(table: Path) -> None:
+    """A GateKeeper inherited across fork reopens the table in the child and counts with
+    the parent (a child sharing the parent's descriptor would share its lock instead)."""
+    gk = GateKeeper(config(table, {"shop": {"concurrency": 2}}))
+    held = gk.admit("shop", "api", "c")
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=_use_inherited, args=(gk, child), daemon=True)
+    process.start()
+    assert parent.poll(DEADLINE)
+    assert parent.recv() == ("rejected", "GK-CONCURRENCY-LIMIT", {"shop": 2})
+    assert busy(gk) == {"shop": 2}
+    _kill(process)
+    held.release(200)
+    gk.admit("shop", "api", "c")  # reclaims the child's slot, if it must
+    assert busy(gk) == {"shop": 1}
+    gk.close()
+
+
+# --- the same decisions as the memory backend --------------------------------------------
+
+MIRROR_LIMITS: dict[str, Any] = {
+    "shop": {"concurrency": 4, "delay": 2.0},
+    "shop/a": {"concurrency": 2},
+    "shop/b": {"rate": "3/10s"},
+    "shop/c": {"concurrency": 1, "rate": "2/4s", "mode": "shadow"},
+    "shop/a/*": {"rate": "2/5s", "count": [401], "max_keys": 2},
+    "shop/b/*": {"concurrency": 1, "max_keys": 2},
+}
+
+_admit = st.tuples(st.just("admit"), st.sampled_from("abc"), st.sampled_from("xyz"))
+_admit_often = st.tuples(st.just("admit"), st.sampled_from("ab"), st.sampled_from("xy"))
+_release = st.tuples(st.just("release"), st.integers(0, 5), st.sampled_from([200, 401, 500]))
+_advance = st.tuples(st.just("advance"), st.sampled_from([0.0, 0.5, 1.0, 2.5, 6.0]))
+
+
+def _outcome(gk: GateKeeper, service: str, caller: str) -> tuple[Any, ...]:
+    try:
+        admission = gk.admit("shop", service, caller)
+    except Rejected as rejection:
+        return ("rejected", rejection.code, rejection.limit_path, rejection.retry_after), None
+    return ("admitted",), admission
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.one_of(_admit, _admit_often, _admit_often, _release, _advance), min_size=1, max_size=60
+    )
+)
+def test_same_decisions_as_memory(steps: list[tuple[Any, ...]]) -> None:
+    """Random admits, releases (with statuses and faults) and clock moves: the shared
+    backend decides and counts exactly as the memory backend does."""
+    with tempfile.TemporaryDirectory() as directory:
+        clock = FakeClock()
+        memory = GateKeeper({"project": "shop", "limits": MIRROR_LIMITS}, clock=clock)
+        shared = GateKeeper(config(Path(directory, "t.shm"), MIRROR_LIMITS), clock=clock)
+        open_: dict[str, list[Any]] = {"memory": [], "shared": []}
+        for step in steps:
+            if step[0] == "admit":
+                (expected, a), (got, b) = (_outcome(gk, *step[1:]) for gk in (memory, shared))
+                assert got == expected, step
+                if a is not None:
+                    open_["memory"].append(a)
+                    open_["shared"].append(b)
+            elif step[0] == "release" and open_["memory"]:
+                index = step[1] % len(open_["memory"])
+                for name in ("memory", "shared"):
+                    open_[name].pop(index).release(step[2], faulty=step[2] >= 500)
+            elif step[0] == "advance":
+                clock.advance(step[1])
+            assert busy(shared) == busy(memory), step
+            assert shared.stats()["counters"] == memory.stats()["counters"], step
+        shared.close()
+
+
+# --- real gunicorn workers ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gunicorn(
+    tmp_path: Path, worker_class: str, preload: bool, limit: int
+) -> Iterator[tuple[int, Path, Path]]:
+    """gunicorn serving tests/apps/shared_app.py with 4 workers; yields (port, table,
+    observer)."""
+    table, observer = tmp_path / "gunicorn.shm", tmp_path / "observer"
+    reset_observer(str(observer))
+    port = free_port()
+    env = {
+        **os.environ,
+        "GK_SHARED_TABLE": str(table),
+        "GK_SHARED_OBSERVER": str(observer),
+        "GK_SHARED_LIMIT": str(limit),
+    }
+    command = [
+        sys.executable, "-m", "gunicorn",
+        "--workers", "4",
+        "--worker-class", worker_class,
+        # gthread: more threads than holds, so a held request never queues behind others
+        "--threads", "4" if worker_class == "gthread" else "1",
+        "--bind", f"127.0.0.1:{port}",
+        "--pythonpath", str(ROOT / "tests" / "apps"),
+        "--log-level", "critical",
+        *(["--preload"] if preload else []),
+        "shared_app:create_app()",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_port(port)
+        yield port, table, observer
+    finally:
+        (tmp_path / "release-holds").touch()
+        process.terminate()
+        try:
+            process.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def get(port: int, path: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+def hold(port: int, until: Path) -> tuple[http.client.HTTPConnection, int]:
+    """Start a /hold request; (its connection, the pid of the worker that holds it)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+    connection.request("GET", f"/hold?until={until}")
+    response = connection.getresponse()
+    assert response.status == 200
+    return connection, int(response.readline())
+
+
+def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` until it holds; fail after the deadline."""
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {DEADLINE}s")
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("worker_class", "preload"),
+    [("sync", False), ("sync", True), ("gthread", False), ("gthread", True)],
+)
+def test_gunicorn_workers_share_the_limit(tmp_path: Path, worker_class: str, preload: bool) -> None:
+    """4 gunicorn workers under 12 concurrent clients: the app never runs more than the
+    limit at once across processes; workers killed with -9 in mid-request give their slots
+    back to the next request that needs them; every counter ends at zero."""
+    limit = 3
+    with gunicorn(tmp_path, worker_class, preload, limit) as (port, table, observer):
+        statuses: list[int] = []
+        barrier = threading.Barrier(12)
+
+        def client() -> None:
+            barrier.wait()
+            statuses.extend(get(port, "/work") for _ in range(30))
+
+        clients = [threading.Thread(target=client) for _ in range(12)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join()
+        assert set(statuses) <= {200, 503}
+        assert statuses.count(200) >= 15
+        assert statuses.count(503) > 0  # the limit did bite
+        current, highest = read_observer(str(observer))
+        assert current == 0
+        assert 1 <= highest <= limit
+
+        reader = SharedBackend(table)
+        # A response is released when the server closes it, just after the client read it.
+        eventually(lambda: busy(reader) == {}, "the load's slots released")
+
+        # Fill the limit with held requests, then kill their workers in mid-request.
+        flag = tmp_path / "release-holds"
+        holds = [hold(port, flag) for _ in range(limit)]
+        assert get(port, "/work") == 503
+        for pid in {pid for _, pid in holds}:
+            os.kill(pid, signal.SIGKILL)
+        eventually(lambda: get(port, "/work") == 200, "the killed workers' slots came back")
+        flag.touch()
+        for connection, _ in holds:
+            connection.close()
+        eventually(lambda: busy(reader) == {}, "every slot released")
+        usage = reader.usage()
+        assert (usage["leases"], usage["delayed"]) == (0, 0)
+        reader.close()
