@@ -491,8 +491,12 @@ def test_delayed_release_outlives_its_process(table: Path) -> None:
 
 
 def _die_inside_the_lock(path: str, conn: Connection) -> None:
-    """Take the table lock, start an update (add 5 to 'shop'), report, block forever."""
-    backend = SharedBackend(path)
+    """Take 2 slots, then the table lock, start an update (add 5 to 'shop'), report, and
+    block forever."""
+    gk = GateKeeper(config(Path(path), {"shop": {"concurrency": 3}}))
+    held = [gk.admit("shop", "api", "c") for _ in range(2)]
+    backend = gk.backend
+    assert isinstance(backend, SharedBackend)
     mm = backend._enter()
     node = backend._find(backend._key("shop"))
     offset = backend._nodes_off + node * backend._node_size
@@ -500,6 +504,7 @@ def _die_inside_the_lock(path: str, conn: Connection) -> None:
     struct.pack_into("<I", mm, offset, struct.unpack_from("<I", mm, offset)[0] + 5)
     conn.send("inside")
     conn.recv()  # never comes
+    del held
 
 
 def _lock_holder(path: Path) -> int:
@@ -518,8 +523,9 @@ def _lock_holder(path: Path) -> int:
 def test_sigkill_inside_the_lock_leaves_neither_lock_nor_half_an_update(
     table: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A process killed while it holds the table lock mid-update: the kernel drops the
-    lock, and the next process rolls the unfinished update back from the journal."""
+    """A process killed mid-update, holding the table lock and 2 slots: the kernel drops
+    the lock, the next process rolls the unfinished update back from the journal, and the
+    slots come back when a request would be rejected for lack of them."""
     gk = GateKeeper(config(table, {"shop": {"concurrency": 3}}))
     held = gk.admit("shop", "api", "c")
     process, _ = _start(_die_inside_the_lock, str(table))
@@ -527,9 +533,11 @@ def test_sigkill_inside_the_lock_leaves_neither_lock_nor_half_an_update(
     _kill(process)
     assert _lock_holder(table) == fcntl.F_UNLCK
     with caplog.at_level(logging.WARNING, "gatekeeper"):
-        assert busy(gk) == {"shop": 1}  # not 6: the half update was rolled back
+        admission = gk.admit("shop", "api", "c")  # 3 in flight: would be rejected
     assert "its unfinished update was rolled back" in caplog.text
-    gk.admit("shop", "api", "c").release(200)
+    assert f"process {process.pid} died holding slots" in caplog.text
+    assert busy(gk) == {"shop": 2}  # not 7: no half update, no dead slots
+    admission.release(200)
     held.release(200)
     assert busy(gk) == {}
     gk.close()

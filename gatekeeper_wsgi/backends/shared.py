@@ -395,6 +395,11 @@ class SharedBackend(Backend):
         gk = GateKeeper({"backend": "shared:///run/gatekeeper/shop.shm",
                          "limits": {"shop": {"concurrency": 100}}})
 
+    Put the file on a tmpfs (``/dev/shm``, ``/run``): it is scratch state, and on a disk
+    filesystem the kernel would keep writing its pages back. Every process must count time
+    by the same clock (the engine's default, ``time.monotonic``, is system-wide on Linux).
+    Call :meth:`close` when done (``GateKeeper.close()`` does).
+
     **Semantics** are those of :class:`~gatekeeper_wsgi.backends.memory.MemoryBackend`:
     all-or-nothing admission, exact concurrency, an exact sliding log per rate key, ``count``
     reservations confirmed or given back at release, shadow slots, delayed decreases,
