@@ -331,7 +331,7 @@ class _Layout:
                     longest_count = max(longest_count, rate.limit)
         if size is not None:
             keys = size
-        nodes = keys * 5 // 4 + 64
+        nodes = keys * 3 // 2 + 64  # load <= 2/3: two-choice buckets of 8 ~never overflow
         if windows is None:
             windows = min(chunks + 1024, DEFAULT_CHUNKS_CAP)
         # A give-back rewrites the chunks after the entry: journal room for that.
@@ -465,8 +465,8 @@ class SharedBackend(Backend):
 
         tags, m x 8 x u32: a node's 32-bit key hash, 0 = free slot. A key lives in one of
           two buckets (two-choice hashing on its blake2b digest), so a lookup reads 16
-          tags and compares at most a few keys; both buckets full -> an idle node of the
-          16 is evicted, else TableFullError.
+          tags and compares at most a few keys; both buckets full -> a node of the 16
+          with nothing in flight is evicted (idle ones first), else TableFullError.
         nodes, m x 8 x (40 + K) bytes, node i belongs to tag i:
           0 u32 requests in flight       4 u16 key length
           6 u8  index of the oldest window entry in the first chunk      7 pad
@@ -981,7 +981,7 @@ class SharedBackend(Backend):
             entry = self._key(key)
             node = self._find(entry)
             if node < 0:
-                node = self._create(entry, limit, now)
+                node = self._create(entry, limit)
             elif limit.wildcard:
                 self._touch(node, limit)
             offset = nodes_off + node * node_size
@@ -1071,7 +1071,7 @@ class SharedBackend(Backend):
                             return node
         return -1
 
-    def _create(self, entry: tuple[bytes, int, int, int], limit: Limit, now: float) -> int:
+    def _create(self, entry: tuple[bytes, int, int, int], limit: Limit) -> int:
         mm = self._mm
         assert mm is not None
         raw, tag, first, second = entry
@@ -1085,7 +1085,7 @@ class SharedBackend(Backend):
             else:
                 node = second * CHAIN + tags2.index(0)
         else:
-            node = self._chain_victim(first, second, now)
+            node = self._chain_victim(first, second)
             self._remove(node)
         offset = self._nodes_off + node * self._node_size
         self._save(offset, NODE_HEAD + len(raw))
@@ -1131,12 +1131,13 @@ class SharedBackend(Backend):
         self._save(offset, NODE_HEAD)
         _U32.pack_into(mm, offset + N_REG, 0)
 
-    def _chain_victim(self, first: int, second: int, now: float) -> int:
-        """An idle node of two full buckets: nothing in flight, no admission left in its
-        window (one whose window has only expired entries will do)."""
+    def _chain_victim(self, first: int, second: int) -> int:
+        """A node of two full buckets to make room: one with nothing in flight and an empty
+        window, else the one with nothing in flight whose window empties first (losing
+        it, as a ``max_keys`` eviction would). Never a node with requests in flight."""
         mm = self._mm
         assert mm is not None
-        expired = -1
+        victim, empties_at = -1, 0.0
         for bucket in (first, second):
             for position in range(CHAIN):
                 node = bucket * CHAIN + position
@@ -1145,13 +1146,14 @@ class SharedBackend(Backend):
                     continue
                 if not fields[5]:
                     return node
-                if expired < 0 and fields[9] <= now:
-                    expired = node
-        if expired >= 0:
-            return expired
+                if victim < 0 or fields[9] < empties_at:
+                    victim, empties_at = node, fields[9]
+        if victim >= 0:
+            return victim
         raise TableFullError(
-            f"shared table {self.path!r} is full: both buckets of a new key hold keys in "
-            f"use; give it more room with ?size=<keys> (it holds {self._buckets * CHAIN})"
+            f"shared table {self.path!r} is full: both buckets of a new key hold keys with "
+            f"requests in flight; give it more room with ?size=<keys> "
+            f"(it holds {self._buckets * CHAIN})"
         )
 
     def _remove(self, node: int) -> None:
