@@ -59,6 +59,8 @@ MAX_REFS = 5  #: slots per lease
 #: how far an eviction for ``max_keys`` looks for an idle key before taking the least
 #: recently used key that has nothing in flight
 LRU_SCAN = 64
+#: how often (seconds) the rejection path reads /proc for zombies and reused pids
+DEEP_CHECK_EVERY = 0.01
 
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
@@ -425,8 +427,9 @@ class SharedBackend(Backend):
     are reclaimed whenever a request would be rejected (it is then decided again) and on
     ``inflight()``. *Reclaim time*: none once the dead process is reaped (``kill(pid, 0)``
     fails) - a SIGKILLed gunicorn worker's slots come back before any request is refused
-    for lack of them; at most 50 ms while it is an unreaped zombie, or when its pid was
-    reused by a newer process (both read from ``/proc`` at most every 50 ms per backend).
+    for lack of them; at most ``DEEP_CHECK_EVERY`` (10 ms) while it is an unreaped zombie,
+    or when its pid was reused by a newer process (both are read from ``/proc``, at most
+    that often per backend on the rejection path).
 
     **Queues** work across processes: a waiter polls every ``poll_interval`` (5 ms), as
     a slot freed in another process wakes nobody here; the wait is bounded by ``wait``.
@@ -1637,8 +1640,8 @@ class SharedBackend(Backend):
         """Reclaim the leases of dead owners; True if there were any. Outside the lock."""
         clock = time.monotonic()
         # kill(pid, 0) is cheap; reading /proc (zombies, reused pids) is done at most
-        # every 50 ms on the rejection path.
-        deep = deep or clock - self._last_deep_check >= 0.05
+        # every DEEP_CHECK_EVERY on the rejection path.
+        deep = deep or clock - self._last_deep_check >= DEEP_CHECK_EVERY
         if deep:
             self._last_deep_check = clock
         dead = [owner for owner in owners if _dead(owner[1], owner[2], deep=deep)]
