@@ -1,0 +1,739 @@
+"""The configuration model: one validated, immutable Config from a dict, TOML or .properties."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatekeeper_wsgi.config import Config, QueueSpec, Rate, build_config
+from gatekeeper_wsgi.engine import GateKeeper
+from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.fileformats import load_file
+
+# One configuration that uses every section and every limit field, in the three forms.
+FULL_SETTINGS: dict[str, Any] = {
+    "project": "shop",
+    "caller": {"header": "X-Caller-Id", "required": True, "default": "guest"},
+    "request_id_header": "X-Correlation-Id",
+    "backend": "memory",
+    "routes": {"/orders/<int:id>": "order"},
+    "fault": {"format": "json"},
+    "mode": "enforce",
+    "on_backend_error": "reject",
+    "reload": {"every_seconds": 2.5, "every_requests": 100},
+    "rejected_log": {"redact_headers": ["X-Api-Key", "X-Secret"], "body_bytes": 512},
+    "limits": {
+        "shop": {"concurrency": 100, "delay": 2.0, "timeout_status": [502, 504]},
+        "shop/checkout": {
+            "concurrency": 10,
+            "queue": {"size": 20, "wait": 1.5},
+            "timeout_header": "X-Fault-Code: TIMEOUT|EXPIRED",
+            "timeout_body": r"Timeout\s+expired",
+        },
+        "shop/checkout/crm": {"concurrency": 2, "delay": 5.0},
+        "shop/login/*": {"rate": "5/minute", "key": "ip", "count": [401, 403], "max_keys": 5000},
+        "shop/api/*": {"rate": "100/10s", "key": "header:X-Api-Key", "mode": "shadow"},
+        "*/*/batch": {"concurrency": 1},
+    },
+}
+
+FULL_TOML = r"""
+[gatekeeper]
+project = "shop"
+request_id_header = "X-Correlation-Id"
+backend = "memory"
+mode = "enforce"
+on_backend_error = "reject"
+
+[gatekeeper.caller]
+header = "X-Caller-Id"
+required = true
+default = "guest"
+
+[gatekeeper.routes]
+"/orders/<int:id>" = "order"
+
+[gatekeeper.fault]
+format = "json"
+
+[gatekeeper.reload]
+every_seconds = 2.5
+every_requests = 100
+
+[gatekeeper.rejected_log]
+redact_headers = ["X-Api-Key", "X-Secret"]
+body_bytes = 512
+
+[gatekeeper.limits]
+shop = { concurrency = 100, delay = 2.0, timeout_status = [502, 504] }
+"shop/checkout/crm" = { concurrency = 2, delay = 5.0 }
+"*/*/batch" = { concurrency = 1 }
+
+[gatekeeper.limits."shop/checkout"]
+concurrency = 10
+queue = { size = 20, wait = 1.5 }
+timeout_header = "X-Fault-Code: TIMEOUT|EXPIRED"
+timeout_body = 'Timeout\s+expired'
+
+[gatekeeper.limits."shop/login/*"]
+rate = "5/minute"
+key = "ip"
+count = [401, 403]
+max_keys = 5000
+
+[gatekeeper.limits."shop/api/*"]
+rate = "100/10s"
+key = "header:X-Api-Key"
+mode = "shadow"
+"""
+
+FULL_PROPERTIES = r"""
+# the operators' file
+project = shop
+caller.header = X-Caller-Id
+caller.required = true
+caller.default : guest
+request_id_header = X-Correlation-Id
+backend = memory
+routes./orders/<int\:id> = order
+fault.format = json
+mode = enforce
+on_backend_error = reject
+reload.every_seconds = 2.5
+reload.every_requests = 100
+rejected_log.redact_headers = X-Api-Key, X-Secret
+rejected_log.body_bytes = 512
+limits.shop.concurrency = 100
+limits.shop.delay = 2.0
+limits.shop.timeout_status = 502, 504
+limits.shop/checkout.concurrency = 10
+limits.shop/checkout.queue = 20, 1.5
+limits.shop/checkout.timeout_header = X-Fault-Code: TIMEOUT|EXPIRED
+limits.shop/checkout.timeout_body = Timeout\\s+expired
+limits.shop/checkout/crm.concurrency = 2
+limits.shop/checkout/crm.delay = 5.0
+limits.shop/login/*.rate = 5/minute
+limits.shop/login/*.key = ip
+limits.shop/login/*.count = 401, \
+                            403
+limits.shop/login/*.max_keys = 5000
+limits.shop/api/*.rate = 100/10s
+limits.shop/api/*.key = header:X-Api-Key
+limits.shop/api/*.mode = shadow
+limits.*/*/batch.concurrency = 1
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def from_file(path: Path) -> Config:
+    settings, lines = load_file(path)
+    return build_config(settings, file=str(path), lines=lines)
+
+
+def config_error(settings: dict[str, Any]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        build_config(settings)
+    return info.value
+
+
+# ------------------------------------------------------------------ one model, three forms
+
+
+def test_dict_toml_and_properties_build_equal_configs(tmp_path: Path) -> None:
+    """The same configuration written as a dict, TOML or .properties is the same Config."""
+    from_dict = build_config(FULL_SETTINGS)
+    from_toml = from_file(write(tmp_path, "gatekeeper.toml", FULL_TOML))
+    from_properties = from_file(write(tmp_path, "gatekeeper.properties", FULL_PROPERTIES))
+    assert from_toml == from_dict
+    assert from_properties == from_dict
+
+
+def test_gatekeeper_accepts_each_form(tmp_path: Path) -> None:
+    """GateKeeper(dict), GateKeeper("x.toml") and GateKeeper("x.properties") agree."""
+    toml_path = write(tmp_path, "gatekeeper.toml", FULL_TOML)
+    properties_path = write(tmp_path, "gatekeeper.properties", FULL_PROPERTIES)
+    expected = GateKeeper(FULL_SETTINGS).config
+    assert GateKeeper(toml_path).config == expected
+    assert GateKeeper(str(properties_path)).config == expected
+
+
+def test_toml_at_top_level_equals_gatekeeper_table(tmp_path: Path) -> None:
+    """A TOML file may hold the settings at top level instead of under [gatekeeper]."""
+    top_level = FULL_TOML.replace("[gatekeeper]\n", "").replace("[gatekeeper.", "[")
+    assert from_file(write(tmp_path, "top.toml", top_level)) == build_config(FULL_SETTINGS)
+
+
+def test_config_values_are_converted(tmp_path: Path) -> None:
+    """Strings from .properties become the typed values the engine uses."""
+    config = from_file(write(tmp_path, "gatekeeper.properties", FULL_PROPERTIES))
+    checkout = config.limits["shop/checkout"]
+    assert checkout.queue == QueueSpec(size=20, wait=1.5)
+    assert checkout.timeout_header is not None
+    assert checkout.timeout_header.name == "X-Fault-Code"
+    assert checkout.timeout_header.pattern.search("EXPIRED")
+    assert checkout.timeout_body is not None
+    assert checkout.timeout_body.search(b"<x>Timeout   expired</x>")
+    login = config.limits["shop/login/*"]
+    assert login.rate == Rate(limit=5, seconds=60.0, text="5/minute")
+    assert login.count == frozenset({401, 403})
+    assert (login.key, login.level, login.wildcard) == ("ip", "caller", True)
+    assert config.limits["shop"].timeout_status == frozenset({502, 504})
+    assert config.caller.required is True
+    assert config.reload.every_seconds == 2.5
+    assert config.rejected_log.redact_headers == ("X-Api-Key", "X-Secret")
+
+
+def test_differences_are_seen() -> None:
+    """Two configurations that differ in one limit field do not compare equal."""
+    changed = {**FULL_SETTINGS, "limits": {**FULL_SETTINGS["limits"], "shop": {"concurrency": 99}}}
+    assert build_config(changed) != build_config(FULL_SETTINGS)
+
+
+def test_config_is_immutable() -> None:
+    """A built Config cannot be changed behind the engine's back."""
+    config = build_config(FULL_SETTINGS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.project = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.limits["shop"] = config.limits["shop/checkout"]  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.limits["shop"].concurrency = 1  # type: ignore[misc]
+
+
+def test_defaults() -> None:
+    """An empty settings dict is a valid configuration with the documented defaults."""
+    config = build_config({})
+    assert config.project == "default"
+    assert config.caller.header == "X-Caller-Id"
+    assert config.caller.default == "anonymous"
+    assert config.caller.required is False
+    assert config.backend == "memory"
+    assert config.mode == "enforce"
+    assert config.on_backend_error == "allow"
+    assert (config.reload.every_seconds, config.reload.every_requests) == (5.0, 1000)
+    assert dict(config.limits) == {}
+    assert config == Config()
+
+
+# ------------------------------------------------------------------------- rate parsing
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "seconds"),
+    [
+        ("5/second", 5, 1.0),
+        ("5/minute", 5, 60.0),
+        ("2/hour", 2, 3600.0),
+        ("1000/day", 1000, 86400.0),
+        ("100/10s", 100, 10.0),
+        ("7/s", 7, 1.0),
+        ("7/m", 7, 60.0),
+        ("2/h", 2, 3600.0),
+        ("3/2h", 3, 7200.0),
+        ("3/5m", 3, 300.0),
+        ("10/1.5s", 10, 1.5),
+        (" 5 / minute ", 5, 60.0),
+    ],
+)
+def test_rate_parsing(text: str, limit: int, seconds: float) -> None:
+    """Rates read as N per second/minute/hour/day or per <k> s/m/h."""
+    rate = build_config({"limits": {"shop": {"rate": text}}}).limits["shop"].rate
+    assert rate is not None
+    assert (rate.limit, rate.seconds) == (limit, seconds)
+    assert rate.text == text.strip()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["5", "5/", "/minute", "five/minute", "5/week", "5/minutes", "0/minute", "-1/second", "5/0s"],
+)
+def test_malformed_rates_are_rejected(text: str) -> None:
+    """A rate that is not 'N/unit' with N >= 1 is a ConfigError quoting it."""
+    error = config_error({"limits": {"shop": {"rate": text}}})
+    assert error.key == "limits.shop.rate"
+    assert repr(text) in str(error)
+    assert "rate" in error.problem
+
+
+# ------------------------------------------------------------------------ invalid input
+
+# id, settings, key named, value shown, expectation stated
+INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
+    ("unknown top-level key", {"limts": {}}, "limts", "'limts'", "did you mean 'limits'"),
+    (
+        "unknown limit field",
+        {"limits": {"shop": {"concurency": 1}}},
+        "limits.shop.concurency",
+        "'concurency'",
+        "did you mean 'concurrency'",
+    ),
+    (
+        "unknown section key",
+        {"caller": {"heder": "X"}},
+        "caller.heder",
+        "'heder'",
+        "did you mean 'header'",
+    ),
+    (
+        "negative concurrency",
+        {"limits": {"shop": {"concurrency": -1}}},
+        "limits.shop.concurrency",
+        "-1",
+        "an integer >= 0",
+    ),
+    (
+        "concurrency of the wrong type",
+        {"limits": {"shop": {"concurrency": "ten"}}},
+        "limits.shop.concurrency",
+        "'ten'",
+        "an integer >= 0",
+    ),
+    (
+        "boolean is not a number",
+        {"limits": {"shop": {"concurrency": True}}},
+        "limits.shop.concurrency",
+        "True",
+        "an integer >= 0",
+    ),
+    (
+        "malformed rate",
+        {"limits": {"shop": {"rate": "5 per minute"}}},
+        "limits.shop.rate",
+        "'5 per minute'",
+        "a rate like '5/minute'",
+    ),
+    (
+        "key on the service level",
+        {"limits": {"shop/login": {"concurrency": 1, "key": "ip"}}},
+        "limits.shop/login.key",
+        "'ip'",
+        "only valid on the caller level",
+    ),
+    (
+        "key on the project level",
+        {"limits": {"shop": {"concurrency": 1, "key": "user"}}},
+        "limits.shop.key",
+        "'user'",
+        "only valid on the caller level",
+    ),
+    (
+        "unknown key kind",
+        {"limits": {"shop/login/*": {"concurrency": 1, "key": "cookie"}}},
+        "limits.shop/login/*.key",
+        "'cookie'",
+        "'caller', 'ip', 'user' or 'header:<Name>'",
+    ),
+    (
+        "timeout status on the caller level",
+        {"limits": {"shop/api/*": {"concurrency": 1, "timeout_status": [504]}}},
+        "limits.shop/api/*.timeout_status",
+        "[504]",
+        "project and service levels only",
+    ),
+    (
+        "timeout header on the caller level",
+        {"limits": {"shop/api/crm": {"concurrency": 1, "timeout_header": "X-F: T"}}},
+        "limits.shop/api/crm.timeout_header",
+        "'X-F: T'",
+        "project and service levels only",
+    ),
+    (
+        "bad regex in timeout_body",
+        {"limits": {"shop": {"concurrency": 1, "timeout_body": "Timeout("}}},
+        "limits.shop.timeout_body",
+        "'Timeout('",
+        "a valid regular expression",
+    ),
+    (
+        "bad regex in timeout_header",
+        {"limits": {"shop": {"concurrency": 1, "timeout_header": "X-Fault: [A-"}}},
+        "limits.shop.timeout_header",
+        "'[A-'",
+        "a valid regular expression",
+    ),
+    (
+        "timeout_header without a name",
+        {"limits": {"shop": {"concurrency": 1, "timeout_header": "TIMEOUT"}}},
+        "limits.shop.timeout_header",
+        "'TIMEOUT'",
+        "'Header-Name: regex'",
+    ),
+    (
+        "timeout status out of range",
+        {"limits": {"shop": {"concurrency": 1, "timeout_status": [504, 999]}}},
+        "limits.shop.timeout_status",
+        "999",
+        "HTTP status codes 100..599",
+    ),
+    (
+        "count without rate",
+        {"limits": {"shop/login/*": {"concurrency": 1, "count": [401]}}},
+        "limits.shop/login/*.count",
+        "[401]",
+        "needs a 'rate'",
+    ),
+    (
+        "queue of size zero",
+        {"limits": {"shop": {"concurrency": 1, "queue": {"size": 0, "wait": 1}}}},
+        "limits.shop.queue.size",
+        "0",
+        "an integer >= 1",
+    ),
+    (
+        "queue without wait",
+        {"limits": {"shop": {"concurrency": 1, "queue": {"size": 5}}}},
+        "limits.shop.queue",
+        "{'size': 5}",
+        "{'size': int, 'wait': seconds}",
+    ),
+    (
+        "queue string with one part",
+        {"limits": {"shop": {"concurrency": 1, "queue": "20"}}},
+        "limits.shop.queue",
+        "'20'",
+        "'<size>, <wait seconds>'",
+    ),
+    (
+        "queue waiting no time",
+        {"limits": {"shop": {"concurrency": 1, "queue": {"size": 5, "wait": 0}}}},
+        "limits.shop.queue.wait",
+        "0",
+        "> 0",
+    ),
+    ("bad global mode", {"mode": "log"}, "mode", "'log'", "'enforce' or 'shadow'"),
+    (
+        "bad limit mode",
+        {"limits": {"shop": {"concurrency": 1, "mode": "off"}}},
+        "limits.shop.mode",
+        "'off'",
+        "'enforce' or 'shadow'",
+    ),
+    (
+        "path with four segments",
+        {"limits": {"a/b/c/d": {"concurrency": 1}}},
+        "limits.a/b/c/d",
+        "'a/b/c/d'",
+        "'project/service/caller'",
+    ),
+    (
+        "path with an empty segment",
+        {"limits": {"shop//crm": {"concurrency": 1}}},
+        "limits.shop//crm",
+        "'shop//crm'",
+        "'project/service/caller'",
+    ),
+    (
+        "path with a space",
+        {"limits": {"shop/check out": {"concurrency": 1}}},
+        "limits.shop/check out",
+        "'shop/check out'",
+        "'project/service/caller'",
+    ),
+    (
+        "path with a partial wildcard",
+        {"limits": {"shop/log*": {"concurrency": 1}}},
+        "limits.shop/log*",
+        "'shop/log*'",
+        "or '*'",
+    ),
+    (
+        "limit that limits nothing",
+        {"limits": {"shop": {}}},
+        "limits.shop",
+        "{}",
+        "'concurrency' or 'rate'",
+    ),
+    (
+        "limits not a table",
+        {"limits": ["shop"]},
+        "limits",
+        "['shop']",
+        "a table / dict",
+    ),
+    ("negative delay", {"limits": {"shop": {"delay": -2}}}, "limits.shop.delay", "-2", ">= 0"),
+    (
+        "max_keys zero",
+        {"limits": {"shop/*": {"concurrency": 1, "max_keys": 0}}},
+        "limits.shop/*.max_keys",
+        "0",
+        "an integer >= 1",
+    ),
+    ("wildcard project", {"project": "*"}, "project", "'*'", "a name of"),
+    (
+        "caller.required not a boolean",
+        {"caller": {"required": "maybe"}},
+        "caller.required",
+        "'maybe'",
+        "true or false",
+    ),
+    (
+        "caller header not a header name",
+        {"caller": {"header": "X Caller"}},
+        "caller.header",
+        "'X Caller'",
+        "an HTTP header name",
+    ),
+    (
+        "bad on_backend_error",
+        {"on_backend_error": "ignore"},
+        "on_backend_error",
+        "'ignore'",
+        "'allow' or 'reject'",
+    ),
+    ("bad fault format", {"fault": {"format": "html"}}, "fault.format", "'html'", "'xml'"),
+    (
+        "reload every zero seconds",
+        {"reload": {"every_seconds": 0}},
+        "reload.every_seconds",
+        "0",
+        "> 0",
+    ),
+    (
+        "route not starting with a slash",
+        {"routes": {"orders": "order"}},
+        "routes.orders",
+        "'orders'",
+        "starting with '/'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("settings", "key", "value", "expected"),
+    [pytest.param(*case[1:], id=case[0]) for case in INVALID_SETTINGS],
+)
+def test_invalid_settings_name_key_value_and_expectation(
+    settings: dict[str, Any], key: str, value: str, expected: str
+) -> None:
+    """Every invalid setting is a ConfigError that names the key, the value and what is expected."""
+    error = config_error(settings)
+    message = str(error)
+    assert error.key == key
+    assert message.startswith(f"{key}: ")
+    assert value in message
+    assert expected in message
+    assert error.file is None
+
+
+def test_there_are_at_least_fifteen_distinct_invalid_inputs() -> None:
+    """The invalid-input table covers at least 15 distinct mistakes with distinct messages."""
+    messages = {str(config_error(case[1])) for case in INVALID_SETTINGS}
+    assert len(messages) == len(INVALID_SETTINGS) >= 15
+
+
+def test_config_error_is_a_value_error() -> None:
+    """ConfigError can be caught as ValueError by code that knows nothing of gatekeeper."""
+    with pytest.raises(ValueError, match="did you mean 'project'"):
+        build_config({"projct": "shop"})
+
+
+def test_unknown_backend_scheme_fails_at_construction() -> None:
+    """An unknown backend URL is refused when the GateKeeper is built, quoting the URL."""
+    with pytest.raises(ConfigError) as info:
+        GateKeeper({"backend": "mongodb://db:27017"})
+    message = str(info.value)
+    assert info.value.key == "backend"
+    assert "'mongodb://db:27017'" in message
+    assert "memory" in message and "redis" in message and "shared" in message
+
+
+def test_memory_backend_takes_no_address() -> None:
+    """'memory://somewhere' is a mistake, not silently the local memory backend."""
+    with pytest.raises(ConfigError, match="memory://somewhere"):
+        GateKeeper({"backend": "memory://somewhere"})
+
+
+def test_gatekeeper_rejects_other_config_types() -> None:
+    """Passing neither a dict nor a path is a ConfigError saying what was expected."""
+    with pytest.raises(ConfigError, match="a settings dict or a file path"):
+        GateKeeper(42)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------- invalid files: file:line
+
+INVALID_FILES: list[tuple[str, str, str, int, str]] = [
+    (
+        "negative concurrency in properties",
+        "gatekeeper.properties",
+        """\
+        project = shop
+        limits.shop.concurrency = -1
+        """,
+        2,
+        "limits.shop.concurrency: expected an integer >= 0, got '-1'",
+    ),
+    (
+        "unknown key in properties",
+        "gatekeeper.properties",
+        """\
+        project = shop
+        # comment
+        limits.shop.concurency = 5
+        """,
+        3,
+        "limits.shop.concurency: unknown key 'concurency'; did you mean 'concurrency'?",
+    ),
+    (
+        "duplicate property key",
+        "gatekeeper.properties",
+        """\
+        limits.shop.concurrency = 5
+        project = shop
+        limits.shop.concurrency = 6
+        """,
+        3,
+        "limits.shop.concurrency: duplicate key, already set on line 1",
+    ),
+    (
+        "properties continuation at end of file",
+        "gatekeeper.properties",
+        "project = shop\nlimits.shop.concurrency = 5, \\\n",
+        2,
+        "line continuation at end of file",
+    ),
+    (
+        "malformed queue in properties",
+        "gatekeeper.properties",
+        """\
+        limits.shop.concurrency = 5
+        limits.shop.queue = 20; 1.5
+        """,
+        2,
+        "limits.shop.queue: expected '<size>, <wait seconds>', got '20; 1.5'",
+    ),
+    (
+        "TOML syntax error",
+        "gatekeeper.toml",
+        """\
+        [gatekeeper]
+        project = "shop"
+
+        [gatekeeper.limits.shop]
+        concurrency =
+        """,
+        5,
+        "invalid TOML",
+    ),
+    (
+        "TOML wrong type",
+        "gatekeeper.toml",
+        """\
+        [gatekeeper]
+        project = "shop"
+
+        [gatekeeper.limits."shop/checkout"]
+        concurrency = 10
+        delay = "soon"
+        """,
+        6,
+        "limits.shop/checkout.delay: expected a number of seconds, got 'soon'",
+    ),
+    (
+        "TOML key on a non-caller level",
+        "gatekeeper.toml",
+        """\
+        [gatekeeper.limits]
+        shop = { concurrency = 10 }
+        "shop/login" = { rate = "5/minute", key = "ip" }
+        """,
+        3,
+        "limits.shop/login.key: 'key' is only valid on the caller level",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "line", "expected"),
+    [pytest.param(*case[1:], id=case[0]) for case in INVALID_FILES],
+)
+def test_invalid_files_name_file_and_line(
+    tmp_path: Path, name: str, text: str, line: int, expected: str
+) -> None:
+    """A bad file is a ConfigError pointing at file:line with key, value and expectation."""
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(path)
+    error = info.value
+    assert (error.file, error.line) == (str(path), line)
+    assert str(error).startswith(f"{path}:{line}: ")
+    assert expected in str(error)
+
+
+def test_unsupported_file_type(tmp_path: Path) -> None:
+    """A .yaml file is refused, naming the file and the formats that work."""
+    path = write(tmp_path, "gatekeeper.yaml", "project: shop\n")
+    with pytest.raises(ConfigError, match=r"expected \.toml or \.properties") as info:
+        GateKeeper(path)
+    assert info.value.file == str(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    """A configuration path that does not exist is a ConfigError naming it."""
+    path = tmp_path / "missing.properties"
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(path)
+    assert info.value.file == str(path)
+    assert "cannot read" in str(info.value)
+
+
+# ---------------------------------------------------------------- settings plus a file
+
+
+def test_file_laid_over_settings(tmp_path: Path) -> None:
+    """File keys win over settings, sections merge key by key, limits merge path by path."""
+    path = write(
+        tmp_path,
+        "ops.properties",
+        """\
+        caller.required = false
+        limits.shop/checkout.concurrency = 4
+        limits.shop/login/*.rate = 5/minute
+        """,
+    )
+    settings = {
+        "project": "shop",
+        "caller": {"header": "X-System", "required": True},
+        "reload": {"file": str(path), "every_seconds": 30},
+        "limits": {
+            "shop": {"concurrency": 100},
+            "shop/checkout": {"concurrency": 10, "delay": 3.0},
+        },
+    }
+    config = GateKeeper(settings).config
+    assert config.project == "shop"
+    assert config.caller.header == "X-System"
+    assert config.caller.required is False
+    assert config.reload.every_seconds == 30
+    assert set(config.limits) == {"shop", "shop/checkout", "shop/login/*"}
+    assert config.limits["shop"].concurrency == 100
+    # A path the file sets replaces that path of the settings as a whole.
+    assert config.limits["shop/checkout"].concurrency == 4
+    assert config.limits["shop/checkout"].delay is None
+    assert config.limits["shop/login/*"].rate == Rate(5, 60.0, "5/minute")
+
+
+def test_merge_error_in_file_names_file_line(tmp_path: Path) -> None:
+    """With settings plus a file, a bad key from the file is reported at its file:line."""
+    path = write(tmp_path, "ops.properties", "project = shop\nlimits.shop.rate = lots\n")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper({"reload": {"file": str(path)}, "limits": {"shop/a": {"concurrency": 1}}})
+    assert (info.value.file, info.value.line) == (str(path), 2)
+    assert "'lots'" in str(info.value)
+
+
+def test_merge_error_in_settings_names_no_file(tmp_path: Path) -> None:
+    """With settings plus a file, a bad key from the settings is not blamed on the file."""
+    path = write(tmp_path, "ops.properties", "limits.shop.concurrency = 5\n")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper({"reload": {"file": str(path)}, "limits": {"shop/a": {"concurrency": -5}}})
+    assert info.value.file is None
+    assert str(info.value) == "limits.shop/a.concurrency: expected an integer >= 0, got -5"

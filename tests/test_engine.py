@@ -1,0 +1,1138 @@
+"""The admission engine's conformance suite: every test runs on each backend of the table.
+
+Tests that travel in time drive the injected FakeClock; backends that count time by their
+own clock (``backend.engine_clock`` False, e.g. Redis) skip those and run the real-time
+variants, which use tiny windows and delays and wait on a condition, never on a timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gatekeeper_wsgi.engine import Admission, GateKeeper
+from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.monitor import STAGES
+from tests.conftest import FakeClock
+
+
+class Make(Protocol):
+    def __call__(
+        self,
+        limits: dict[str, Any],
+        *,
+        clock: Callable[[], float] | None = None,
+        **settings: Any,
+    ) -> GateKeeper: ...
+
+
+@pytest.fixture
+def make(backend_url: str, clock: FakeClock) -> Iterator[Make]:
+    """Builds GateKeepers on the backend under test, driven by the FakeClock by default."""
+    keepers: list[GateKeeper] = []
+
+    def build(
+        limits: dict[str, Any], *, clock: Callable[[], float] | None = None, **options: Any
+    ) -> GateKeeper:
+        config = {"project": "shop", **options, "backend": backend_url, "limits": limits}
+        keeper = GateKeeper(config, clock=clock or fake_clock)
+        keepers.append(keeper)
+        return keeper
+
+    fake_clock = clock
+    yield build
+    for keeper in keepers:
+        keeper.close()
+
+
+def travels(gk: GateKeeper) -> None:
+    """Skip a test that moves the FakeClock on a backend that keeps its own time."""
+    if not gk.backend.engine_clock:
+        pytest.skip("backend counts time by its own clock; the real-time variant covers this")
+
+
+def refused(gk: GateKeeper, project: str, service: str, caller: str, **kw: Any) -> Rejected:
+    with pytest.raises(Rejected) as info:
+        gk.admit(project, service, caller, **kw)
+    return info.value
+
+
+def busy(gk: GateKeeper) -> dict[str, int]:
+    """inflight() without the paths at zero (a backend may omit or show them)."""
+    return {path: count for path, count in gk.inflight().items() if count}
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll a condition until it holds; fail after a generous deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        time.sleep(0.001)
+
+
+def waiters(gk: GateKeeper) -> int:
+    # The engine's own count of queued requests: how a test knows a thread is waiting.
+    return gk._waiting
+
+
+def rewrite(path: Path, text: str) -> None:
+    """Replace a config file so its stat changes even within the file system's mtime tick."""
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    path.write_text(text, encoding="utf-8")
+    later = max(path.stat().st_mtime_ns, before + 1_000_000_000)
+    os.utime(path, ns=(later, later))
+
+
+def start(target: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+# ------------------------------------------------------------------------ limit resolution
+
+
+def test_exact_service_beats_wildcard(make: Make) -> None:
+    """An exact service limit replaces the project's `shop/*` limit for that service."""
+    gk = make({"shop/*": {"concurrency": 2}, "shop/checkout": {"concurrency": 1}})
+    gk.admit("shop", "checkout", "a")
+    rejection = refused(gk, "shop", "checkout", "a")
+    assert (rejection.level, rejection.limit_path, rejection.limit_value) == (
+        "service",
+        "shop/checkout",
+        "1",
+    )
+    gk.admit("shop", "login", "a")
+    gk.admit("shop", "login", "a")
+    assert refused(gk, "shop", "login", "a").limit_path == "shop/*"
+
+
+def test_specificity_weighs_from_the_left(make: Make) -> None:
+    """`shop/*` beats `*/login` and `shop/*/*` beats `*/login/alice`: left segments weigh more."""
+    gk = make(
+        {
+            "shop/*": {"concurrency": 1},
+            "*/login": {"concurrency": 5},
+            "shop/*/*": {"concurrency": 1},
+            "*/login/alice": {"concurrency": 5},
+        }
+    )
+    gk.admit("shop", "login", "alice")
+    rejection = refused(gk, "shop", "login", "bob")
+    assert rejection.limit_path == "shop/*"
+    # A second configuration on the same backend: other paths, so no shared counters.
+    gk2 = make({"mall/*/*": {"concurrency": 1}, "*/login/alice": {"concurrency": 5}})
+    gk2.admit("mall", "login", "alice")
+    assert refused(gk2, "mall", "login", "alice").limit_path == "mall/*/*"
+
+
+def test_project_wildcard_counts_each_project(make: Make) -> None:
+    """A `*` project limit gives every project its own counter."""
+    gk = make({"*": {"concurrency": 1}, "shop/*": {"concurrency": 5}})
+    gk.admit("shop", "checkout", "a")
+    gk.admit("other", "checkout", "a")
+    assert refused(gk, "shop", "login", "b").limit_path == "*"
+    assert busy(gk) == {"shop": 1, "other": 1, "shop/checkout": 1}
+
+
+def test_wildcard_counts_each_value_separately(make: Make) -> None:
+    """`*` gives every service and caller its own counter, shown by concrete path."""
+    gk = make({"shop/*": {"concurrency": 1}, "shop/api/*": {"concurrency": 1}})
+    gk.admit("shop", "checkout", "a")
+    gk.admit("shop", "login", "a")
+    gk.admit("shop", "api", "alice")
+    assert refused(gk, "shop", "checkout", "b").limit_path == "shop/*"
+    assert busy(gk) == {
+        "shop/checkout": 1,
+        "shop/login": 1,
+        "shop/api": 1,
+        "shop/api/alice": 1,
+    }
+    assert refused(gk, "shop", "api", "bob").limit_path == "shop/*"
+
+
+def test_exact_caller_beats_wildcard_caller(make: Make) -> None:
+    """A named caller gets its own limit; everyone else falls under `shop/api/*`."""
+    gk = make({"shop/api/*": {"concurrency": 1}, "shop/api/crm": {"concurrency": 3}})
+    for _ in range(3):
+        gk.admit("shop", "api", "crm")
+    assert refused(gk, "shop", "api", "crm").limit_path == "shop/api/crm"
+    gk.admit("shop", "api", "bob")
+    rejection = refused(gk, "shop", "api", "bob")
+    assert (rejection.level, rejection.limit_path, rejection.limit_value) == (
+        "caller",
+        "shop/api/*",
+        "1",
+    )
+
+
+def test_most_specific_delay_and_markers_win(make: Make) -> None:
+    """Delay and timeout markers come from the most specific level that sets them."""
+    gk = make(
+        {
+            "shop": {
+                "concurrency": 10,
+                "delay": 2.0,
+                "timeout_status": [504],
+                "timeout_header": "X-Fault: TIMEOUT",
+            },
+            "shop/checkout": {"concurrency": 10, "delay": 5.0, "timeout_status": [502]},
+            "shop/checkout/crm": {"concurrency": 10, "delay": 9.0},
+            "shop/checkout/*": {"concurrency": 10},
+        }
+    )
+    login = gk.admit("shop", "login", "bob")
+    assert login.delay == 2.0
+    assert login.route.timeout_status == frozenset({504})
+    checkout = gk.admit("shop", "checkout", "bob")
+    assert checkout.delay == 5.0
+    assert checkout.route.timeout_status == frozenset({502})
+    assert checkout.route.timeout_header is not None
+    assert checkout.route.timeout_header.name == "X-Fault"
+    assert gk.admit("shop", "checkout", "crm").delay == 9.0
+
+
+def test_most_specific_delay_holds_the_slots(make: Make, clock: FakeClock) -> None:
+    """A faulty response on checkout holds its slots for checkout's delay, not the project's."""
+    gk = make(
+        {
+            "shop": {"concurrency": 10, "delay": 2.0},
+            "shop/checkout": {"concurrency": 1, "delay": 5.0},
+        }
+    )
+    travels(gk)
+    gk.admit("shop", "checkout", "a").release(504, faulty=True)
+    clock.advance(4.9)
+    assert busy(gk) == {"shop": 1, "shop/checkout": 1}
+    clock.advance(0.1)
+    assert busy(gk) == {}
+
+
+def test_caller_key_kinds(make: Make) -> None:
+    """The third segment counts by caller, REMOTE_ADDR, REMOTE_USER / user, or a header."""
+    gk = make(
+        {
+            "shop/login/*": {"concurrency": 1, "key": "ip"},
+            "shop/me/*": {"concurrency": 1, "key": "user"},
+            "shop/api/*": {"concurrency": 1, "key": "header:X-Api-Key"},
+            "shop/other/*": {"concurrency": 1},
+        }
+    )
+    gk.admit("shop", "login", "alice", environ={"REMOTE_ADDR": "10.0.0.7"})
+    assert (
+        refused(gk, "shop", "login", "bob", environ={"REMOTE_ADDR": "10.0.0.7"}).level == "caller"
+    )
+    gk.admit("shop", "login", "alice", environ={"REMOTE_ADDR": "2001:db8::1"})
+    gk.admit("shop", "me", "x", environ={"REMOTE_USER": "bob"})
+    gk.admit("shop", "me", "x", environ={"REMOTE_USER": "bob"}, user="carol")
+    assert refused(gk, "shop", "me", "y", user="carol").limit_path == "shop/me/*"
+    gk.admit("shop", "api", "x", environ={"HTTP_X_API_KEY": "k1"})
+    gk.admit("shop", "other", "dave")
+    # Requests without the value count together under '-'.
+    gk.admit("shop", "api", "x")
+    assert refused(gk, "shop", "api", "y").limit_path == "shop/api/*"
+    assert busy(gk) == {
+        "shop/login/10.0.0.7": 1,
+        "shop/login/2001:db8::1": 1,
+        "shop/me/bob": 1,
+        "shop/me/carol": 1,
+        "shop/api/k1": 1,
+        "shop/api/-": 1,
+        "shop/other/dave": 1,
+    }
+
+
+HOSTILE = [
+    "../../etc/passwd",
+    "a" * 500,
+    "caf\u00e9",
+    "x\r\nSet-Cookie: y",
+    "shop/checkout",
+    "<script>alert(1)</script>",
+    "\x00",
+]
+
+
+def test_hostile_key_values_become_digests(make: Make) -> None:
+    """Odd header values cannot forge a path or bloat a key: each becomes a short digest."""
+    gk = make({"shop/api/*": {"concurrency": 1, "key": "header:X-Api-Key"}})
+    for value in HOSTILE:
+        gk.admit("shop", "api", "x", environ={"HTTP_X_API_KEY": value})
+        # The same hostile value is still one key, so it stays limited.
+        assert refused(gk, "shop", "api", "x", environ={"HTTP_X_API_KEY": value}).level == "caller"
+    keys = busy(gk)
+    assert len(keys) == len(HOSTILE)
+    for key in keys:
+        assert re.fullmatch(r"shop/api/~[0-9a-f]{16}", key), key
+
+
+def test_hostile_user_and_ip_values_become_digests(make: Make) -> None:
+    """REMOTE_USER and REMOTE_ADDR are sanitized the same way as headers."""
+    gk = make(
+        {
+            "shop/me/*": {"concurrency": 1, "key": "user"},
+            "shop/ip/*": {"concurrency": 1, "key": "ip"},
+        }
+    )
+    gk.admit("shop", "me", "x", user="../admin")
+    gk.admit("shop", "ip", "x", environ={"REMOTE_ADDR": "1.2.3.4, 5.6.7.8"})
+    assert all(re.fullmatch(r"shop/(me|ip)/~[0-9a-f]{16}", key) for key in busy(gk))
+
+
+# ------------------------------------------------------------------ all-or-nothing admission
+
+
+def test_rejection_at_caller_level_leaves_upper_levels_untouched(make: Make) -> None:
+    """A request refused at level 3 takes no slot at levels 1 and 2."""
+    gk = make(
+        {
+            "shop": {"concurrency": 10},
+            "shop/checkout": {"concurrency": 10},
+            "shop/checkout/*": {"concurrency": 1},
+        }
+    )
+    gk.admit("shop", "checkout", "alice")
+    for _ in range(5):
+        assert refused(gk, "shop", "checkout", "alice").level == "caller"
+    assert busy(gk) == {"shop": 1, "shop/checkout": 1, "shop/checkout/alice": 1}
+
+
+def test_rejection_does_not_use_up_rate_of_other_levels(make: Make) -> None:
+    """A request refused at the caller level leaves the project's rate budget unspent."""
+    gk = make({"shop": {"rate": "2/minute"}, "shop/checkout/*": {"concurrency": 1}})
+    gk.admit("shop", "checkout", "alice")
+    for _ in range(5):
+        assert refused(gk, "shop", "checkout", "alice").code == "GK-CONCURRENCY-LIMIT"
+    gk.admit("shop", "checkout", "bob")
+    assert refused(gk, "shop", "checkout", "carol").code == "GK-RATE-LIMIT"
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrency_limit_admits_exactly_n(make: Make) -> None:
+    """With concurrency 3, three requests are in; the fourth gets GK-CONCURRENCY-LIMIT."""
+    gk = make({"shop": {"concurrency": 3}})
+    held = [gk.admit("shop", "checkout", "a") for _ in range(3)]
+    rejection = refused(gk, "shop", "checkout", "a")
+    assert (rejection.code, rejection.status) == ("GK-CONCURRENCY-LIMIT", 503)
+    assert (rejection.level, rejection.limit_path, rejection.limit_value) == (
+        "project",
+        "shop",
+        "3",
+    )
+    assert rejection.retry_after == 1
+    assert rejection.rate is None
+    held[0].release(200)
+    gk.admit("shop", "checkout", "a")
+    assert busy(gk) == {"shop": 3}
+
+
+def test_concurrency_zero_blocks_the_path(make: Make) -> None:
+    """Concurrency 0 refuses every request on that path and no other."""
+    gk = make({"shop/maintenance": {"concurrency": 0}})
+    assert refused(gk, "shop", "maintenance", "a").limit_value == "0"
+    gk.admit("shop", "checkout", "a").release(200)
+
+
+def test_threads_never_exceed_concurrency(make: Make) -> None:
+    """However 48 threads interleave, exactly `concurrency` of them get in."""
+    gk = make({"shop": {"concurrency": 20}, "shop/checkout": {"concurrency": 7}})
+    for _ in range(5):
+        barrier = threading.Barrier(48)
+        admitted: list[Admission] = []
+        refusals: list[Rejected] = []
+
+        def attempt(
+            barrier: threading.Barrier = barrier,
+            admitted: list[Admission] = admitted,
+            refusals: list[Rejected] = refusals,
+        ) -> None:
+            barrier.wait()
+            try:
+                admitted.append(gk.admit("shop", "checkout", "a"))
+            except Rejected as rejection:
+                refusals.append(rejection)
+
+        threads = [start(attempt) for _ in range(48)]
+        for thread in threads:
+            thread.join()
+        assert len(admitted) == 7
+        assert {r.limit_path for r in refusals} == {"shop/checkout"}
+        assert busy(gk) == {"shop": 7, "shop/checkout": 7}
+        for admission in admitted:
+            admission.release(200)
+        assert busy(gk) == {}
+
+
+def test_request_without_limits_is_admitted(make: Make) -> None:
+    """A path no limit applies to is always admitted and counted nowhere."""
+    gk = make({"shop/checkout": {"concurrency": 1}})
+    for _ in range(3):
+        gk.admit("shop", "login", "a")
+    assert busy(gk) == {}
+    assert gk.stats()["counters"]["admitted"] == 3
+
+
+# ------------------------------------------------------------------------------------ rate
+
+
+def test_rate_admits_n_per_rolling_window(make: Make, clock: FakeClock) -> None:
+    """`3/10s` admits 3, refuses with GK-RATE-LIMIT until the first admission is 10 s old."""
+    gk = make({"shop/checkout": {"rate": "3/10s"}})
+    travels(gk)
+    for _ in range(3):
+        gk.admit("shop", "checkout", "a").release(200)
+        clock.advance(1)
+    clock.advance(-1)
+    rejection = refused(gk, "shop", "checkout", "a")
+    assert (rejection.code, rejection.status, rejection.level) == ("GK-RATE-LIMIT", 429, "service")
+    assert (rejection.limit_path, rejection.limit_value) == ("shop/checkout", "3/10s")
+    assert rejection.retry_after == 8
+    clock.advance(7.999)
+    assert refused(gk, "shop", "checkout", "a").retry_after == 1
+    clock.advance(0.001)
+    gk.admit("shop", "checkout", "a")
+    assert refused(gk, "shop", "checkout", "a").retry_after == 1
+
+
+def test_fixed_window_edge_cannot_admit_2n_minus_1(make: Make, clock: FakeClock) -> None:
+    """1 hit at T, N-1 in [T+t/2, T+t), N tries at T+t: never 2N-1 within [T+t/2, T+3t/2)."""
+    n, t = 5, 10.0
+    gk = make({"shop/login/*": {"rate": f"{n}/{int(t)}s"}})
+    travels(gk)
+    start_time = clock.now
+    admitted_at: list[float] = []
+
+    def hit() -> None:
+        try:
+            gk.admit("shop", "login", "alice").release(200)
+        except Rejected:
+            return
+        admitted_at.append(clock.now - start_time)
+
+    hit()
+    clock.advance(t / 2)
+    for _ in range(n - 1):
+        hit()
+        clock.advance(t / 2 / n)
+    clock.now = start_time + t
+    for _ in range(n):
+        hit()
+    while clock.now < start_time + 1.5 * t:
+        hit()
+        clock.advance(0.25)
+    in_edge_window = [at for at in admitted_at if t / 2 <= at < 1.5 * t]
+    assert len(in_edge_window) == n
+    assert len(admitted_at) == n + 1
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    limit=st.integers(1, 5),
+    window=st.sampled_from([1.0, 2.5, 10.0]),
+    gaps=st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0, 2.5, 3.0]), min_size=1, max_size=40),
+)
+def test_rate_window_is_exact(
+    make: Make, clock: FakeClock, limit: int, window: float, gaps: list[float]
+) -> None:
+    """A request is admitted if and only if fewer than N were admitted in the last window."""
+    gk = make({"shop/login/*": {"rate": f"{limit}/{window}s"}})
+    travels(gk)
+    caller = f"c{next(_EXAMPLE)}"
+    clock.advance(1000.0)
+    admitted: list[float] = []
+    for gap in gaps:
+        clock.advance(gap)
+        now = clock.now
+        expected = sum(1 for at in admitted if at > now - window) < limit
+        try:
+            gk.admit("shop", "login", caller).release(200)
+        except Rejected as rejection:
+            assert not expected, f"refused at {now} with {admitted}"
+            oldest = min(at for at in admitted if at > now - window)
+            assert rejection.retry_after == max(1, math.ceil(round(oldest + window - now, 6)))
+        else:
+            assert expected, f"admitted at {now} with {admitted}"
+            admitted.append(now)
+
+
+_EXAMPLE = itertools.count()
+
+
+def test_rate_retry_after_is_time_until_next_admission(make: Make, clock: FakeClock) -> None:
+    """Retry-After and the RateLimit fields say exactly when the next request gets in."""
+    gk = make({"shop/login/*": {"rate": "2/minute"}})
+    travels(gk)
+    gk.admit("shop", "login", "alice").release(200)
+    clock.advance(20)
+    gk.admit("shop", "login", "alice").release(200)
+    clock.advance(10.4)
+    rejection = refused(gk, "shop", "login", "alice")
+    assert rejection.retry_after == 30
+    assert rejection.rate is not None
+    assert (rejection.rate.quota, rejection.rate.window, rejection.rate.remaining) == (2, 60.0, 0)
+    assert rejection.rate.reset == pytest.approx(29.6)
+    assert rejection.limit_path == "shop/login/*"
+    clock.advance(29.6)
+    gk.admit("shop", "login", "alice")
+
+
+def test_rate_window_slides_in_real_time(make: Make) -> None:
+    """Real-time variant: after a tiny window passes, the rate limit admits again."""
+    gk = make({"shop/login/*": {"rate": "2/0.2s"}}, clock=time.monotonic)
+    gk.admit("shop", "login", "alice").release(200)
+    gk.admit("shop", "login", "alice").release(200)
+
+    def admitted() -> bool:
+        try:
+            gk.admit("shop", "login", "alice").release(200)
+        except Rejected as rejection:
+            assert rejection.code == "GK-RATE-LIMIT"
+            assert rejection.retry_after == 1
+            return False
+        return True
+
+    wait_until(admitted)
+    assert gk.stats()["counters"]["admitted"] >= 3
+
+
+def test_count_only_listed_statuses(make: Make) -> None:
+    """With `count = [401]`, successful logins never use up the rate; failed ones do."""
+    gk = make({"shop/login/*": {"rate": "2/minute", "count": [401]}})
+    for _ in range(5):
+        gk.admit("shop", "login", "alice").release(200)
+    gk.admit("shop", "login", "alice").release(401)
+    gk.admit("shop", "login", "alice").release(401)
+    assert refused(gk, "shop", "login", "alice").code == "GK-RATE-LIMIT"
+    gk.admit("shop", "login", "bob").release(200)
+
+
+def test_count_reserves_at_admission_and_gives_back(make: Make) -> None:
+    """Requests in flight hold their place in the window; a status not counted gives it back."""
+    gk = make({"shop/login/*": {"rate": "2/minute", "count": [401, 403]}})
+    first = gk.admit("shop", "login", "alice")
+    second = gk.admit("shop", "login", "alice")
+    assert refused(gk, "shop", "login", "alice").code == "GK-RATE-LIMIT"
+    first.release(200)
+    third = gk.admit("shop", "login", "alice")
+    second.release(403)
+    third.release(401)
+    assert refused(gk, "shop", "login", "alice").code == "GK-RATE-LIMIT"
+
+
+def test_concurrent_counted_responses_never_exceed_n(make: Make) -> None:
+    """32 simultaneous failed logins count at most N: admission reserves the place."""
+    gk = make({"shop/login/*": {"rate": "3/hour", "count": [401]}})
+    barrier = threading.Barrier(32)
+    all_tried = threading.Event()
+    lock = threading.Lock()
+    tried: list[bool] = []
+
+    def attempt() -> None:
+        barrier.wait()
+        try:
+            admission = gk.admit("shop", "login", "alice")
+        except Rejected:
+            admission = None
+        with lock:
+            tried.append(admission is not None)
+        if admission is not None:
+            # Hold until every other attempt was decided, then answer 401: counted.
+            all_tried.wait(10)
+            admission.release(401)
+
+    threads = [start(attempt) for _ in range(32)]
+    wait_until(lambda: len(tried) == 32)
+    all_tried.set()
+    for thread in threads:
+        thread.join()
+    assert tried.count(True) == 3
+    assert refused(gk, "shop", "login", "alice").code == "GK-RATE-LIMIT"
+
+
+def test_count_all_counts_every_status(make: Make) -> None:
+    """`count = "all"` is the default: every admission counts whatever its status."""
+    gk = make({"shop/login/*": {"rate": "2/minute", "count": "all"}})
+    gk.admit("shop", "login", "alice").release(200)
+    gk.admit("shop", "login", "alice").release(None)
+    refused(gk, "shop", "login", "alice")
+
+
+# ------------------------------------------------------------------------ delayed decreases
+
+
+def test_faulty_response_holds_slots_for_the_delay(make: Make, clock: FakeClock) -> None:
+    """After a faulty response the slots stay taken for `delay`, then free up on their own."""
+    gk = make({"shop": {"concurrency": 5}, "shop/crm": {"concurrency": 1, "delay": 2.0}})
+    travels(gk)
+    threads_before = threading.active_count()
+    gk.admit("shop", "crm", "a").release(504, faulty=True)
+    assert gk.stats()["counters"]["delayed_pending"] == 1
+    rejection = refused(gk, "shop", "crm", "a")
+    assert rejection.retry_after == 2
+    clock.advance(1.999)
+    refused(gk, "shop", "crm", "a")
+    assert busy(gk) == {"shop": 1, "shop/crm": 1}
+    clock.advance(0.001)
+    # Matured during this request's own handling: no background thread exists.
+    gk.admit("shop", "crm", "a").release(200)
+    assert threading.active_count() == threads_before
+    assert gk.stats()["counters"]["delayed_pending"] == 0
+    assert busy(gk) == {}
+
+
+def test_ok_response_frees_at_once_despite_delay(make: Make) -> None:
+    """A healthy response releases immediately, whatever `delay` says."""
+    gk = make({"shop": {"concurrency": 1, "delay": 60.0}})
+    gk.admit("shop", "crm", "a").release(200)
+    gk.admit("shop", "crm", "a").release(404)
+    assert busy(gk) == {}
+    assert gk.stats()["counters"]["delayed_pending"] == 0
+
+
+def test_delays_mature_before_new_ones_and_all_reach_zero(make: Make, clock: FakeClock) -> None:
+    """Due delays are applied on the next release, too; after every delay all is zero."""
+    gk = make(
+        {
+            "shop": {"concurrency": 10, "delay": 1.0},
+            "shop/crm": {"concurrency": 3, "delay": 3.0},
+            "shop/crm/*": {"concurrency": 2, "delay": 5.0},
+        }
+    )
+    travels(gk)
+    admissions = [gk.admit("shop", "crm", f"c{i % 2}") for i in range(3)]
+    admissions += [gk.admit("shop", "erp", "x")]
+    admissions[0].release(500, faulty=True)
+    clock.advance(5)
+    admissions[1].release(500, faulty=True)
+    assert gk.stats()["counters"]["delayed_pending"] == 1
+    admissions[2].release(200)
+    admissions[3].release(500, faulty=True)
+    clock.advance(5)
+    assert busy(gk) == {}
+    assert gk.stats()["counters"]["delayed_pending"] == 0
+
+
+def test_delayed_decrease_in_real_time(make: Make) -> None:
+    """Real-time variant: a faulty response's slots are held, then come back by themselves."""
+    gk = make({"shop": {"concurrency": 1, "delay": 0.5}}, clock=time.monotonic)
+    gk.admit("shop", "crm", "a").release(503, faulty=True)
+    assert busy(gk) == {"shop": 1}
+    wait_until(lambda: busy(gk) == {})
+    gk.admit("shop", "crm", "a").release(200)
+
+
+# -------------------------------------------------------------------------------- queueing
+
+
+def test_queue_admits_waiters_in_fifo_order(make: Make) -> None:
+    """Waiters are admitted one by one in the order they arrived."""
+    gk = make({"shop/checkout": {"concurrency": 1, "queue": {"size": 10, "wait": 60}}})
+    holder = gk.admit("shop", "checkout", "a")
+    order: list[int] = []
+
+    def waiter(index: int) -> Callable[[], None]:
+        def run() -> None:
+            admission = gk.admit("shop", "checkout", f"w{index}")
+            order.append(index)
+            admission.release(200)
+
+        return run
+
+    threads = []
+    for index in range(6):
+        threads.append(start(waiter(index)))
+        wait_until(lambda queued=index + 1: waiters(gk) == queued)
+    holder.release(200)
+    for thread in threads:
+        thread.join(10)
+    assert order == list(range(6))
+    assert gk.stats()["counters"]["rejected"] == {}
+    assert busy(gk) == {}
+
+
+def test_queue_full_rejects_at_once(make: Make) -> None:
+    """With `size` waiters already queued, the next request gets GK-QUEUE-FULL immediately."""
+    gk = make({"shop/checkout": {"concurrency": 1, "queue": {"size": 1, "wait": 30}}})
+    holder = gk.admit("shop", "checkout", "a")
+    admitted = threading.Event()
+
+    def wait_in_queue() -> None:
+        gk.admit("shop", "checkout", "b")
+        admitted.set()
+
+    thread = start(wait_in_queue)
+    wait_until(lambda: waiters(gk) == 1)
+    rejection = refused(gk, "shop", "checkout", "c")
+    assert (rejection.code, rejection.status) == ("GK-QUEUE-FULL", 503)
+    assert (rejection.level, rejection.limit_path, rejection.limit_value) == (
+        "service",
+        "shop/checkout",
+        "1",
+    )
+    assert rejection.retry_after == 30
+    assert not admitted.is_set()
+    holder.release(200)
+    thread.join(10)
+    assert admitted.is_set()
+    assert gk.stats()["counters"]["rejected"] == {"GK-QUEUE-FULL": 1}
+
+
+def test_queue_timeout_after_a_short_real_wait(make: Make) -> None:
+    """A waiter that gets no slot within `wait` seconds receives GK-QUEUE-TIMEOUT."""
+    gk = make(
+        {"shop/checkout": {"concurrency": 1, "queue": {"size": 5, "wait": 0.05}}},
+        clock=time.monotonic,
+    )
+    gk.admit("shop", "checkout", "a")
+    rejection = refused(gk, "shop", "checkout", "b")
+    assert (rejection.code, rejection.status) == ("GK-QUEUE-TIMEOUT", 503)
+    assert (rejection.limit_path, rejection.retry_after) == ("shop/checkout", 1)
+    stats = gk.stats()["counters"]
+    assert stats["rejected"] == {"GK-QUEUE-TIMEOUT": 1}
+    assert stats["rejected_by_limit"] == {"shop/checkout": 1}
+    assert waiters(gk) == 0
+    assert busy(gk) == {"shop/checkout": 1}
+
+
+def test_queue_waiter_woken_by_release(make: Make) -> None:
+    """A queued request gets in as soon as the holder's response is closed."""
+    gk = make({"shop/checkout": {"concurrency": 1, "queue": {"size": 5, "wait": 60}}})
+    holder = gk.admit("shop", "checkout", "a")
+    got: list[Admission] = []
+    thread = start(lambda: got.append(gk.admit("shop", "checkout", "b")))
+    wait_until(lambda: waiters(gk) == 1)
+    assert got == []
+    holder.release(200)
+    thread.join(10)
+    assert len(got) == 1
+    assert busy(gk) == {"shop/checkout": 1}
+
+
+def test_queue_waiter_woken_by_maturing_delay(make: Make, clock: FakeClock) -> None:
+    """A slot freed by a maturing delay admits a waiter, though nobody released anything."""
+    gk = make(
+        {"shop/checkout": {"concurrency": 1, "delay": 0.05, "queue": {"size": 5, "wait": 60}}}
+    )
+    travels(gk)
+    gk.admit("shop", "checkout", "a").release(504, faulty=True)
+    got: list[Admission] = []
+    thread = start(lambda: got.append(gk.admit("shop", "checkout", "b")))
+    wait_until(lambda: waiters(gk) == 1)
+    clock.advance(0.05)
+    thread.join(10)
+    assert len(got) == 1
+    assert gk.stats()["counters"]["rejected"] == {}
+
+
+def test_queue_waiter_woken_by_maturing_delay_in_real_time(make: Make) -> None:
+    """Real-time variant: a waiter gets the slot a faulty response held for its delay."""
+    gk = make(
+        {"shop/checkout": {"concurrency": 1, "delay": 0.2, "queue": {"size": 5, "wait": 30}}},
+        clock=time.monotonic,
+    )
+    gk.admit("shop", "checkout", "a").release(504, faulty=True)
+    admission = gk.admit("shop", "checkout", "b")
+    assert not admission.released
+    assert gk.stats()["counters"]["rejected"] == {}
+
+
+def test_queue_on_a_rate_limit_waits_for_the_window(make: Make, clock: FakeClock) -> None:
+    """A queued request on an exhausted rate limit is admitted when the window slides."""
+    gk = make({"shop/export": {"rate": "1/0.05s", "queue": {"size": 2, "wait": 60}}})
+    travels(gk)
+    gk.admit("shop", "export", "a").release(200)
+    got: list[Admission] = []
+    thread = start(lambda: got.append(gk.admit("shop", "export", "b")))
+    wait_until(lambda: waiters(gk) == 1)
+    clock.advance(0.05)
+    thread.join(10)
+    assert len(got) == 1
+
+
+def test_queue_not_used_when_another_limit_refuses(make: Make) -> None:
+    """A request refused by a limit without a queue is rejected at once, not queued."""
+    gk = make(
+        {
+            "shop": {"concurrency": 1},
+            "shop/checkout": {"concurrency": 5, "queue": {"size": 5, "wait": 60}},
+        }
+    )
+    gk.admit("shop", "checkout", "a")
+    rejection = refused(gk, "shop", "checkout", "b")
+    assert (rejection.code, rejection.limit_path) == ("GK-CONCURRENCY-LIMIT", "shop")
+    assert waiters(gk) == 0
+
+
+# -------------------------------------------------------------------------------- shadow mode
+
+
+def test_global_shadow_mode_never_rejects(make: Make) -> None:
+    """In shadow mode requests over a limit are admitted, counted and logged, never refused."""
+    gk = make({"shop": {"concurrency": 1, "rate": "2/minute"}}, mode="shadow")
+    for _ in range(4):
+        gk.admit("shop", "checkout", "a")
+    counters = gk.stats()["counters"]
+    assert counters["shadow_rejected"] == 3
+    assert counters["rejected"] == {}
+    assert counters["admitted"] == 4
+    assert busy(gk) == {"shop": 4}
+
+
+def test_per_limit_shadow_mode(make: Make) -> None:
+    """A limit in shadow mode only reports, while the enforcing limits still refuse."""
+    gk = make({"shop": {"concurrency": 1, "mode": "shadow"}, "shop/checkout": {"concurrency": 1}})
+    gk.admit("shop", "login", "a")
+    gk.admit("shop", "checkout", "a")
+    rejection = refused(gk, "shop", "checkout", "a")
+    assert rejection.limit_path == "shop/checkout"
+    assert gk.stats()["counters"]["shadow_rejected"] == 1
+
+
+def test_per_limit_enforce_in_global_shadow(make: Make) -> None:
+    """A limit set to `enforce` refuses even when the whole configuration is in shadow mode."""
+    gk = make(
+        {"shop": {"concurrency": 1}, "shop/checkout": {"concurrency": 1, "mode": "enforce"}},
+        mode="shadow",
+    )
+    gk.admit("shop", "checkout", "a")
+    assert refused(gk, "shop", "checkout", "b").limit_path == "shop/checkout"
+    gk.admit("shop", "login", "a")
+    assert gk.stats()["counters"]["shadow_rejected"] == 1
+
+
+def test_shadow_counts_rate_while_over_concurrency(make: Make) -> None:
+    """A shadow request over concurrency still counts in the rate window it passed."""
+    gk = make({"shop": {"concurrency": 1, "rate": "2/minute"}}, mode="shadow")
+    held = [gk.admit("shop", "checkout", "a") for _ in range(2)]
+    for admission in held:
+        admission.release(200)
+    assert gk.stats()["counters"]["shadow_rejected"] == 1
+    # Two admissions fill the window: the third is over the rate, though not over concurrency.
+    gk.admit("shop", "checkout", "a").release(200)
+    assert gk.stats()["counters"]["shadow_rejected"] == 2
+
+
+# --------------------------------------------------------------- bounded keys (memory backend)
+
+
+def memory(limits: dict[str, Any], clock: FakeClock, **options: Any) -> GateKeeper:
+    return GateKeeper({"project": "shop", **options, "limits": limits}, clock=clock)
+
+
+def test_max_keys_bounds_memory_of_a_key_spraying_client(clock: FakeClock) -> None:
+    """A client spraying 5 000 caller names cannot make the engine track over max_keys."""
+    gk = memory({"shop/api/*": {"concurrency": 1, "rate": "5/minute", "max_keys": 100}}, clock)
+    for index in range(5000):
+        gk.admit("shop", "api", f"spray-{index}").release(200)
+    assert len(gk.inflight()) <= 100
+    assert busy(gk) == {}
+
+
+def test_idle_keys_are_evicted_first(clock: FakeClock) -> None:
+    """A key still inside its rate window outlives newer idle keys when room is needed."""
+    gk = memory({"shop/login/*": {"rate": "1/minute", "count": [401], "max_keys": 2}}, clock)
+    gk.admit("shop", "login", "mallory").release(401)
+    gk.admit("shop", "login", "alice").release(200)
+    gk.admit("shop", "login", "bob").release(200)
+    assert set(gk.inflight()) == {"shop/login/mallory", "shop/login/bob"}
+    assert refused(gk, "shop", "login", "mallory").code == "GK-RATE-LIMIT"
+
+
+def test_least_recently_used_idle_key_goes_first(clock: FakeClock) -> None:
+    """Among idle keys the one unused for longest is evicted."""
+    gk = memory({"shop/api/*": {"concurrency": 1, "max_keys": 3}}, clock)
+    for caller in ("a", "b", "c", "a", "d"):
+        gk.admit("shop", "api", caller).release(200)
+    assert set(gk.inflight()) == {"shop/api/a", "shop/api/c", "shop/api/d"}
+
+
+def test_in_flight_state_is_never_evicted(clock: FakeClock) -> None:
+    """Keys with requests in flight are kept; a new key then cannot be tracked."""
+    gk = memory({"shop/api/*": {"concurrency": 1, "max_keys": 2}}, clock, on_backend_error="reject")
+    gk.admit("shop", "api", "a")
+    gk.admit("shop", "api", "b")
+    assert refused(gk, "shop", "api", "c").code == "GK-BACKEND-UNAVAILABLE"
+    assert busy(gk) == {"shop/api/a": 1, "shop/api/b": 1}
+    assert refused(gk, "shop", "api", "a").code == "GK-CONCURRENCY-LIMIT"
+    assert refused(gk, "shop", "api", "b").code == "GK-CONCURRENCY-LIMIT"
+
+
+def test_delayed_state_is_not_evicted(clock: FakeClock) -> None:
+    """A key whose slot is held by a delayed decrease is still in flight, so it is kept."""
+    gk = memory({"shop/api/*": {"concurrency": 1, "delay": 10, "max_keys": 1}}, clock)
+    gk.admit("shop", "api", "a").release(500, faulty=True)
+    gk.admit("shop", "api", "b")
+    assert busy(gk) == {"shop/api/a": 1}
+    assert gk.stats()["counters"]["backend_errors"] == 1
+    clock.advance(10)
+    gk.admit("shop", "api", "b")
+    assert busy(gk) == {"shop/api/b": 1}
+
+
+def test_exact_caller_path_and_user_keyed_wildcard_share_a_key(make: Make) -> None:
+    """A user whose name equals an exact caller path's segment is admitted, not a server error."""
+    gk = make(
+        {"shop/login/alice": {"concurrency": 2}, "shop/login/*": {"concurrency": 2, "key": "user"}}
+    )
+    gk.admit("shop", "login", "alice")
+    gk.admit("shop", "login", "bob", user="alice")
+    assert busy(gk) == {"shop/login/alice": 2}
+    assert refused(gk, "shop", "login", "carol", user="alice").limit_path == "shop/login/*"
+
+
+# ------------------------------------------------------------------------------- hot reload
+
+
+@pytest.fixture
+def limits_file(tmp_path: Path) -> Path:
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, "limits.shop/checkout.concurrency = 1\n")
+    return path
+
+
+def reloading(
+    make: Make, path: Path, every_seconds: float = 3600, every_requests: int = 100_000
+) -> GateKeeper:
+    return make(
+        {},
+        reload={
+            "file": str(path),
+            "every_seconds": every_seconds,
+            "every_requests": every_requests,
+        },
+    )
+
+
+def test_reload_after_every_requests(make: Make, limits_file: Path) -> None:
+    """A changed file is picked up once `every_requests` requests have been handled."""
+    gk = reloading(make, limits_file, every_requests=3)
+    gk.admit("shop", "checkout", "a")
+    rewrite(limits_file, "limits.shop/checkout.concurrency = 2\n")
+    refused(gk, "shop", "checkout", "b")
+    gk.admit("shop", "checkout", "c")
+    assert gk.config.limits["shop/checkout"].concurrency == 2
+    assert gk.stats()["counters"]["reloads"] == 1
+
+
+def test_reload_after_every_seconds(make: Make, clock: FakeClock, limits_file: Path) -> None:
+    """A changed file is picked up by the first request after `every_seconds`."""
+    gk = reloading(make, limits_file, every_seconds=5)
+    gk.admit("shop", "checkout", "a")
+    rewrite(limits_file, "limits.shop/checkout.concurrency = 2\n")
+    clock.advance(4.9)
+    refused(gk, "shop", "checkout", "b")
+    clock.advance(0.1)
+    gk.admit("shop", "checkout", "c")
+    assert gk.stats()["counters"]["reloads"] == 1
+
+
+def test_reload_detects_changes_only(make: Make, limits_file: Path) -> None:
+    """reload() is True only when the file's configuration really changed."""
+    gk = reloading(make, limits_file)
+    assert gk.reload() is False
+    later = limits_file.stat().st_mtime_ns + 5_000_000_000
+    os.utime(limits_file, ns=(later, later))
+    assert gk.reload() is False
+    rewrite(limits_file, "# same limits, new comment\nlimits.shop/checkout.concurrency = 1\n")
+    assert gk.reload() is False
+    rewrite(limits_file, "limits.shop/checkout.concurrency = 3\n")
+    assert gk.reload() is True
+    assert gk.reload() is False
+    counters = gk.stats()["counters"]
+    assert (counters["reloads"], counters["reload_failed"]) == (1, 0)
+    assert gk.stats()["stages"]["reload"]["count"] >= 1
+
+
+def test_invalid_file_keeps_the_old_configuration(
+    make: Make, limits_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broken file is reported once (file, line, reason) and the old limits stay in force."""
+    gk = reloading(make, limits_file, every_requests=1)
+    rewrite(limits_file, "project = shop\nlimits.shop/checkout.concurrency = -1\n")
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        gk.admit("shop", "checkout", "a")
+        refused(gk, "shop", "checkout", "b")
+        assert gk.reload() is False
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert f"{limits_file}:2:" in errors[0]
+    assert "limits.shop/checkout.concurrency" in errors[0]
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert gk.config.limits["shop/checkout"].concurrency == 1
+    rewrite(limits_file, "limits.shop/checkout.concurrency = 2\n")
+    assert gk.reload() is True
+    gk.admit("shop", "checkout", "c")
+
+
+def test_deleted_file_keeps_the_old_configuration(make: Make, limits_file: Path) -> None:
+    """A file that disappears is a failed reload, not an empty configuration."""
+    gk = reloading(make, limits_file)
+    limits_file.unlink()
+    assert gk.reload() is False
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    gk.admit("shop", "checkout", "a")
+    refused(gk, "shop", "checkout", "a")
+
+
+def test_admission_under_a_changed_limit_releases_once(make: Make, limits_file: Path) -> None:
+    """A request admitted before its limit was raised releases its one slot, exactly once."""
+    gk = reloading(make, limits_file)
+    old = gk.admit("shop", "checkout", "a")
+    rewrite(limits_file, "limits.shop/checkout.concurrency = 3\n")
+    assert gk.reload() is True
+    newer = [gk.admit("shop", "checkout", "b") for _ in range(2)]
+    refused(gk, "shop", "checkout", "c")
+    old.release(200)
+    old.release(200)
+    assert busy(gk) == {"shop/checkout": 2}
+    for admission in newer:
+        admission.release(200)
+    assert busy(gk) == {}
+
+
+def test_admission_under_a_removed_limit_releases_once(make: Make, limits_file: Path) -> None:
+    """A request admitted under a limit the reload removed still releases cleanly."""
+    rewrite(limits_file, "limits.shop/checkout/*.concurrency = 1\nlimits.shop.concurrency = 5\n")
+    gk = reloading(make, limits_file)
+    old = gk.admit("shop", "checkout", "alice")
+    rewrite(limits_file, "limits.shop/login.rate = 5/minute\n")
+    assert gk.reload() is True
+    gk.admit("shop", "checkout", "alice").release(200)
+    old.release(200)
+    old.release(200)
+    assert busy(gk) == {}
+    assert all(count >= 0 for count in gk.inflight().values())
+
+
+def test_reload_that_changes_a_wildcard_pattern(make: Make, limits_file: Path) -> None:
+    """Keys counted under `shop/login/*` keep counting when a reload makes it `shop/*/*`."""
+    rewrite(limits_file, "limits.shop/login/*.concurrency = 1\n")
+    gk = reloading(make, limits_file)
+    old = gk.admit("shop", "login", "alice")
+    rewrite(limits_file, "limits.shop/*/*.concurrency = 1\n")
+    assert gk.reload() is True
+    assert refused(gk, "shop", "login", "alice").limit_path == "shop/*/*"
+    gk.admit("shop", "login", "bob").release(200)
+    old.release(200)
+    gk.admit("shop", "login", "alice").release(200)
+    assert busy(gk) == {}
+
+
+def test_reloaded_file_is_laid_over_settings(make: Make, tmp_path: Path) -> None:
+    """Settings keep the structure while the reloaded file changes the tunable limits."""
+    path = tmp_path / "ops.toml"
+    rewrite(path, '[limits."shop/checkout"]\nconcurrency = 1\n')
+    gk = make(
+        {"shop": {"concurrency": 10}, "shop/checkout": {"concurrency": 5}},
+        reload={"file": str(path), "every_requests": 100_000, "every_seconds": 3600},
+    )
+    gk.admit("shop", "checkout", "a")
+    refused(gk, "shop", "checkout", "a")
+    rewrite(path, '[limits."shop/checkout"]\nconcurrency = 2\n')
+    assert gk.reload() is True
+    gk.admit("shop", "checkout", "a")
+    assert gk.config.limits["shop"].concurrency == 10
+    assert busy(gk) == {"shop": 2, "shop/checkout": 2}
+
+
+def test_reload_without_a_file_is_a_no_op(make: Make) -> None:
+    """reload() on a configuration from settings alone changes nothing and says so."""
+    gk = make({"shop": {"concurrency": 1}})
+    assert gk.reload() is False
+    assert gk.stats()["counters"]["reloads"] == 0
+
+
+# ------------------------------------------------------------------------------ monitoring
+
+
+def test_stats_shape(make: Make) -> None:
+    """stats() has the documented counters and a timing summary for every stage."""
+    gk = make({"shop": {"concurrency": 1}})
+    stats = gk.stats()
+    assert set(stats) == {"counters", "stages"}
+    assert set(stats["counters"]) == {
+        "admitted",
+        "rejected",
+        "rejected_by_limit",
+        "shadow_rejected",
+        "delayed_pending",
+        "reloads",
+        "reload_failed",
+        "backend_errors",
+    }
+    assert set(STAGES) <= set(stats["stages"])
+    for summary in stats["stages"].values():
+        assert set(summary) == {"count", "mean_us", "p99_us", "max_us"}
+    json.dumps(stats)
+
+
+def test_stats_count_what_happened(make: Make) -> None:
+    """Admissions, rejections by code and by limit, and stage timings are counted."""
+    gk = make({"shop/checkout": {"concurrency": 1}, "shop/login/*": {"rate": "1/hour"}})
+    gk.admit("shop", "checkout", "a")
+    refused(gk, "shop", "checkout", "a")
+    refused(gk, "shop", "checkout", "b")
+    gk.admit("shop", "login", "alice").release(200)
+    refused(gk, "shop", "login", "alice")
+    stats = gk.stats()
+    counters = stats["counters"]
+    assert counters["admitted"] == 2
+    assert counters["rejected"] == {"GK-CONCURRENCY-LIMIT": 2, "GK-RATE-LIMIT": 1}
+    assert counters["rejected_by_limit"] == {"shop/checkout": 2, "shop/login/*": 1}
+    assert counters["shadow_rejected"] == counters["backend_errors"] == 0
+    assert stats["stages"]["resolve_limits"]["count"] == 5
+    assert stats["stages"]["decide"]["count"] == 5
+    decide = stats["stages"]["decide"]
+    assert 0 <= decide["mean_us"] <= decide["max_us"]
+    assert decide["p99_us"] <= decide["max_us"]
+
+
+def test_delay_stages_are_timed(make: Make, clock: FakeClock) -> None:
+    """Placing and processing delayed decreases shows up in the stage timings."""
+    gk = make({"shop": {"concurrency": 1, "delay": 1.0}})
+    travels(gk)
+    gk.admit("shop", "crm", "a").release(500, faulty=True)
+    clock.advance(1)
+    gk.admit("shop", "crm", "a")
+    stages = gk.stats()["stages"]
+    assert stages["delay_place"]["count"] == 1
+    assert stages["delay_process"]["count"] >= 1
+
+
+# ---------------------------------------------------------------------- release idempotence
+
+
+def test_release_is_idempotent(make: Make, clock: FakeClock) -> None:
+    """Releasing an admission twice frees its slots once; limits stay exact afterwards."""
+    gk = make({"shop": {"concurrency": 2, "delay": 1.0}})
+    first = gk.admit("shop", "checkout", "a")
+    second = gk.admit("shop", "checkout", "a")
+    first.release(200)
+    first.release(200)
+    first.release(500, faulty=True)
+    assert first.released
+    assert busy(gk) == {"shop": 1}
+    gk.admit("shop", "checkout", "a")
+    refused(gk, "shop", "checkout", "a")
+    second.release(200)
+    assert gk.stats()["counters"]["delayed_pending"] == 0
