@@ -9,11 +9,15 @@ so every source goes through the same checks and the same error messages.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from werkzeug.routing import Map, Rule
+from werkzeug.utils import import_string
 
 from gatekeeper_wsgi.errors import LEVELS, ConfigError
 
@@ -26,6 +30,8 @@ __all__ = [
     "Rate",
     "TimeoutHeader",
     "build_config",
+    "config_file",
+    "load_config",
     "merge_settings",
 ]
 
@@ -127,8 +133,8 @@ class CallerConfig:
     header: str = "X-Caller-Id"
     required: bool = False
     default: str = "anonymous"
-    #: dotted path or callable(environ) -> str | None
-    resolver: str | Callable[..., str | None] | None = None
+    #: callable(environ) -> str | None (a dotted path in settings is imported)
+    resolver: Callable[..., str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,8 +147,9 @@ class ReloadConfig:
 @dataclass(frozen=True)
 class FaultConfig:
     format: str = "auto"
-    #: dotted path or callable(rejected, request_id, environ) -> (content_type, body)
-    renderer: str | Callable[..., Any] | None = None
+    #: callable(rejected, request_id, environ) -> (content_type, body) (a dotted path in
+    #: settings is imported)
+    renderer: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -383,7 +390,7 @@ class _Checker:
             request_id_header=self.header_name(
                 "request_id_header", get("request_id_header", "X-Request-Id")
             ),
-            backend=self.string("backend", get("backend", "memory")),
+            backend=self.backend(get("backend", "memory")),
             routes=self.routes(get("routes", {})),
             fault=self.fault(get("fault", {})),
             mode=mode,
@@ -410,9 +417,9 @@ class _Checker:
         default = self.string("caller.default", section.get("default", "anonymous"))
         if not CALLER_RE.fullmatch(default):
             raise self.bad("caller.default", default, "a caller name of [A-Za-z0-9._:@-]")
-        resolver = section.get("resolver")
-        if resolver is not None and not callable(resolver):
-            resolver = self.optional_string("caller.resolver", resolver)
+        resolver = self.dotted(
+            "caller.resolver", section.get("resolver"), "(environ) -> str | None"
+        )
         return CallerConfig(
             header=self.header_name("caller.header", section.get("header", "X-Caller-Id")),
             required=self.boolean("caller.required", section.get("required", False)),
@@ -430,14 +437,49 @@ class _Checker:
             name = self.string(key, service)
             if not _SEGMENT_RE.fullmatch(name) or name == "*":
                 raise self.bad(key, name, "a service name of [A-Za-z0-9._:@-]")
+            try:
+                Map([Rule(rule, endpoint=name)])
+            except (ValueError, LookupError) as exc:
+                raise self.bad(key, rule, f"a werkzeug rule ({exc})") from None
             result[rule] = name
         return MappingProxyType(result)
 
+    def dotted(self, key: str, value: object, signature: str) -> Callable[..., Any] | None:
+        """A callable, or the callable a dotted path (``pkg.mod:func``) names."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if callable(value):
+            return value
+        if not isinstance(value, str):
+            raise self.bad(key, value, f"a dotted path or a callable {signature}")
+        try:
+            imported = import_string(value.strip())
+        except Exception as exc:
+            cause = getattr(exc, "exception", exc)  # werkzeug's ImportStringError wraps it
+            raise self.bad(
+                key, value, f"an importable 'package.module:function' ({cause})"
+            ) from None
+        if not callable(imported):
+            raise self.bad(key, value, f"the path of a callable {signature}")
+        return imported  # type: ignore[no-any-return]
+
+    def backend(self, value: object) -> str:
+        url = self.string("backend", value)
+        from gatekeeper_wsgi.backends import backend_scheme  # the registry imports this module
+
+        try:
+            backend_scheme(url)
+        except ConfigError as exc:
+            raise self.error("backend", exc.problem) from None
+        return url
+
     def fault(self, value: object) -> FaultConfig:
         section = self.section("fault", value)
-        renderer = section.get("renderer")
-        if renderer is not None and not callable(renderer):
-            renderer = self.optional_string("fault.renderer", renderer)
+        renderer = self.dotted(
+            "fault.renderer",
+            section.get("renderer"),
+            "(rejected, request_id, environ) -> (content_type, body)",
+        )
         return FaultConfig(
             format=self.choice(
                 "fault.format", section.get("format", "auto"), ("auto", "xml", "json")
@@ -593,6 +635,44 @@ class _Checker:
             size=self.integer(f"{key}.size", size, 1),
             wait=self.number(f"{key}.wait", wait, positive=True),
         )
+
+
+ConfigSource = Mapping[str, Any] | str | os.PathLike[str]
+
+
+def config_file(source: ConfigSource) -> str | None:
+    """The configuration file a source names: the path itself, or ``reload.file``."""
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    reload = source.get("reload")
+    file = reload.get("file") if isinstance(reload, Mapping) else None
+    return os.fspath(file) if isinstance(file, (str, os.PathLike)) and os.fspath(file) else None
+
+
+def load_config(
+    source: ConfigSource, *, code_limits: Mapping[str, Mapping[str, Any]] | None = None
+) -> Config:
+    """The validated configuration of a settings dict (with its ``reload.file`` laid over
+    it) or of a configuration file, plus limits defined in code (framework decorators),
+    which the settings and the file override path by path. Raises ConfigError."""
+    if isinstance(source, (str, os.PathLike)):
+        settings: Mapping[str, Any] = {}
+    elif isinstance(source, Mapping):
+        settings = source
+    else:
+        raise ConfigError("", f"expected a settings dict or a file path, got {source!r}")
+    if code_limits:
+        limits = settings.get("limits")
+        limits = limits if isinstance(limits, Mapping) else {}
+        settings = {**settings, "limits": {**code_limits, **limits}}
+    file = config_file(source)
+    if file is None:
+        return build_config(settings)
+    from gatekeeper_wsgi.fileformats import load_file
+
+    file_settings, lines = load_file(file)
+    merged = merge_settings(settings, file_settings)
+    return build_config(merged, file=file, lines=lines, whole_file=not settings)
 
 
 def build_config(

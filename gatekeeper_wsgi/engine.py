@@ -7,6 +7,7 @@ plugins all call it; none of them re-implements admission or release.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -20,13 +21,12 @@ from typing import Any
 
 from gatekeeper_wsgi.backends import backend_from_url
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
-from gatekeeper_wsgi.config import Config, build_config, merge_settings
+from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
 from gatekeeper_wsgi.errors import BackendError, ConfigError, RateInfo, Rejected
-from gatekeeper_wsgi.fileformats import load_file
 from gatekeeper_wsgi.monitor import Monitor
 from gatekeeper_wsgi.resolve import Route
 
-__all__ = ["Admission", "GateKeeper"]
+__all__ = ["Admission", "ConfigSource", "GateKeeper"]
 
 logger = logging.getLogger("gatekeeper")
 
@@ -35,8 +35,6 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _ROUTE_CACHE_SIZE = 10_000
 # A backend outage is logged at most this often.
 _ERROR_LOG_INTERVAL = 10.0
-
-ConfigSource = Mapping[str, Any] | str | os.PathLike[str]
 
 
 class Admission:
@@ -87,16 +85,10 @@ class GateKeeper:
         clock: Callable[[], float] = time.monotonic,
         backend: Backend | None = None,
     ) -> None:
-        if isinstance(config, (str, os.PathLike)):
-            self._settings: Mapping[str, Any] = {}
-            self._file: str | None = os.fspath(config)
-        elif isinstance(config, Mapping):
-            self._settings = config
-            file = config.get("reload", {})
-            file = file.get("file") if isinstance(file, Mapping) else None
-            self._file = os.fspath(file) if isinstance(file, (str, os.PathLike)) else None
-        else:
-            raise ConfigError("", f"expected a settings dict or a file path, got {config!r}")
+        self._source = config
+        self._file = (
+            config_file(config) if isinstance(config, (str, os.PathLike, Mapping)) else None
+        )
         self._code_limits: dict[str, Mapping[str, Any]] = {}
         self._clock = clock
         self.monitor = Monitor()
@@ -121,22 +113,14 @@ class GateKeeper:
 
     def _build(self) -> Config:
         """Validate settings + code limits + file into a Config; raises ConfigError."""
-        settings: Mapping[str, Any] = self._settings
-        if self._code_limits:
-            limits = settings.get("limits", {})
-            if not isinstance(limits, Mapping):
-                limits = {}
-            settings = {**settings, "limits": {**self._code_limits, **limits}}
-        if self._file is None:
-            return build_config(settings)
-        path = Path(self._file)
-        stat = path.stat() if path.exists() else None
-        file_settings, lines = load_file(path)
-        if stat is not None:
-            self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            self._file_digest = hashlib.blake2b(path.read_bytes()).digest()
-        merged = merge_settings(settings, file_settings)
-        return build_config(merged, file=self._file, lines=lines, whole_file=not self._settings)
+        if self._file is not None:
+            # Stamp before reading: a change made meanwhile is seen by the next check.
+            path = Path(self._file)
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+                self._file_digest = hashlib.blake2b(path.read_bytes()).digest()
+        return load_config(self._source, code_limits=self._code_limits)
 
     def add_limits(self, limits: Mapping[str, Mapping[str, Any]]) -> None:
         """Add limits defined in code (framework decorators). Settings and the file win

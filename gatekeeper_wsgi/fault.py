@@ -20,14 +20,13 @@ from xml.sax.saxutils import escape
 
 from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
-from werkzeug.utils import import_string
 
-from gatekeeper_wsgi.errors import FAULT_CODES, ConfigError, Rejected
+from gatekeeper_wsgi.errors import FAULT_CODES, Rejected
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
 
-__all__ = ["FAULT_FORMATS", "FAULT_NAMESPACE", "Renderer", "render_fault", "resolve_renderer"]
+__all__ = ["FAULT_FORMATS", "FAULT_NAMESPACE", "Renderer", "render_fault"]
 
 logger = logging.getLogger("gatekeeper")
 
@@ -305,38 +304,3 @@ def render_fault(
         headers.append(("RateLimit-Policy", f"{name};q={max(0, rate.quota)};w={window}"))
         headers.append(("RateLimit", f"{name};r={max(0, rate.remaining)};t={reset}"))
     return status_line, headers, body
-
-
-def resolve_renderer(value: str | Renderer | None) -> Renderer | None:
-    """The renderer named by the ``fault.renderer`` setting: a callable or a dotted path.
-
-    ``"pkg.mod:func"`` and ``"pkg.mod.func"`` are imported; ``None`` or ``""`` means none.
-    Raises :class:`~gatekeeper_wsgi.errors.ConfigError` when the path cannot be imported or
-    does not name a callable.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        path = value.strip()
-        if not path:
-            return None
-        try:
-            imported = import_string(path)
-        except Exception as exc:
-            raise ConfigError(
-                "fault.renderer",
-                f"cannot import {value!r} (expected 'package.module:function'): {exc}",
-            ) from exc
-        if not callable(imported):
-            raise ConfigError(
-                "fault.renderer",
-                f"{value!r} is a {type(imported).__name__}, expected a callable "
-                "(rejected, request_id, environ) -> (content_type, body)",
-            )
-        return imported  # type: ignore[no-any-return]
-    if callable(value):
-        return value
-    raise ConfigError(
-        "fault.renderer",
-        f"expected a dotted path or a callable, got {type(value).__name__} {value!r}",
-    )

@@ -15,11 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, RequestRedirect, Rule
-from werkzeug.utils import import_string
 
 from gatekeeper_wsgi.config import CALLER_RE, Config
-from gatekeeper_wsgi.errors import ConfigError
-from gatekeeper_wsgi.fault import resolve_renderer
 from gatekeeper_wsgi.resolve import key_segment
 
 if TYPE_CHECKING:
@@ -50,40 +47,25 @@ def request_id_from(environ: Mapping[str, Any], environ_key: str) -> str:
     return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
 
 
-def _import_resolver(value: str | Callable[..., str | None] | None) -> CallerResolver | None:
-    if value is None or callable(value):
-        return value
-    try:
-        resolver = import_string(value.replace(":", "."))
-    except ImportError as exc:
-        raise ConfigError("caller.resolver", f"cannot import {value!r}: {exc}") from None
-    if not callable(resolver):
-        raise ConfigError("caller.resolver", f"{value!r} is not callable")
-    return resolver  # type: ignore[no-any-return]
-
-
 class Identifier:
-    """Per-configuration helpers to name a request's service and caller (and the fault
-    renderer a site configured).
+    """Per-configuration helpers to name a request's service and caller.
 
     Built once per configuration (a reload builds a new one), so the per-request work is
-    a dict lookup and a regular-expression match; a bad resolver, renderer or route
-    fails at start-up, not on the first request.
+    a dict lookup and a regular-expression match. The configuration model has already
+    imported the resolver and checked the routes, so building one never fails.
     """
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.caller_key = environ_key(config.caller.header)
         self.request_id_key = environ_key(config.request_id_header)
-        self.resolver = _import_resolver(config.caller.resolver)
-        self.renderer = resolve_renderer(config.fault.renderer)
+        self.resolver: CallerResolver | None = config.caller.resolver
+        #: whether a limit counts by user (Django reads request.user only then)
+        self.needs_user = any(limit.key == "user" for limit in config.limits.values())
         self._adapter = None
         if config.routes:
             rules = [Rule(rule, endpoint=name) for rule, name in config.routes.items()]
-            try:
-                self._adapter = Map(rules, strict_slashes=False).bind("localhost")
-            except (ValueError, LookupError) as exc:
-                raise ConfigError("routes", f"invalid werkzeug rule: {exc}") from None
+            self._adapter = Map(rules, strict_slashes=False).bind("localhost")
 
     def service(self, environ: Mapping[str, Any]) -> str:
         """The ``routes`` table's service for this path, else its first segment."""

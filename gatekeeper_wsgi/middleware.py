@@ -8,14 +8,12 @@ raise before or after ``start_response``. Each admission is released exactly onc
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.engine import Admission, ConfigSource, GateKeeper
-from gatekeeper_wsgi.errors import ConfigError, Rejected
+from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.rejectlog import log_rejected
@@ -25,9 +23,7 @@ if TYPE_CHECKING:
     from _typeshed import OptExcInfo
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
-__all__ = ["ADMISSION_KEY", "GateKeeperMiddleware", "ResponseWatch"]
-
-logger = logging.getLogger("gatekeeper")
+__all__ = ["ADMISSION_KEY", "Gate", "GateKeeperMiddleware", "ResponseWatch"]
 
 #: environ key holding the request's Admission; its presence means "already counted".
 ADMISSION_KEY = "gatekeeper.admission"
@@ -159,6 +155,75 @@ class _WatchedResponse(ResponseWatch):
             self.finish()
 
 
+class Gate:
+    """The steps every integration shares around its framework: name the caller, admit,
+    and answer a rejection (ServiceFault, rejected-request log, stage timings).
+
+    The WSGI middleware and the Django middleware both go through it, so admission and
+    rejection behave the same wherever a request comes from.
+    """
+
+    def __init__(self, keeper: GateKeeper) -> None:
+        self.keeper = keeper
+        self._identifier = Identifier(keeper.config)
+
+    def identifier(self) -> Identifier:
+        """The request helpers of the configuration in force (rebuilt after a reload)."""
+        identifier = self._identifier
+        if identifier.config is not self.keeper.config:
+            identifier = self._identifier = Identifier(self.keeper.config)
+        return identifier
+
+    def admit(
+        self,
+        identifier: Identifier,
+        environ: WSGIEnvironment,
+        project: str,
+        service: str,
+        user: str | None = None,
+        *,
+        started: int,
+    ) -> Admission:
+        """Admit the request (raises :class:`Rejected`) and mark it counted in ``environ``."""
+        keeper = self.keeper
+        caller = identifier.caller(environ)
+        if caller is None:
+            config = identifier.config
+            if config.caller.required:
+                raise keeper._counted(Rejected("GK-CALLER-MISSING"))
+            caller = config.caller.default
+        environ[IDENTITY_KEY] = (project, service, caller)
+        admission = keeper.admit(project, service, caller, environ, user)
+        environ[ADMISSION_KEY] = admission
+        keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
+        return admission
+
+    def fault(
+        self,
+        identifier: Identifier,
+        environ: WSGIEnvironment,
+        rejected: Rejected,
+        log_environ: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[tuple[str, str]], bytes]:
+        """The ServiceFault of a rejection (status line, headers, body), logged on
+        ``gatekeeper.rejected``; the request id used is left in ``environ``."""
+        started = time.perf_counter_ns()
+        config = identifier.config
+        request_id = request_id_from(environ, identifier.request_id_key)
+        environ[REQUEST_ID_KEY] = request_id
+        response = render_fault(
+            rejected,
+            environ,
+            request_id,
+            fault_format=config.fault.format,
+            request_id_header=config.request_id_header,
+            renderer=config.fault.renderer,
+        )
+        log_rejected(environ if log_environ is None else log_environ, rejected, request_id, config)
+        self.keeper.monitor.stages["reject"].record(time.perf_counter_ns() - started)
+        return response
+
+
 class GateKeeperMiddleware:
     """WSGI middleware that admits or rejects each request by the configured limits.
 
@@ -189,57 +254,30 @@ class GateKeeperMiddleware:
         identify: Identify | None = None,
     ) -> None:
         self.app = app
-        self.gatekeeper = config if isinstance(config, GateKeeper) else GateKeeper(config)
+        self.gate = Gate(config if isinstance(config, GateKeeper) else GateKeeper(config))
+        self.gatekeeper = self.gate.keeper
         self._identify = identify
-        self._identifier = Identifier(self.gatekeeper.config)
-        #: a reloaded configuration whose resolver, renderer or routes failed to load
-        self._unusable: Config | None = None
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if ADMISSION_KEY in environ:  # already counted by an outer gatekeeper
             return self.app(environ, start_response)
         started = time.perf_counter_ns()
-        keeper = self.gatekeeper
-        identifier = self._identifier
-        if identifier.config is not keeper.config and keeper.config is not self._unusable:
-            identifier = self._reidentify(keeper.config)
-        config = identifier.config
+        gate = self.gate
+        identifier = gate.identifier()
         if self._identify is not None:
             names = self._identify(environ)
             if names is None:
                 return self.app(environ, start_response)
             project, service = names
         else:
-            project, service = config.project, identifier.service(environ)
-        caller = identifier.caller(environ)
+            project, service = identifier.config.project, identifier.service(environ)
         try:
-            if caller is None:
-                if config.caller.required:
-                    raise keeper._counted(Rejected("GK-CALLER-MISSING"))
-                caller = config.caller.default
-            environ[IDENTITY_KEY] = (project, service, caller)
-            admission = keeper.admit(project, service, caller, environ)
+            admission = gate.admit(identifier, environ, project, service, started=started)
         except Rejected as rejected:
-            return self._reject(environ, start_response, rejected, identifier)
-        environ[ADMISSION_KEY] = admission
-        keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
+            status, headers, body = gate.fault(identifier, environ, rejected)
+            start_response(status, headers)
+            return [body]
         return self.call_app(environ, start_response, admission)
-
-    def _reidentify(self, config: Config) -> Identifier:
-        """The Identifier of a hot-reloaded configuration. Config validation does not
-        import ``caller.resolver`` / ``fault.renderer`` nor compile ``routes``; if one of
-        them fails, keep the previous Identifier (logged once) instead of failing every
-        request with a 500."""
-        try:
-            self._identifier = Identifier(config)
-        except ConfigError as exc:
-            self._unusable = config
-            logger.error(
-                "gatekeeper: reloaded configuration unusable (%s); keeping the previous "
-                "caller, routes and fault settings until the file is fixed",
-                exc,
-            )
-        return self._identifier
 
     def call_app(
         self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
@@ -264,30 +302,6 @@ class GateKeeperMiddleware:
             # Handed back untouched, so the server can still send the file efficiently.
             return result
         return response
-
-    def _reject(
-        self,
-        environ: WSGIEnvironment,
-        start_response: StartResponse,
-        rejected: Rejected,
-        identifier: Identifier,
-    ) -> Iterable[bytes]:
-        started = time.perf_counter_ns()
-        config = identifier.config
-        request_id = request_id_from(environ, identifier.request_id_key)
-        environ[REQUEST_ID_KEY] = request_id
-        status, headers, body = render_fault(
-            rejected,
-            environ,
-            request_id,
-            fault_format=config.fault.format,
-            request_id_header=config.request_id_header,
-            renderer=identifier.renderer,
-        )
-        log_rejected(environ, rejected, request_id, config)
-        start_response(status, headers)
-        self.gatekeeper.monitor.stages["reject"].record(time.perf_counter_ns() - started)
-        return [body]
 
 
 def _hook_close(result: Any, watch: ResponseWatch) -> bool:

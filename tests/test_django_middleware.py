@@ -527,7 +527,8 @@ def test_operators_file_hot_reloads_under_django(
 def test_reloaded_unimportable_resolver_keeps_serving(
     settings: Any, client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A hot-reloaded unimportable resolver is logged once; requests go on as before."""
+    """A hot-reloaded unimportable resolver fails the reload (logged once, counted);
+    requests go on under the previous configuration."""
     path = tmp_path / "gatekeeper.properties"
     path.write_text("limits.site/work.concurrency = 5\n")
     settings.GATEKEEPER = {"project": "site", "reload": {"file": str(path), "every_requests": 1}}
@@ -535,5 +536,7 @@ def test_reloaded_unimportable_resolver_keeps_serving(
     path.write_text("caller.resolver = no_such_module.caller\nlimits.site/work.concurrency = 5\n")
     statuses = [client.get("/work/").status_code for _ in range(3)]
     assert statuses == [200, 200, 200]
-    unusable = [r for r in caplog.records if "configuration unusable" in r.getMessage()]
-    assert len(unusable) == 1
+    failed = [r for r in caplog.records if "reload of" in r.getMessage()]
+    assert len(failed) == 1
+    assert "caller.resolver" in failed[0].getMessage()
+    assert get_gatekeeper().stats()["counters"]["reload_failed"] == 1

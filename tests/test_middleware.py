@@ -442,7 +442,8 @@ def test_unimportable_resolver_is_a_config_error() -> None:
 def test_reload_with_unimportable_resolver_keeps_serving(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A reload naming an unimportable resolver is logged and the app keeps serving."""
+    """A reload naming an unimportable resolver fails like any invalid file: logged once,
+    counted, and the app keeps serving with the previous configuration."""
     file = tmp_path / "gatekeeper.properties"
     file.write_text("project = shop\nlimits.shop.concurrency = 5\n")
     keeper = GateKeeper({"reload": {"file": str(file)}})
@@ -450,14 +451,15 @@ def test_reload_with_unimportable_resolver_keeps_serving(
     mw = GateKeeperMiddleware(app, keeper)
     assert fetch(mw, "/a", headers={"X-Caller-Id": "crm"}).status_code == 200
     file.write_text("project = shop\ncaller.resolver = tests.apps.nowhere.resolve\n")
-    keeper.reload()
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        assert keeper.reload() is False
         for _ in range(3):
             assert fetch(mw, "/a", headers={"X-Caller-Id": "crm"}).status_code == 200
     assert app.identity == ("shop", "a", "crm")
-    unusable = [r for r in caplog.records if "reloaded configuration unusable" in r.message]
-    assert len(unusable) == 1
-    assert "caller.resolver" in unusable[0].getMessage()
+    assert keeper.stats()["counters"]["reload_failed"] == 1
+    failed = [r for r in caplog.records if "reload of" in r.getMessage()]
+    assert len(failed) == 1
+    assert "caller.resolver" in failed[0].getMessage()
     file.write_text("project = shop\ncaller.resolver = tests.apps.wsgi_apps.caller_from_user\n")
     keeper.reload()
     fetch(mw, "/a", headers={"X-Caller-Id": "crm"}, environ_overrides={"REMOTE_USER": "bob"})

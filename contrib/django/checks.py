@@ -26,7 +26,6 @@ from django.utils.module_loading import import_string
 
 from gatekeeper_wsgi.backends import BACKENDS
 from gatekeeper_wsgi.errors import ConfigError
-from gatekeeper_wsgi.identify import Identifier
 
 from .conf import SETTING, effective_config
 
@@ -46,6 +45,25 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return [*_check_gatekeeper_setting(), *_check_middleware()]
 
 
+def _config_error(exc: ConfigError) -> Error:
+    """The check message of an invalid configuration, by the key at fault."""
+    if exc.key == "backend":
+        known = ", ".join(sorted(BACKENDS))
+        return Error(
+            f"settings.{SETTING}: {exc}",
+            hint=f"Use one of: {known} (e.g. 'memory', 'shared:///run/gk.shm', "
+            "'redis://localhost:6379/0').",
+            id="gatekeeper.E004",
+        )
+    if exc.key in ("caller.resolver", "fault.renderer"):
+        return Error(
+            f"settings.{SETTING}: {exc}",
+            hint="Give the dotted path of an importable callable.",
+            id="gatekeeper.E005",
+        )
+    return Error(f"settings.{SETTING}: {exc}", hint=_SETTINGS_HINT, id="gatekeeper.E002")
+
+
 def _check_gatekeeper_setting() -> list[CheckMessage]:
     value = getattr(settings, SETTING, None)
     if value is None:
@@ -61,30 +79,8 @@ def _check_gatekeeper_setting() -> list[CheckMessage]:
     try:
         config = effective_config()
     except ConfigError as exc:
-        return [Error(f"settings.{SETTING}: {exc}", hint=_SETTINGS_HINT, id="gatekeeper.E002")]
+        return [_config_error(exc)]
     messages: list[CheckMessage] = []
-    backend = config.backend
-    scheme = backend.split(":", 1)[0].strip().lower()
-    if scheme not in BACKENDS:
-        known = ", ".join(sorted(BACKENDS))
-        messages.append(
-            Error(
-                f"settings.{SETTING}: backend {backend!r} is not a known backend.",
-                hint=f"Use one of: {known} (e.g. 'memory', 'shared:///run/gk.shm', "
-                "'redis://localhost:6379/0').",
-                id="gatekeeper.E004",
-            )
-        )
-    try:
-        Identifier(config)
-    except ConfigError as exc:
-        messages.append(
-            Error(
-                f"settings.{SETTING}: {exc}",
-                hint="Give the dotted path of an importable callable.",
-                id="gatekeeper.E005",
-            )
-        )
     if config.routes:
         messages.append(
             Warning(

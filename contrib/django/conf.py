@@ -19,8 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.core.signals import setting_changed
 
-from gatekeeper_wsgi.backends.memory import MemoryBackend
-from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.config import Config, load_config
 from gatekeeper_wsgi.engine import GateKeeper
 from gatekeeper_wsgi.errors import ConfigError
 
@@ -75,9 +74,7 @@ def reset() -> None:
 def effective_config() -> Config:
     """The validated configuration, settings plus the operators' file, as the engine
     builds it - without opening the configured backend. Raises ConfigError."""
-    keeper = GateKeeper(gatekeeper_settings(), backend=MemoryBackend())
-    keeper.close()
-    return keeper.config
+    return load_config(gatekeeper_settings())
 
 
 def _setting_changed(*, setting: str, **kwargs: Any) -> None:

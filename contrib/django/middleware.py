@@ -15,13 +15,9 @@ from typing import Any
 from django.http import HttpResponse
 from django.urls import Resolver404, resolve
 
-from gatekeeper_wsgi.config import Config
-from gatekeeper_wsgi.engine import GateKeeper
-from gatekeeper_wsgi.errors import ConfigError, Rejected
-from gatekeeper_wsgi.fault import render_fault
-from gatekeeper_wsgi.identify import Identifier, request_id_from
-from gatekeeper_wsgi.middleware import ADMISSION_KEY, IDENTITY_KEY, REQUEST_ID_KEY, ResponseWatch
-from gatekeeper_wsgi.rejectlog import log_rejected
+from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.identify import Identifier
+from gatekeeper_wsgi.middleware import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
 
 from .conf import get_gatekeeper
 from .signals import request_rejected
@@ -56,17 +52,6 @@ def _is_exempt(func: Any) -> bool:
         getattr(func, "gatekeeper_exempt", False)
         or getattr(getattr(func, "view_class", None), "gatekeeper_exempt", False)
     )
-
-
-class _Identity:
-    """What one configuration needs per request, built once per configuration."""
-
-    __slots__ = ("config", "identifier", "needs_user")
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.identifier = Identifier(config)
-        self.needs_user = any(limit.key == "user" for limit in config.limits.values())
 
 
 def _username(request: Any) -> str | None:
@@ -174,37 +159,27 @@ class GateKeeperMiddleware:
     def __init__(self, get_response: Callable[[Any], Any]) -> None:
         self.get_response = get_response
         # Built now, so a broken configuration fails at start-up, not on a request.
-        self._identity = _Identity(get_gatekeeper().config)
-        #: a newer configuration whose resolver or renderer failed to load
-        self._unusable: Config | None = None
+        self._gate = Gate(get_gatekeeper())
 
     def __call__(self, request: Any) -> Any:
         meta = request.META
         if ADMISSION_KEY in meta:  # already counted by the WSGI middleware around Django
             return self.get_response(request)
         started = time.perf_counter_ns()
+        gate = self._gate
         keeper = get_gatekeeper()
-        identity = self._identity
-        if identity.config is not keeper.config and keeper.config is not self._unusable:
-            identity = self._reidentify(keeper.config)
-        config = identity.config
-        names = self._names(request, config.project)
+        if gate.keeper is not keeper:  # settings.GATEKEEPER was replaced
+            gate = self._gate = Gate(keeper)
+        identifier = gate.identifier()
+        names = self._names(request, identifier.config.project)
         if names is None:
             return self.get_response(request)
         project, service = names
-        caller = identity.identifier.caller(meta)
+        user = _username(request) if identifier.needs_user else None
         try:
-            if caller is None:
-                if config.caller.required:
-                    raise keeper._counted(Rejected("GK-CALLER-MISSING"))
-                caller = config.caller.default
-            meta[IDENTITY_KEY] = (project, service, caller)
-            user = _username(request) if identity.needs_user else None
-            admission = keeper.admit(project, service, caller, meta, user)
+            admission = gate.admit(identifier, meta, project, service, user, started=started)
         except Rejected as rejected:
-            return self._reject(request, rejected, identity, keeper)
-        meta[ADMISSION_KEY] = admission
-        keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
+            return self._reject(request, rejected, gate, identifier)
         watch = ResponseWatch(admission)
         try:
             response = self.get_response(request)
@@ -217,21 +192,6 @@ class GateKeeperMiddleware:
             watch.finish()
             raise
         return response
-
-    def _reidentify(self, config: Config) -> _Identity:
-        """The identity of a new configuration (hot reload, replaced settings). Validation
-        does not import ``caller.resolver`` / ``fault.renderer``; if one fails, keep the
-        previous identity (logged once) rather than fail every request with a 500."""
-        try:
-            self._identity = _Identity(config)
-        except ConfigError as exc:
-            self._unusable = config
-            logger.error(
-                "gatekeeper: new configuration unusable (%s); keeping the previous caller "
-                "and fault settings until it is fixed",
-                exc,
-            )
-        return self._identity
 
     def _names(self, request: Any, default_project: str) -> tuple[str, str] | None:
         """(project, service) of the request, or None for an exempt view."""
@@ -262,31 +222,18 @@ class GateKeeperMiddleware:
         weakref.finalize(response, watch.finish).atexit = False
 
     def _reject(
-        self, request: Any, rejected: Rejected, identity: _Identity, keeper: GateKeeper
+        self, request: Any, rejected: Rejected, gate: Gate, identifier: Identifier
     ) -> HttpResponse:
-        started = time.perf_counter_ns()
-        config = identity.config
-        identifier = identity.identifier
         meta = request.META
-        request_id = request_id_from(meta, identifier.request_id_key)
-        meta[REQUEST_ID_KEY] = request_id
-        status, headers, body = render_fault(
-            rejected,
-            meta,
-            request_id,
-            fault_format=config.fault.format,
-            request_id_header=config.request_id_header,
-            renderer=identifier.renderer,
-        )
+        # Under ASGI there is no wsgi.input; the request reads its own (limited) body.
+        log_environ = meta if "wsgi.input" in meta else {**meta, "wsgi.input": request}
+        status, headers, body = gate.fault(identifier, meta, rejected, log_environ)
         code, _, reason = status.partition(" ")
         response = HttpResponse(body, status=int(code), reason=reason or None)
         for name, value in headers:
             response[name] = value
-        # Under ASGI there is no wsgi.input; the request reads its own (limited) body.
-        log_environ = meta if "wsgi.input" in meta else {**meta, "wsgi.input": request}
-        log_rejected(log_environ, rejected, request_id, config)
         for receiver, result in request_rejected.send_robust(
-            sender=type(self), request=request, rejected=rejected, request_id=request_id
+            sender=type(self), request=request, rejected=rejected, request_id=meta[REQUEST_ID_KEY]
         ):
             if isinstance(result, Exception):
                 logger.error(
@@ -294,5 +241,4 @@ class GateKeeperMiddleware:
                     receiver,
                     exc_info=result,
                 )
-        keeper.monitor.stages["reject"].record(time.perf_counter_ns() - started)
         return response

@@ -8,13 +8,16 @@ needs neither redis-py nor mmap support unless configured.
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from gatekeeper_wsgi.backends.base import Backend
-from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import ConfigError
 
-__all__ = ["BACKENDS", "backend_from_url"]
+if TYPE_CHECKING:
+    from gatekeeper_wsgi.config import Config
+
+__all__ = ["BACKENDS", "backend_from_url", "backend_scheme"]
 
 #: URL scheme -> "module:class"
 BACKENDS: dict[str, str] = {
@@ -27,17 +30,25 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def backend_scheme(url: str) -> str:
+    """The registry scheme of a backend URL; ConfigError for an unknown one."""
+    scheme = url.split(":", 1)[0].strip().lower() if ":" in url else url.strip().lower()
+    if scheme not in BACKENDS:
+        known = ", ".join(sorted(BACKENDS))
+        raise ConfigError("backend", f"unknown backend {url!r}; expected one of: {known}")
+    if scheme == "memory" and url.strip().lower() not in ("memory", "memory://", "memory:"):
+        raise ConfigError("backend", f"the memory backend takes no address, got {url!r}")
+    return scheme
+
+
 def backend_from_url(url: str, config: Config | None = None) -> Backend:
     """Instantiate the backend a URL names; an unknown scheme raises ConfigError.
 
     Backends other than memory are built by ``cls.from_url(url, config)``; the config lets
     them size themselves (``max_keys``, rate limits) before the first request.
     """
-    scheme = url.split(":", 1)[0].lower() if ":" in url else url.strip().lower()
-    target = BACKENDS.get(scheme)
-    if target is None:
-        known = ", ".join(sorted(BACKENDS))
-        raise ConfigError("backend", f"unknown backend {url!r}; expected one of: {known}")
+    scheme = backend_scheme(url)
+    target = BACKENDS[scheme]
     module_name, class_name = target.split(":")
     try:
         module = import_module(module_name)
@@ -46,8 +57,6 @@ def backend_from_url(url: str, config: Config | None = None) -> Backend:
         raise ConfigError("backend", f"backend {url!r} cannot be loaded: {exc}{hint}") from exc
     cls: type[Backend] = getattr(module, class_name)
     if scheme == "memory":
-        if url.strip().lower() not in ("memory", "memory://", "memory:"):
-            raise ConfigError("backend", f"the memory backend takes no address, got {url!r}")
         return cls()
     urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them
     return cls.from_url(url, config)  # type: ignore[attr-defined, no-any-return]
