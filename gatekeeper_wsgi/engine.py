@@ -33,6 +33,9 @@ logger = logging.getLogger("gatekeeper")
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 # Unbounded service names (first path segment of arbitrary URLs) must not grow the cache.
 _ROUTE_CACHE_SIZE = 10_000
+# Seconds after its last change during which a file's contents are compared even when its
+# (mtime, size, inode) stamp is unchanged.
+_FRESH_FILE = 2.0
 # A backend outage is logged at most this often.
 _ERROR_LOG_INTERVAL = 10.0
 
@@ -98,7 +101,10 @@ class GateKeeper:
         self.backend = (
             backend if backend is not None else backend_from_url(self.config.backend, self.config)
         )
-        self.backend.delay_stage = self.monitor.stages["delay_process"]
+        stages = self.monitor.stages
+        self.backend.delay_stage = stages["delay_process"]
+        self._resolve_stage = stages["resolve_limits"]
+        self._decide_stage = stages["decide"]
         self._routes: dict[tuple[str, str], Route] = {}
         self._reload_lock = threading.Lock()
         self._requests_since_check = 0
@@ -156,7 +162,9 @@ class GateKeeper:
         try:
             stat = os.stat(self._file)
             stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            if stamp == self._file_stamp:
+            # A same-size rewrite within one timestamp tick keeps the stamp: while the
+            # file is that fresh, compare its contents too.
+            if stamp == self._file_stamp and time.time() - stat.st_mtime > _FRESH_FILE:
                 return False
             digest = hashlib.blake2b(Path(self._file).read_bytes()).digest()
             if digest == self._file_digest:
@@ -181,6 +189,7 @@ class GateKeeper:
             self.monitor.stages["reload"].record(time.perf_counter_ns() - started)
         changed = config != self.config
         self._swap(config)
+        self._next_check = self._clock() + config.reload.every_seconds
         if changed:
             self.monitor.reloads += 1
             logger.info("gatekeeper: reloaded %s", self._file)
@@ -205,23 +214,9 @@ class GateKeeper:
         perf = time.perf_counter_ns
         started = perf()
         now = self._clock()
-        if self._file is not None:
-            self._requests_since_check += 1
-            self._reload_if_due(now)
-        route = self._routes.get((project, service))
-        if route is None:
-            route = self._route(project, service)
-        slots = route.slots
-        delay = route.delay
-        if route.caller_candidates:
-            slot, caller_delay = route.caller_level(caller, environ, user)
-            if slot is not None:
-                slots = (*slots, slot)
-            if caller_delay is not None:
-                delay = caller_delay
-        stages = self.monitor.stages
+        route, slots, delay = self._limits_of(project, service, caller, environ, user, now)
         resolved = perf()
-        stages["resolve_limits"].record(resolved - started)
+        self._resolve_stage.record(resolved - started)
         if not slots:
             self.monitor.admitted += 1
             return Admission(self, route, None, delay)
@@ -235,13 +230,13 @@ class GateKeeper:
                 if type(result) is Denial:
                     result = self._refused(slots, result, now)
         except BackendError as exc:
-            stages["decide"].record(perf() - resolved)
+            self._decide_stage.record(perf() - resolved)
             return self._backend_failed(exc, route, delay)
         except Rejected:
             # A refusal is a decision too; without it "decide" only timed admissions.
-            stages["decide"].record(perf() - resolved)
+            self._decide_stage.record(perf() - resolved)
             raise
-        stages["decide"].record(perf() - resolved)
+        self._decide_stage.record(perf() - resolved)
         assert isinstance(result, Grant)
         if result.shadowed:
             self._shadow(slots, result)
@@ -267,17 +262,7 @@ class GateKeeper:
                 ...  # alice is restricted now
         """
         now = self._clock()
-        if self._file is not None:
-            self._requests_since_check += 1
-            self._reload_if_due(now)
-        route = self._routes.get((project, service))
-        if route is None:
-            route = self._route(project, service)
-        slots = route.slots
-        if route.caller_candidates:
-            slot, _ = route.caller_level(caller, environ, user)
-            if slot is not None:
-                slots = (*slots, slot)
+        _, slots, _ = self._limits_of(project, service, caller, environ, user, now)
         if not slots:
             return None
         try:
@@ -298,6 +283,29 @@ class GateKeeper:
             self._reload_if_due(self._clock())
         route = self._routes.get((project, service))
         return route if route is not None else self._route(project, service)
+
+    def _limits_of(
+        self,
+        project: str,
+        service: str,
+        caller: str,
+        environ: Mapping[str, Any],
+        user: str | None,
+        now: float,
+    ) -> tuple[Route, tuple[Slot, ...], float]:
+        """The route, the slots on every level and the delay of one request (one of the
+        requests that count towards ``reload.every_requests``)."""
+        if self._file is not None:
+            self._requests_since_check += 1
+            self._reload_if_due(now)
+        route = self._routes.get((project, service))
+        if route is None:
+            route = self._route(project, service)
+        if not route.caller_candidates:
+            return route, route.slots, route.delay
+        slot, caller_delay = route.caller_level(caller, environ, user)
+        slots = route.slots if slot is None else (*route.slots, slot)
+        return route, slots, route.delay if caller_delay is None else caller_delay
 
     def _reload_if_due(self, now: float) -> None:
         if (
@@ -450,8 +458,7 @@ class GateKeeper:
             self.backend.release(grant, status, delay, self._clock())
         except BackendError as exc:
             # The backend's own expiry (lease) gives these slots back; never fail a response.
-            self.monitor.backend_errors += 1
-            logger.error("gatekeeper: release failed on backend %s: %s", self.config.backend, exc)
+            self._log_backend_error(exc)
         if delay > 0:
             self.monitor.stages["delay_place"].record(time.perf_counter_ns() - started)
         if self._waiting:

@@ -24,6 +24,10 @@ logger = logging.getLogger("gatekeeper")
 _WARNED_FORK: set[int] = set()
 
 
+# How many least-recently-used keys are searched for an idle one before evicting a busy one.
+_IDLE_SEARCH = 64
+
+
 class _Counter:
     """State of one concrete path: requests in flight and the admission times of its
     rolling window (a sliding log: exact, O(N) per key)."""
@@ -87,7 +91,7 @@ class MemoryBackend(Backend):
             for index, (key, limit, enforce) in enumerate(slots):
                 counter = self._counters.get(key)
                 if counter is None:
-                    counter = self._create(key, limit)
+                    counter = self._create(key, limit, now)
                 elif limit.wildcard:
                     table = self._wild.get(limit.path)
                     if table is not None and key in table:
@@ -95,7 +99,7 @@ class MemoryBackend(Backend):
                     else:
                         # Counted so far under another limit: an exact path that a 'user' or
                         # 'header' key value equals, or a pattern a reload replaced.
-                        self._track(key, limit, counter)
+                        self._track(key, limit, counter, now)
                 concurrency = limit.concurrency
                 if concurrency is not None and counter.inflight >= concurrency:
                     if enforce:
@@ -126,32 +130,58 @@ class MemoryBackend(Backend):
                     stamps.append(None)
             return _MemoryGrant(slots, tuple(shadowed), counters, stamps)
 
-    def _create(self, key: str, limit: Limit) -> _Counter:
+    def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
+        """What :meth:`acquire` would answer now, read under the lock: no trace, and no
+        instant in which a probe holds slots."""
+        with self._lock:
+            if self._delayed and self._delayed[0][0] <= now:
+                self._mature(now)
+            for index, (key, limit, enforce) in enumerate(slots):
+                counter = self._counters.get(key)
+                if counter is None or not enforce:
+                    continue
+                if limit.concurrency is not None and counter.inflight >= limit.concurrency:
+                    return Denial(index, "concurrency", self._soonest(now), 0)
+                if limit.rate is not None:
+                    cutoff = now - limit.rate.seconds
+                    live = [stamp for stamp in counter.window if stamp > cutoff]
+                    if len(live) >= limit.rate.limit:
+                        return Denial(index, "rate", live[0] - cutoff, 0)
+        return None
+
+    def _create(self, key: str, limit: Limit, now: float) -> _Counter:
         counter = _Counter()
         if limit.wildcard:
-            self._track(key, limit, counter)
+            self._track(key, limit, counter, now)
         self._counters[key] = counter
         return counter
 
-    def _track(self, key: str, limit: Limit, counter: _Counter) -> None:
+    def _track(self, key: str, limit: Limit, counter: _Counter, now: float) -> None:
         table = self._wild.setdefault(limit.path, OrderedDict())
         if len(table) >= limit.max_keys:
-            self._evict(table, limit.path)
+            self._evict(table, limit, now)
         table[key] = counter
 
-    def _evict(self, table: OrderedDict[str, _Counter], path: str) -> None:
+    def _evict(self, table: OrderedDict[str, _Counter], limit: Limit, now: float) -> None:
         # Idle keys (nothing in flight, nothing left in the window) go first, oldest first;
-        # then the least recently used key with nothing in flight, losing its window.
+        # then the least recently used key with nothing in flight, losing its window. The
+        # search for an idle key is bounded, so a spray of new keys costs O(1) each.
+        cutoff = now - limit.rate.seconds if limit.rate is not None else now
         victim = None
-        for key, counter in table.items():
+        for scanned, (key, counter) in enumerate(table.items()):
             if counter.inflight == 0:
-                if not counter.window:
+                window = counter.window
+                if not window or window[-1] <= cutoff:
                     victim = key
                     break
                 if victim is None:
                     victim = key
+            if scanned >= _IDLE_SEARCH and victim is not None:
+                break
         if victim is None:
-            raise FullError(f"limit {path!r} tracks max_keys={len(table)} keys, all in flight")
+            raise FullError(
+                f"limit {limit.path!r} tracks max_keys={len(table)} keys, all in flight"
+            )
         del table[victim]
         self._counters.pop(victim, None)
 
