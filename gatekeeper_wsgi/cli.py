@@ -36,7 +36,7 @@ from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.rejectlog import REDACTED
 from gatekeeper_wsgi.status import limit_of, public_backend_url
 
-__all__ = ["main", "run_check", "run_replay", "run_status"]
+__all__ = ["add_commands", "main", "run_check", "run_command", "run_replay", "run_status"]
 
 ConfigInput = Mapping[str, Any] | str | os.PathLike[str]
 
@@ -545,20 +545,24 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``gatekeeper``."""
-    from gatekeeper_wsgi import __version__
+def add_commands(commands: Any, *, has_settings: bool = False) -> None:
+    """Add ``check``, ``status`` and ``replay`` to an argparse subparsers object.
 
-    parser = argparse.ArgumentParser(
-        prog="gatekeeper", description="Operate gatekeeper-wsgi: check, status, replay."
-    )
-    parser.add_argument("--version", action="version", version=f"gatekeeper-wsgi {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+    ``has_settings``: a framework's settings are configured (Django, Flask), so ``check``
+    needs no FILE and ``status`` defaults to the configured backend.
+    """
     check = commands.add_parser(
         "check", help="validate a config file and print the effective limit tree"
     )
-    check.add_argument("file", metavar="FILE", help="a .toml or .properties file")
+    if not has_settings:
+        check.add_argument("file", metavar="FILE", help="a .toml or .properties file")
+    else:
+        check.add_argument(
+            "file",
+            nargs="?",
+            metavar="FILE",
+            help="a .toml or .properties file (default: the settings)",
+        )
 
     status = commands.add_parser(
         "status", help="live in-flight counts of a shared or Redis backend"
@@ -586,24 +590,32 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--send-truncated", action="store_true", help="also send bodies the log truncated"
     )
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``gatekeeper`` with ``argv`` (default: the command line); returns the exit status."""
-    args = build_parser().parse_args(argv)
-    # Resolvers and renderers named in the config are imported from the project.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    out = sys.stdout
+def run_command(
+    args: argparse.Namespace,
+    out: TextIO,
+    err: TextIO,
+    *,
+    settings: ConfigInput | None = None,
+) -> int:
+    """Run a parsed ``check`` / ``status`` / ``replay``; returns the exit status.
+
+    ``settings`` stand in for a missing FILE (``check``) and ``--config`` (``status``).
+    """
     if args.command == "check":
-        return run_check(args.file, out, err=sys.stderr)
+        source = args.file if args.file is not None else settings
+        if source is None:
+            print("error: pass FILE", file=err)
+            return 2
+        return run_check(source, out, err=err)
     if args.command == "status":
-        if args.backend is None and args.config is None:
-            print("error: pass --backend URL (or --config FILE naming one)", file=sys.stderr)
+        config = args.config if args.config is not None else settings
+        if args.backend is None and config is None:
+            print("error: pass --backend URL (or --config FILE naming one)", file=err)
             return 2
         return run_status(
-            args.backend, as_json=args.json, out=out, config=args.config, show_all=args.all
+            args.backend, as_json=args.json, out=out, config=config, show_all=args.all
         )
     return run_replay(
         args.log,
@@ -615,6 +627,27 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         send_truncated=args.send_truncated,
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``gatekeeper``."""
+    from gatekeeper_wsgi import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gatekeeper", description="Operate gatekeeper-wsgi: check, status, replay."
+    )
+    parser.add_argument("--version", action="version", version=f"gatekeeper-wsgi {__version__}")
+    add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``gatekeeper`` with ``argv`` (default: the command line); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    # Resolvers and renderers named in the config are imported from the project.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return run_command(args, sys.stdout, sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

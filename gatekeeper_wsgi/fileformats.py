@@ -17,7 +17,7 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -372,35 +372,26 @@ class _TomlLocator:
                 self._advance()
 
     def _inline_table(self, path: tuple[str, ...] | None) -> None:
-        self._advance()
-        while self._peek():
-            self._skip_space(newlines=True)
-            char = self._peek()
-            if char == "}":
-                self._advance()
-                return
-            if char == ",":
-                self._advance()
-                continue
-            before = self.pos
-            self._key_value(path)
-            if self.pos == before:
-                return
+        self._sequence("}", lambda: self._key_value(path))
 
     def _array(self) -> None:
+        # Tables inside arrays have no dotted key of their own.
+        self._sequence("]", lambda: self._value(None))
+
+    def _sequence(self, close: str, item: Callable[[], None]) -> None:
+        """Items separated by commas up to ``close``; stops at anything it cannot read."""
         self._advance()
         while self._peek():
             self._skip_space(newlines=True)
             char = self._peek()
-            if char == "]":
+            if char == close:
                 self._advance()
                 return
             if char == ",":
                 self._advance()
                 continue
             before = self.pos
-            # Tables inside arrays have no dotted key of their own.
-            self._value(None)
+            item()
             if self.pos == before:
                 return
 

@@ -12,6 +12,7 @@ does the work)::
 
 from __future__ import annotations
 
+from argparse import Namespace
 from importlib import import_module
 from typing import Any
 
@@ -34,69 +35,30 @@ class _Out:
         self._wrapper.flush()
 
 
-def _header(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition(":")
-    if not sep or not name.strip():
-        raise ValueError(f"expected 'Name: value', got {text!r}")
-    return name.strip(), value.strip()
-
-
 class Command(BaseCommand):
     help = "Check the limits, watch live counters, replay rejected requests."
 
     def add_arguments(self, parser: Any) -> None:
-        actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-        check = actions.add_parser(
-            "check", help="validate FILE, or settings.GATEKEEPER; print the limit tree"
+        cli = import_module("gatekeeper_wsgi.cli")
+        # Django's parser raises CommandError itself; argparse subparsers need that class.
+        commands = parser.add_subparsers(
+            dest="command", required=True, metavar="ACTION", parser_class=type(parser)
         )
-        check.add_argument("file", nargs="?", metavar="FILE", help="a .toml or .properties file")
-        status = actions.add_parser("status", help="live in-flight counts of the backend")
-        status.add_argument("--backend", metavar="URL", help="default: the configured backend")
-        status.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
-        status.add_argument("--all", action="store_true", dest="show_all", help="list 0s too")
-        replay = actions.add_parser("replay", help="send logged rejected requests again")
-        replay.add_argument("log", metavar="LOG", help="a gatekeeper.rejected log (JSON lines)")
-        replay.add_argument("--to", required=True, metavar="URL", help="base URL to send to")
-        replay.add_argument("--rate", metavar="N/s", help="at most N requests per second")
-        replay.add_argument("--dry-run", action="store_true", help="print, do not send")
-        replay.add_argument(
-            "--header",
-            "-H",
-            type=_header,
-            action="append",
-            default=[],
-            metavar="'Name: value'",
-            help="add or replace a header (e.g. a redacted Authorization)",
-        )
+        cli.add_commands(commands, has_settings=True)
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported when a command runs: loading the command list costs nothing.
         cli = import_module("gatekeeper_wsgi.cli")
         from ...conf import gatekeeper_settings
 
-        out = _Out(self.stdout)
-        action = options["action"]
+        action = options["command"]
         try:
-            if action == "check":
-                source: Any = options["file"] or gatekeeper_settings()
-                code = cli.run_check(source, out, err=_Out(self.stderr))
-            elif action == "status":
-                code = cli.run_status(
-                    options["backend"],
-                    as_json=options["as_json"],
-                    out=out,
-                    config=gatekeeper_settings(),
-                    show_all=options["show_all"],
-                )
-            else:
-                code = cli.run_replay(
-                    options["log"],
-                    options["to"],
-                    rate=options["rate"],
-                    dry_run=options["dry_run"],
-                    out=out,
-                    headers=options["header"],
-                )
+            code = cli.run_command(
+                Namespace(**options),
+                _Out(self.stdout),
+                _Out(self.stderr),
+                settings=gatekeeper_settings(),
+            )
         except ConfigError as exc:  # settings.GATEKEEPER is not a dict
             raise CommandError(str(exc)) from None
         if code:
