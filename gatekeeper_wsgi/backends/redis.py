@@ -165,6 +165,11 @@ class _Breaker:
             )
 
 
+def _denial(result: list[Any]) -> Denial:
+    """The Denial of a refusing acquire.lua answer {0, slot, kind, retry after in us}."""
+    return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6, 0)
+
+
 class RedisBackend(Backend):
     """Counters in Redis, exact across hosts; one round trip to admit, one to release.
 
@@ -219,7 +224,6 @@ class RedisBackend(Backend):
         self._hold_ms = -(-self._hold_us // 1000)
         self._acquire_script: Script = client.register_script(_load_script("acquire.lua"))
         self._release_script: Script = client.register_script(_load_script("release.lua"))
-        self._peek_script: Script = client.register_script(_load_script("peek.lua"))
         self._breaker = _Breaker(breaker_cooldown, location)
         self.location = location
         self._keys: dict[str, tuple[str, str]] = {}
@@ -303,7 +307,7 @@ class RedisBackend(Backend):
                 self._pending.append(_PendingRelease(lease, lease_keys, [], 0.0, 0.0))
             raise
         if result[0] != 1:
-            return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6, 0)
+            return _denial(result)
         shadowed = tuple(int(index) for index in result[1])
         unrecorded = {int(index) for index in result[2]}
         reserved = [
@@ -318,7 +322,7 @@ class RedisBackend(Backend):
     def _script_input(
         self, slots: Sequence[Slot], lease: str
     ) -> tuple[list[str], list[str | int], list[str]]:
-        """KEYS and ARGV of acquire.lua / peek.lua, and the lease sets among the KEYS."""
+        """KEYS and ARGV of acquire.lua, and the lease sets among the KEYS."""
         keys: list[str] = []
         args: list[str | int] = [lease, self._hold_us, self._hold_ms]
         lease_keys: list[str] = []
@@ -342,12 +346,11 @@ class RedisBackend(Backend):
         return keys, args, lease_keys
 
     def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
-        """Whether acquire would admit now, read in one script that writes nothing."""
+        """Whether acquire would admit now: acquire.lua without a lease checks only (it
+        drops expired entries and records nothing)."""
         keys, args, _ = self._script_input(slots, "")
-        result = self._call(self._peek_script, keys, args)
-        if result[0] == 1:
-            return None
-        return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6, 0)
+        result = self._call(self._acquire_script, keys, args)
+        return None if result[0] == 1 else _denial(result)
 
     # --- release --------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 -- gatekeeper-wsgi: admit one request on all of its slots, or on none (SPEC 4.1).
 --
 -- KEYS, slot by slot: the slot's lease set, then, for slots with a rate, its window log.
--- ARGV[1]  lease id (unique per admission)
+-- ARGV[1]  lease id (unique per admission); empty: only check, take nothing (peek)
 -- ARGV[2]  max_hold in microseconds: a lease not released by then expires
 -- ARGV[3]  max_hold in milliseconds (the lease set's PEXPIRE)
 -- then four values per slot:
@@ -64,6 +64,11 @@ for i = 1, slots do
       full[i] = true
     end
   end
+end
+
+if lease == '' then
+  -- A peek: the answer acquire would give. Expired entries were dropped; nothing added.
+  return {1, {}, {}}
 end
 
 local shadowed = {}
