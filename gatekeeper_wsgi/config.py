@@ -95,13 +95,15 @@ class Limit:
     #: "enforce" / "shadow"; None follows the global mode
     mode: str | None = None
 
-    @property
-    def level(self) -> str:
-        return LEVELS[len(self.segments) - 1]
+    #: ``"project"``, ``"service"`` or ``"caller"`` (derived from the path)
+    level: str = field(init=False, compare=False)
+    #: whether a segment is ``*`` (one counter per value; derived from the path)
+    wildcard: bool = field(init=False, compare=False)
 
-    @property
-    def wildcard(self) -> bool:
-        return "*" in self.segments
+    def __post_init__(self) -> None:
+        # Read on every admission: computed once, not by a property.
+        object.__setattr__(self, "level", LEVELS[len(self.segments) - 1])
+        object.__setattr__(self, "wildcard", "*" in self.segments)
 
     def _identity(self) -> tuple[Any, ...]:
         th = self.timeout_header

@@ -40,19 +40,22 @@ class _Counter:
 
 
 class _MemoryGrant(Grant):
-    __slots__ = ("counters", "stamps")
+    __slots__ = ("counters", "reserved", "stamp")
 
     def __init__(
         self,
         slots: Sequence[Slot],
         shadowed: tuple[int, ...],
         counters: list[_Counter],
-        stamps: list[float | None],
+        stamp: float,
+        reserved: list[tuple[deque[float], frozenset[int]]],
     ) -> None:
         super().__init__(slots, shadowed)
         self.counters = counters
-        #: per slot: the window entry reserved at admission (None: no rate / not recorded)
-        self.stamps = stamps
+        #: the admission time, entered in the window of every rate slot that recorded it
+        self.stamp = stamp
+        #: (window, statuses that count) of the rate reservations the release decides on
+        self.reserved = reserved
 
 
 class FullError(BackendError):
@@ -86,10 +89,12 @@ class MemoryBackend(Backend):
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
             counters = []
-            shadowed: list[int] = []
-            rate_full: list[int] = []
+            recording: list[deque[float]] = []
+            reserved: list[tuple[deque[float], frozenset[int]]] = []
+            shadowed: tuple[int, ...] = ()
+            get = self._counters.get
             for index, (key, limit, enforce) in enumerate(slots):
-                counter = self._counters.get(key)
+                counter = get(key)
                 if counter is None:
                     counter = self._create(key, limit, now)
                 elif limit.wildcard:
@@ -104,31 +109,29 @@ class MemoryBackend(Backend):
                 if concurrency is not None and counter.inflight >= concurrency:
                     if enforce:
                         return Denial(index, "concurrency", self._soonest(now), 0)
-                    shadowed.append(index)
+                    shadowed += (index,)
                 rate = limit.rate
                 if rate is not None:
                     window = counter.window
                     cutoff = now - rate.seconds
                     while window and window[0] <= cutoff:
                         window.popleft()
-                    if len(window) >= rate.limit:
-                        if enforce:
-                            return Denial(index, "rate", window[0] - cutoff, 0)
-                        if index not in shadowed:
-                            shadowed.append(index)
-                        rate_full.append(index)
+                    if len(window) < rate.limit:
+                        recording.append(window)
+                        if limit.count is not None:
+                            reserved.append((window, limit.count))
+                    elif enforce:
+                        return Denial(index, "rate", window[0] - cutoff, 0)
+                    elif index not in shadowed:
+                        # Shadow over concurrency still counts in the window; a full window
+                        # is not extended (as enforce mode would not have admitted).
+                        shadowed += (index,)
                 counters.append(counter)
-            stamps: list[float | None] = []
-            for index, counter in enumerate(counters):
+            for counter in counters:
                 counter.inflight += 1
-                # Shadow over concurrency still counts in the window; only a full window
-                # is not extended (as enforce mode would not have admitted).
-                if slots[index].limit.rate is not None and index not in rate_full:
-                    counter.window.append(now)
-                    stamps.append(now)
-                else:
-                    stamps.append(None)
-            return _MemoryGrant(slots, tuple(shadowed), counters, stamps)
+            for window in recording:
+                window.append(now)
+            return _MemoryGrant(slots, shadowed, counters, now, reserved)
 
     def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
         """What :meth:`acquire` would answer now, read under the lock: no trace, and no
@@ -193,15 +196,11 @@ class MemoryBackend(Backend):
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _MemoryGrant)
         with self._lock:
-            for index, stamp in enumerate(grant.stamps):
-                if stamp is None:
-                    continue
-                count = grant.slots[index].limit.count
-                if count is not None and status not in count:
-                    window = grant.counters[index].window
+            for window, count in grant.reserved:
+                if status not in count:
                     # It may have slid out of the window already.
                     with contextlib.suppress(ValueError):
-                        window.remove(stamp)
+                        window.remove(grant.stamp)
             if delay > 0:
                 heapq.heappush(self._delayed, (now + delay, next(self._seq), grant.counters))
             else:
