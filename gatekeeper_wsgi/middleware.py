@@ -110,12 +110,20 @@ class _WatchedResponse(ResponseWatch):
     slots come back even when the inner ``close()`` raises.
     """
 
-    __slots__ = ("_inner", "_start_response")
+    __slots__ = ("_inner", "_plain", "_start_response")
 
     def __init__(self, admission: Admission, start_response: StartResponse) -> None:
-        super().__init__(admission)
+        # ResponseWatch.__init__ inlined: this runs on every request.
+        self.admission = admission
+        self.status: int | None = None
+        self.faulty = False
+        self._scanned = 0
+        self._tail = b""
         self._start_response = start_response
         self._inner: Iterable[bytes] = ()
+        route = admission.route
+        #: no marker in the status line or headers: only a 5xx can make it faulty
+        self._plain = route.timeout_status is None and route.timeout_header is None
 
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
@@ -124,8 +132,7 @@ class _WatchedResponse(ResponseWatch):
             code = int(status[:3])
         except ValueError:
             code = 500
-        route = self.admission.route
-        if code < 500 and route.timeout_status is None and route.timeout_header is None:
+        if code < 500 and self._plain:
             self.status = code
             self.faulty = False
         else:
@@ -263,7 +270,9 @@ class GateKeeperMiddleware:
             return self.app(environ, start_response)
         started = time.perf_counter_ns()
         gate = self.gate
-        identifier = gate.identifier()
+        identifier = gate._identifier
+        if identifier.config is not gate.keeper.config:
+            identifier = gate.identifier()
         if self._identify is not None:
             names = self._identify(environ)
             if names is None:

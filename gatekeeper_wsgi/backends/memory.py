@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
@@ -24,19 +24,21 @@ logger = logging.getLogger("gatekeeper")
 _WARNED_FORK: set[int] = set()
 
 
-# How many least-recently-used keys are searched for an idle one before evicting a busy one.
-_IDLE_SEARCH = 64
+# How many of a wildcard limit's oldest keys are looked at to choose one to evict.
+_EVICTION_SAMPLE = 64
 
 
 class _Counter:
     """State of one concrete path: requests in flight and the admission times of its
     rolling window (a sliding log: exact, O(N) per key)."""
 
-    __slots__ = ("inflight", "window")
+    __slots__ = ("inflight", "used", "window")
 
     def __init__(self) -> None:
         self.inflight = 0
         self.window: deque[float] = deque()
+        #: the admission (a count) that last used it, for eviction
+        self.used = 0
 
 
 class _MemoryGrant(Grant):
@@ -74,10 +76,11 @@ class MemoryBackend(Backend):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[str, _Counter] = {}
-        # Wildcard limits: concrete keys in least-recently-used order, for bounded memory.
-        self._wild: dict[str, OrderedDict[str, _Counter]] = {}
+        # Wildcard limits: the concrete keys each one created, oldest first (max_keys).
+        self._wild: dict[str, dict[str, _Counter]] = {}
         self._delayed: list[tuple[float, int, list[_Counter]]] = []
         self._seq = itertools.count()
+        self._tick = 0
         self._pid = os.getpid()
 
     # --- admission ------------------------------------------------------------------------
@@ -93,18 +96,12 @@ class MemoryBackend(Backend):
             reserved: list[tuple[deque[float], frozenset[int]]] = []
             shadowed: tuple[int, ...] = ()
             get = self._counters.get
+            self._tick = tick = self._tick + 1
             for index, (key, limit, enforce) in enumerate(slots):
                 counter = get(key)
                 if counter is None:
                     counter = self._create(key, limit, now)
-                elif limit.wildcard:
-                    table = self._wild.get(limit.path)
-                    if table is not None and key in table:
-                        table.move_to_end(key)
-                    else:
-                        # Counted so far under another limit: an exact path that a 'user' or
-                        # 'header' key value equals, or a pattern a reload replaced.
-                        self._track(key, limit, counter, now)
+                counter.used = tick
                 concurrency = limit.concurrency
                 if concurrency is not None and counter.inflight >= concurrency:
                     if enforce:
@@ -155,32 +152,32 @@ class MemoryBackend(Backend):
     def _create(self, key: str, limit: Limit, now: float) -> _Counter:
         counter = _Counter()
         if limit.wildcard:
-            self._track(key, limit, counter, now)
+            table = self._wild.setdefault(limit.path, {})
+            if len(table) >= limit.max_keys:
+                self._evict(table, limit, now)
+            table[key] = counter
         self._counters[key] = counter
         return counter
 
-    def _track(self, key: str, limit: Limit, counter: _Counter, now: float) -> None:
-        table = self._wild.setdefault(limit.path, OrderedDict())
-        if len(table) >= limit.max_keys:
-            self._evict(table, limit, now)
-        table[key] = counter
-
-    def _evict(self, table: OrderedDict[str, _Counter], limit: Limit, now: float) -> None:
-        # Idle keys (nothing in flight, nothing left in the window) go first, oldest first;
-        # then the least recently used key with nothing in flight, losing its window. The
-        # search for an idle key is bounded, so a spray of new keys costs O(1) each.
+    def _evict(self, table: dict[str, _Counter], limit: Limit, now: float) -> None:
+        # Approximately least recently used, like Redis: of the oldest keys, an idle one
+        # (nothing in flight, nothing left in the window) goes first, then the one used
+        # longest ago with nothing in flight, losing its window. Keys with requests in
+        # flight are never evicted. The search is bounded, so a spray of new keys costs
+        # O(1) each.
         cutoff = now - limit.rate.seconds if limit.rate is not None else now
-        victim = None
+        idle = busy = None
         for scanned, (key, counter) in enumerate(table.items()):
             if counter.inflight == 0:
                 window = counter.window
                 if not window or window[-1] <= cutoff:
-                    victim = key
-                    break
-                if victim is None:
-                    victim = key
-            if scanned >= _IDLE_SEARCH and victim is not None:
+                    if idle is None or counter.used < table[idle].used:
+                        idle = key
+                elif busy is None or counter.used < table[busy].used:
+                    busy = key
+            if scanned >= _EVICTION_SAMPLE and (idle or busy) is not None:
                 break
+        victim = idle if idle is not None else busy
         if victim is None:
             raise FullError(
                 f"limit {limit.path!r} tracks max_keys={len(table)} keys, all in flight"
