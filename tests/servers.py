@@ -1,13 +1,42 @@
-"""Real server processes for the tests: redis-server, gunicorn. Started on free loopback
-ports, waited for by polling their socket (a readiness check, not a timing assumption)."""
+"""Real server processes for the tests (redis-server, gunicorn) on free loopback ports, and
+the ways tests wait for them: polling a condition up to a deadline (a readiness check, never
+a timing assumption) and releasing threads or processes together."""
 
 from __future__ import annotations
 
+import http.client
+import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+#: How long a test waits for something that should happen at once: generous, it only
+#: matters when the test fails.
+DEADLINE = 30.0
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = DEADLINE, what: str = "") -> T:
+    """Call ``predicate`` every few milliseconds until it returns something true, and return
+    that; raise TimeoutError naming ``what`` if ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout}s: {what or predicate}")
+        time.sleep(0.005)
 
 
 def free_port() -> int:
@@ -17,68 +46,72 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    """Block until something accepts connections on 127.0.0.1:port."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Block until something accepts connections on 127.0.0.1:port (TimeoutError if not)."""
+    wait_until(lambda: listening(port), timeout, f"something listening on 127.0.0.1:{port}")
+
+
+def run_together(count: int, task: Callable[[int], T], timeout: float = 2 * DEADLINE) -> list[T]:
+    """Run ``task(i)`` in ``count`` threads released at once by a barrier; their results,
+    in order. An exception in any thread fails the caller."""
+    barrier = threading.Barrier(count)
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on 127.0.0.1:{port}") from None
-            time.sleep(0.02)
+            barrier.wait()
+            results[index] = task(index)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads), "a thread never finished"
+    return results
+
+
+def gather(processes: Sequence[BaseProcess], results: Any, timeout: float = 60.0) -> list[Any]:
+    """Start ``processes``, take one result from each off the ``results`` queue, and check
+    that every one of them exited cleanly."""
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=timeout) for _ in processes]
+    for process in processes:
+        process.join(timeout=timeout)
+        assert process.exitcode == 0
+    return reports
 
 
 class RedisServer:
-    """A redis-server process the tests can stop and restart on the same port."""
+    """A redis-server process (with ``extra`` arguments) that the tests can stop and restart
+    on the same port."""
 
-    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, binary: str, workdir: Path, port: int | None = None, extra: tuple[str, ...] = ()
+    ) -> None:
         self.binary = binary
         self.workdir = workdir
         self.port = port or free_port()
+        self.extra = extra
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for_port(self.port)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
-
-
-class ControlledRedis(RedisServer):
-    """A redis-server with extra arguments that a test can also freeze (SIGSTOP: it accepts
-    connections but never answers) and thaw, or shut down saving its data."""
-
-    def __init__(
-        self, binary: str, workdir: Path, port: int | None = None, extra: tuple[str, ...] = ()
-    ) -> None:
-        super().__init__(binary, workdir, port)
-        self.extra = extra
 
     def start(self) -> None:
         options = {
@@ -94,6 +127,17 @@ class ControlledRedis(RedisServer):
             stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+class ControlledRedis(RedisServer):
+    """A redis-server that a test can also freeze (SIGSTOP: it accepts connections but never
+    answers) and thaw."""
 
     def pause(self) -> None:
         assert self.process is not None
@@ -124,3 +168,95 @@ class Blackhole:
     def close(self) -> None:
         self.filler.close()
         self.listener.close()
+
+
+def own_control_socket(workdir: Path) -> list[str]:
+    """gunicorn >= 25 opens a control socket in ~/.gunicorn by default; give each server its
+    own so parallel servers never share one."""
+    import gunicorn.config
+
+    if any(setting.name == "control_socket" for setting in gunicorn.config.KNOWN_SETTINGS):
+        return ["--control-socket", str(workdir / "gunicorn.ctl")]
+    return []
+
+
+class Gunicorn:
+    """A real gunicorn started from the repository root with ``args`` (options, then the app)
+    on a free loopback port, its log and control socket in ``workdir``::
+
+        with Gunicorn(tmp_path, "--threads", "8", "flask_app:create_app()") as server:
+            status, body = server.request("/")
+    """
+
+    def __init__(self, workdir: Path, *args: str, env: Mapping[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.port = free_port()
+        self.log = workdir / "gunicorn.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Gunicorn:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start gunicorn and wait until it accepts connections; if it exits or never
+        listens, stop it and fail with its log."""
+        command = [
+            sys.executable, "-m", "gunicorn",
+            "--bind", f"127.0.0.1:{self.port}",
+            *own_control_socket(self.workdir),
+            *self.args,
+        ]  # fmt: skip
+        with self.log.open("wb") as output:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=output, stderr=subprocess.STDOUT
+            )
+        process = self.process
+        try:
+            wait_until(lambda: process.poll() is not None or listening(self.port))
+            if process.poll() is not None:
+                raise RuntimeError(f"gunicorn exited with {process.returncode}")
+        except (TimeoutError, RuntimeError) as exc:
+            self.stop()
+            raise RuntimeError(f"gunicorn did not start:\n{self.log.read_text()}") from exc
+
+    def stop(self) -> None:
+        """Terminate gunicorn (gracefully, killed if it takes longer than the deadline)."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(DEADLINE)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(DEADLINE)
+        self.process = None
+
+    def open(
+        self, path: str, method: str = "GET", headers: Mapping[str, str] | None = None
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send a request on a fresh connection and read its status line; the body is the
+        caller's to read, and the connection to close."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=DEADLINE)
+        connection.request(method, path, headers=dict(headers or {}))
+        return connection, connection.getresponse()
+
+    def request(
+        self, path: str, method: str = "GET", headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """One complete request on a fresh connection: (status, body)."""
+        connection, response = self.open(path, method, headers)
+        try:
+            return response.status, response.read()
+        finally:
+            connection.close()

@@ -7,10 +7,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
-import subprocess
-import sys
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +19,11 @@ from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from gatekeeper_wsgi.frs import MAX_BODY, FrequencyService
 from gatekeeper_wsgi.resolve import key_segment
 from tests.conftest import FakeClock
-from tests.servers import free_port, wait_for_port
+from tests.servers import Gunicorn, run_together
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
-ROOT = Path(__file__).resolve().parent.parent
 
 LIMITS = {
     "frs/login/*": {"rate": "5/minute"},
@@ -251,28 +247,6 @@ def test_biz_ids_are_hot_reloaded(tmp_path: Path) -> None:
 
 
 # --- consistency --------------------------------------------------------------------------
-
-
-def run_together(count: int, task: Callable[[int], Any]) -> list[Any]:
-    """Run ``task(i)`` in ``count`` threads released at once by a barrier; their results."""
-    barrier = threading.Barrier(count)
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            barrier.wait()
-            results[index] = task(index)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    return results
 
 
 def test_concurrent_updates_admit_exactly_the_rate(keeper: GateKeeper) -> None:
@@ -563,27 +537,10 @@ def gunicorn_frs(backend_url: str, tmp_path: Path) -> Iterator[int]:
     the memory backend, two workers on the backends shared between processes."""
     config = tmp_path / "gatekeeper.toml"
     config.write_text(f'backend = "{backend_url}"\n[limits."frs/login/*"]\nrate = "5/minute"\n')
-    port = free_port()
     workers = "1" if backend_url == "memory" else "2"
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "gunicorn",
-            "--workers", workers,
-            "--threads", "8",
-            "--bind", f"127.0.0.1:{port}",
-            "--log-level", "critical",
-            f'gatekeeper_wsgi.frs:FrequencyService("{config}")',
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_for_port(port)
-        yield port
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
+    app = f'gatekeeper_wsgi.frs:FrequencyService("{config}")'
+    with Gunicorn(tmp_path, "--workers", workers, "--threads", "8", app) as server:
+        yield server.port
 
 
 @pytest.mark.slow

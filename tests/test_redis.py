@@ -31,7 +31,7 @@ from gatekeeper_wsgi.backends.redis import CircuitOpen, RedisBackend  # noqa: E4
 from gatekeeper_wsgi.errors import ConfigError  # noqa: E402
 from gatekeeper_wsgi.resolve import resolve_route  # noqa: E402
 from tests.conftest import REDIS_BINARY  # noqa: E402
-from tests.servers import Blackhole, ControlledRedis, free_port  # noqa: E402
+from tests.servers import Blackhole, ControlledRedis, free_port, gather  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -518,12 +518,7 @@ def test_two_hosts_never_exceed_the_limit(prefixed: str, redis_server: str) -> N
         )
         for _ in range(2)
     ]
-    for host in hosts:
-        host.start()
-    reports = [results.get(timeout=60) for _ in hosts]
-    for host in hosts:
-        host.join(timeout=10)
-        assert host.exitcode == 0
+    reports = gather(hosts, results)
     for report in reports:
         assert report["errors"] == []
         assert report["backend_errors"] == 0

@@ -16,8 +16,6 @@ import multiprocessing
 import os
 import signal
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,7 +40,7 @@ from gatekeeper_wsgi.backends.shared import (
 from gatekeeper_wsgi.errors import ConfigError
 from tests.apps.shared_app import read_observer, reset_observer
 from tests.conftest import FakeClock
-from tests.servers import free_port, wait_for_port
+from tests.servers import Gunicorn, gather, run_together, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 20.0
@@ -105,11 +103,10 @@ def test_threads_of_two_keepers_never_exceed_concurrency(table: Path) -> None:
     keepers = [GateKeeper(config(table, {"shop": {"concurrency": limit}})) for _ in range(2)]
     guard = threading.Lock()
     current = highest = admitted = rejected = 0
-    barrier = threading.Barrier(8)
 
-    def run(keeper: GateKeeper) -> None:
+    def run(index: int) -> None:
         nonlocal current, highest, admitted, rejected
-        barrier.wait()
+        keeper = keepers[index % 2]
         for _ in range(300):
             try:
                 admission = keeper.admit("shop", "api", "c")
@@ -125,11 +122,7 @@ def test_threads_of_two_keepers_never_exceed_concurrency(table: Path) -> None:
                 current -= 1
             admission.release(200)
 
-    threads = [threading.Thread(target=run, args=(keepers[i % 2],)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(8, run)
     assert highest <= limit
     assert admitted + rejected == 8 * 300
     assert busy(keepers[0]) == {}
@@ -410,12 +403,7 @@ def test_processes_never_exceed_concurrency(table: Path, start_method: str) -> N
         )
         for _ in range(processes)
     ]
-    for worker in workers:
-        worker.start()
-    results = [outcomes.get(timeout=60) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    results = gather(workers, outcomes)
     assert highest.value <= limit
     assert sum(admitted + rejected for admitted, rejected in results) == processes * iterations
     assert sum(rejected for _, rejected in results) > 0  # they did contend
@@ -639,73 +627,41 @@ def test_same_decisions_as_memory(steps: list[tuple[Any, ...]]) -> None:
 @contextlib.contextmanager
 def gunicorn(
     tmp_path: Path, worker_class: str, preload: bool, limit: int
-) -> Iterator[tuple[int, Path, Path]]:
-    """gunicorn serving tests/apps/shared_app.py with 4 workers; yields (port, table,
-    observer)."""
+) -> Iterator[tuple[Gunicorn, Path, Path]]:
+    """gunicorn serving tests/apps/shared_app.py with 4 workers; yields (server, table,
+    observer). Held requests are let go before it stops."""
     table, observer = tmp_path / "gunicorn.shm", tmp_path / "observer"
     reset_observer(str(observer))
-    port = free_port()
     env = {
-        **os.environ,
         "GK_SHARED_TABLE": str(table),
         "GK_SHARED_OBSERVER": str(observer),
         "GK_SHARED_LIMIT": str(limit),
     }
-    command = [
-        sys.executable, "-m", "gunicorn",
+    args = [
         "--workers", "4",
         "--worker-class", worker_class,
         # gthread: more threads than holds, so a held request never queues behind others
         "--threads", "4" if worker_class == "gthread" else "1",
-        "--bind", f"127.0.0.1:{port}",
-        "--pythonpath", str(ROOT / "tests" / "apps"),
-        "--log-level", "critical",
+        "--pythonpath", "tests/apps",
         *(["--preload"] if preload else []),
         "shared_app:create_app()",
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        wait_for_port(port)
-        yield port, table, observer
-    finally:
-        (tmp_path / "release-holds").touch()
-        process.terminate()
+    with Gunicorn(tmp_path, *args, env=env) as server:
         try:
-            process.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            yield server, table, observer
+        finally:
+            (tmp_path / "release-holds").touch()
 
 
-def get(port: int, path: str) -> int:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        response.read()
-        return response.status
-    finally:
-        connection.close()
+def get(server: Gunicorn, path: str) -> int:
+    return server.request(path)[0]
 
 
-def hold(port: int, until: Path) -> tuple[http.client.HTTPConnection, int]:
+def hold(server: Gunicorn, until: Path) -> tuple[http.client.HTTPConnection, int]:
     """Start a /hold request; (its connection, the pid of the worker that holds it)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
-    connection.request("GET", f"/hold?until={until}")
-    response = connection.getresponse()
+    connection, response = server.open(f"/hold?until={until}")
     assert response.status == 200
     return connection, int(response.readline())
-
-
-def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` until it holds; fail after the deadline."""
-    deadline = time.monotonic() + DEADLINE
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {DEADLINE}s")
-        time.sleep(0.01)
 
 
 @pytest.mark.slow
@@ -718,19 +674,9 @@ def test_gunicorn_workers_share_the_limit(tmp_path: Path, worker_class: str, pre
     limit at once across processes; workers killed with -9 in mid-request give their slots
     back to the next request that needs them; every counter ends at zero."""
     limit = 3
-    with gunicorn(tmp_path, worker_class, preload, limit) as (port, table, observer):
-        statuses: list[int] = []
-        barrier = threading.Barrier(12)
-
-        def client() -> None:
-            barrier.wait()
-            statuses.extend(get(port, "/work") for _ in range(30))
-
-        clients = [threading.Thread(target=client) for _ in range(12)]
-        for thread in clients:
-            thread.start()
-        for thread in clients:
-            thread.join()
+    with gunicorn(tmp_path, worker_class, preload, limit) as (server, table, observer):
+        batches = run_together(12, lambda _: [get(server, "/work") for _ in range(30)])
+        statuses = [status for batch in batches for status in batch]
         assert set(statuses) <= {200, 503}
         assert statuses.count(200) >= 15
         assert statuses.count(503) > 0  # the limit did bite
@@ -740,19 +686,19 @@ def test_gunicorn_workers_share_the_limit(tmp_path: Path, worker_class: str, pre
 
         reader = SharedBackend(table)
         # A response is released when the server closes it, just after the client read it.
-        eventually(lambda: busy(reader) == {}, "the load's slots released")
+        wait_until(lambda: busy(reader) == {}, what="the load's slots released")
 
         # Fill the limit with held requests, then kill their workers in mid-request.
         flag = tmp_path / "release-holds"
-        holds = [hold(port, flag) for _ in range(limit)]
-        assert get(port, "/work") == 503
+        holds = [hold(server, flag) for _ in range(limit)]
+        assert get(server, "/work") == 503
         for pid in {pid for _, pid in holds}:
             os.kill(pid, signal.SIGKILL)
-        eventually(lambda: get(port, "/work") == 200, "the killed workers' slots came back")
+        wait_until(lambda: get(server, "/work") == 200, what="the killed workers' slots back")
         flag.touch()
         for connection, _ in holds:
             connection.close()
-        eventually(lambda: busy(reader) == {}, "every slot released")
+        wait_until(lambda: busy(reader) == {}, what="every slot released")
         usage = reader.usage()
         assert (usage["leases"], usage["delayed"]) == (0, 0)
         reader.close()
