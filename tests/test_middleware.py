@@ -30,7 +30,14 @@ from hypothesis import strategies as st
 from werkzeug.test import Client, EnvironBuilder, TestResponse
 from werkzeug.wsgi import FileWrapper
 
-from gatekeeper_wsgi import BackendError, ConfigError, GateKeeper, GateKeeperMiddleware, Rejected
+from gatekeeper_wsgi import (
+    BackendError,
+    ConfigError,
+    GateKeeper,
+    GateKeeperMiddleware,
+    Rejected,
+    rejectlog,
+)
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.errors import FAULT_CODES
 from tests.conftest import FakeClock
@@ -1725,19 +1732,23 @@ def test_bad_input_never_raises_and_faults_stay_well_formed(
 # -- the rejected-request log ---------------------------------------------------------------
 
 
-def rejected_lines(caplog: pytest.LogCaptureFixture, count: int) -> list[str]:
-    """The lines logged on `gatekeeper.rejected`, once `count` of them arrived (they may
-    be written by a background thread) or a deadline passed."""
-    deadline = time.monotonic() + 10
-    while True:
-        lines = [r.getMessage() for r in caplog.records if r.name == "gatekeeper.rejected"]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.005)
+@pytest.fixture
+def rejected_lines(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The lines logged on `gatekeeper.rejected` since the test started, each time once the
+    background thread has handled every record logged so far (earlier tests' included)."""
+    assert rejectlog.flush()
+    caplog.set_level(logging.INFO, logger="gatekeeper.rejected")
+    caplog.clear()
+
+    def lines() -> list[str]:
+        assert rejectlog.flush()
+        return [r.getMessage() for r in caplog.records if r.name == "gatekeeper.rejected"]
+
+    return lines
 
 
 def test_rejected_request_is_logged_as_one_json_line_with_secrets_redacted(
-    make: Any, caplog: pytest.LogCaptureFixture
+    make: Any, rejected_lines: Callable[[], list[str]]
 ) -> None:
     """Each rejection writes one JSON line to `gatekeeper.rejected`, secrets redacted."""
     mw = make(
@@ -1748,7 +1759,6 @@ def test_rejected_request_is_logged_as_one_json_line_with_secrets_redacted(
             "limits": {"shop/orders": {"concurrency": 0}},
         },
     )
-    caplog.set_level(logging.INFO, logger="gatekeeper.rejected")
     fetch(mw, "/other")  # admitted: not logged (it would come first in the log)
     response = Client(mw, use_cookies=False).post(
         "/orders/7?expand=items",
@@ -1766,7 +1776,7 @@ def test_rejected_request_is_logged_as_one_json_line_with_secrets_redacted(
         buffered=True,
     )
     assert response.status_code == 503
-    lines = rejected_lines(caplog, 1)
+    lines = rejected_lines()
     assert len(lines) == 1
     line = lines[0]
     assert "\n" not in line and "\r" not in line
@@ -1787,17 +1797,16 @@ def test_rejected_request_is_logged_as_one_json_line_with_secrets_redacted(
     assert headers["X-Note"] == "a\x01b"
 
 
-def test_rejected_log_escapes_junk(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_rejected_log_escapes_junk(make: Any, rejected_lines: Callable[[], list[str]]) -> None:
     """Junk in a rejected request is logged escaped: still one parseable JSON line."""
     mw = make(ok_app, {"project": "shop", "limits": {"shop": {"concurrency": 0}}})
-    caplog.set_level(logging.INFO, logger="gatekeeper.rejected")
     for junk in JUNK:
         environ = environ_for("/x")
         environ["HTTP_X_CALLER_ID"] = junk
         environ["HTTP_X_REQUEST_ID"] = junk
         environ["PATH_INFO"] = "/" + junk
         b"".join(mw(environ, StartResponseRecorder()))
-    lines = rejected_lines(caplog, len(JUNK))
+    lines = rejected_lines()
     assert len(lines) == len(JUNK)
     for junk, line in zip(JUNK, lines, strict=True):
         assert PRINTABLE_ASCII.fullmatch(line)
