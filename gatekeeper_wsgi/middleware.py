@@ -173,6 +173,7 @@ class Gate:
     def __init__(self, keeper: GateKeeper) -> None:
         self.keeper = keeper
         self._identifier = Identifier(keeper.config)
+        self._first_request = True
 
     def identifier(self) -> Identifier:
         """The request helpers of the configuration in force (rebuilt after a reload)."""
@@ -193,6 +194,10 @@ class Gate:
     ) -> Admission:
         """Admit the request (raises :class:`Rejected`) and mark it counted in ``environ``."""
         keeper = self.keeper
+        if self._first_request:
+            self._first_request = False
+            if environ.get("wsgi.multiprocess"):
+                keeper.backend.multiprocess()
         caller = identifier.caller(environ)
         if caller is None:
             config = identifier.config

@@ -110,5 +110,9 @@ class Backend(ABC):
         """How many delayed releases are waiting to mature."""
         return 0
 
+    def multiprocess(self) -> None:  # noqa: B027 - only per-process backends care
+        """Told once that the server runs the app in several processes (PEP 3333
+        ``wsgi.multiprocess``). Per-process backends warn that limits are per process."""
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release resources (files, connections)."""

@@ -20,8 +20,8 @@ __all__ = ["MemoryBackend"]
 
 logger = logging.getLogger("gatekeeper")
 
-# The pid whose memory we count in; a forked worker sees another pid (issue: warn once).
-_WARNED_FORK: set[int] = set()
+# Processes that were warned that their limits are per process.
+_WARNED: set[int] = set()
 
 
 # How many of a wildcard limit's oldest keys are looked at to choose one to evict.
@@ -231,14 +231,20 @@ class MemoryBackend(Backend):
         return len(self._delayed)
 
     def _forked(self) -> None:
-        self._pid = pid = os.getpid()
+        self._pid = os.getpid()
         # The lock may have been held by another thread at fork time; start afresh.
         self._lock = threading.Lock()
-        if pid not in _WARNED_FORK:
-            _WARNED_FORK.add(pid)
+        self.multiprocess()
+
+    def multiprocess(self) -> None:
+        """Warn (once per process) that limits are counted per process: this runs in a
+        forked worker, or the server says other processes serve the same app."""
+        pid = os.getpid()
+        if pid not in _WARNED:
+            _WARNED.add(pid)
             logger.warning(
-                "gatekeeper: the memory backend runs in a forked worker process (pid %d): "
-                "limits are counted per process. Use backend 'shared:///path/file' to share "
-                "them between the workers of this host.",
+                "gatekeeper: the memory backend counts limits per process, and this process "
+                "(pid %d) is one of several serving the app. Use backend "
+                "'shared:///path/file' to share them between the workers of this host.",
                 pid,
             )
