@@ -58,11 +58,13 @@ BACKENDS = [
     pytest.param("shared", id="shared"),
     pytest.param("redis", id="redis", marks=pytest.mark.redis),
 ]
+#: The backends that count time by the engine's clock, so a test can move it by hand
+#: (Redis counts by its own ``TIME``: the real-time variants cover it).
+CLOCKED_BACKENDS = [param for param in BACKENDS if param.id in ("memory", "shared")]
 
 
-@pytest.fixture(params=BACKENDS)
-def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of a fresh, empty backend of each kind."""
+def new_backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a fresh, empty backend of the kind in ``request.param``."""
     kind = request.param
     if kind == "memory":
         return "memory"
@@ -70,3 +72,15 @@ def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"shared://{tmp_path}/gatekeeper.shm"
     base = request.getfixturevalue("redis_server")
     return f"{base}?prefix=gk-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a fresh, empty backend of each kind."""
+    return new_backend_url(request, tmp_path)
+
+
+@pytest.fixture(params=CLOCKED_BACKENDS)
+def clocked_backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a fresh, empty backend of each kind that follows the engine's clock."""
+    return new_backend_url(request, tmp_path)

@@ -1,8 +1,9 @@
 """The admission engine's conformance suite: every test runs on each backend of the table.
 
-Tests that travel in time drive the injected FakeClock; backends that count time by their
-own clock (``backend.engine_clock`` False, e.g. Redis) skip those and run the real-time
-variants, which use tiny windows and delays and wait on a condition, never on a timing.
+Tests that travel in time drive the injected FakeClock, on the backends that count time by
+it (``make_clocked``); backends with a clock of their own (Redis) are covered by the
+real-time variants, which use tiny windows and delays and wait on a condition, never on a
+timing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import STAGES
 from tests.conftest import FakeClock
+from tests.servers import wait_until
 
 
 class Make(Protocol):
@@ -39,29 +41,35 @@ class Make(Protocol):
     ) -> GateKeeper: ...
 
 
-@pytest.fixture
-def make(backend_url: str, clock: FakeClock) -> Iterator[Make]:
-    """Builds GateKeepers on the backend under test, driven by the FakeClock by default."""
-    keepers: list[GateKeeper] = []
+def keepers(backend_url: str, fake_clock: FakeClock) -> Iterator[Make]:
+    """Builds GateKeepers on ``backend_url``, driven by the FakeClock by default; closes
+    them afterwards."""
+    built: list[GateKeeper] = []
 
     def build(
         limits: dict[str, Any], *, clock: Callable[[], float] | None = None, **options: Any
     ) -> GateKeeper:
         config = {"project": "shop", **options, "backend": backend_url, "limits": limits}
         keeper = GateKeeper(config, clock=clock or fake_clock)
-        keepers.append(keeper)
+        built.append(keeper)
         return keeper
 
-    fake_clock = clock
     yield build
-    for keeper in keepers:
+    for keeper in built:
         keeper.close()
 
 
-def travels(gk: GateKeeper) -> None:
-    """Skip a test that moves the FakeClock on a backend that keeps its own time."""
-    if not gk.backend.engine_clock:
-        pytest.skip("backend counts time by its own clock; the real-time variant covers this")
+@pytest.fixture
+def make(backend_url: str, clock: FakeClock) -> Iterator[Make]:
+    """Builds GateKeepers on each backend."""
+    yield from keepers(backend_url, clock)
+
+
+@pytest.fixture
+def make_clocked(clocked_backend_url: str, clock: FakeClock) -> Iterator[Make]:
+    """Builds GateKeepers on each backend that counts time by the FakeClock, for the tests
+    that move it."""
+    yield from keepers(clocked_backend_url, clock)
 
 
 def refused(gk: GateKeeper, project: str, service: str, caller: str, **kw: Any) -> Rejected:
@@ -73,15 +81,6 @@ def refused(gk: GateKeeper, project: str, service: str, caller: str, **kw: Any) 
 def busy(gk: GateKeeper) -> dict[str, int]:
     """inflight() without the paths at zero (a backend may omit or show them)."""
     return {path: count for path, count in gk.inflight().items() if count}
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition until it holds; fail after a generous deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        time.sleep(0.001)
 
 
 def waiters(gk: GateKeeper) -> int:
@@ -206,15 +205,14 @@ def test_most_specific_delay_and_markers_win(make: Make) -> None:
     assert gk.admit("shop", "checkout", "crm").delay == 9.0
 
 
-def test_most_specific_delay_holds_the_slots(make: Make, clock: FakeClock) -> None:
+def test_most_specific_delay_holds_the_slots(make_clocked: Make, clock: FakeClock) -> None:
     """A faulty response on checkout holds its slots for checkout's delay, not the project's."""
-    gk = make(
+    gk = make_clocked(
         {
             "shop": {"concurrency": 10, "delay": 2.0},
             "shop/checkout": {"concurrency": 1, "delay": 5.0},
         }
     )
-    travels(gk)
     gk.admit("shop", "checkout", "a").release(504, faulty=True)
     clock.advance(4.9)
     assert busy(gk) == {"shop": 1, "shop/checkout": 1}
@@ -391,10 +389,9 @@ def test_request_without_limits_is_admitted(make: Make) -> None:
 # ------------------------------------------------------------------------------------ rate
 
 
-def test_rate_admits_n_per_rolling_window(make: Make, clock: FakeClock) -> None:
+def test_rate_admits_n_per_rolling_window(make_clocked: Make, clock: FakeClock) -> None:
     """`3/10s` admits 3, refuses with GK-RATE-LIMIT until the first admission is 10 s old."""
-    gk = make({"shop/checkout": {"rate": "3/10s"}})
-    travels(gk)
+    gk = make_clocked({"shop/checkout": {"rate": "3/10s"}})
     for _ in range(3):
         gk.admit("shop", "checkout", "a").release(200)
         clock.advance(1)
@@ -410,11 +407,10 @@ def test_rate_admits_n_per_rolling_window(make: Make, clock: FakeClock) -> None:
     assert refused(gk, "shop", "checkout", "a").retry_after == 1
 
 
-def test_fixed_window_edge_cannot_admit_2n_minus_1(make: Make, clock: FakeClock) -> None:
+def test_fixed_window_edge_cannot_admit_2n_minus_1(make_clocked: Make, clock: FakeClock) -> None:
     """1 hit at T, N-1 in [T+t/2, T+t), N tries at T+t: never 2N-1 within [T+t/2, T+3t/2)."""
     n, t = 5, 10.0
-    gk = make({"shop/login/*": {"rate": f"{n}/{int(t)}s"}})
-    travels(gk)
+    gk = make_clocked({"shop/login/*": {"rate": f"{n}/{int(t)}s"}})
     start_time = clock.now
     admitted_at: list[float] = []
 
@@ -452,11 +448,10 @@ def test_fixed_window_edge_cannot_admit_2n_minus_1(make: Make, clock: FakeClock)
     gaps=st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0, 2.5, 3.0]), min_size=1, max_size=40),
 )
 def test_rate_window_is_exact(
-    make: Make, clock: FakeClock, limit: int, window: float, gaps: list[float]
+    make_clocked: Make, clock: FakeClock, limit: int, window: float, gaps: list[float]
 ) -> None:
     """A request is admitted if and only if fewer than N were admitted in the last window."""
-    gk = make({"shop/login/*": {"rate": f"{limit}/{window}s"}})
-    travels(gk)
+    gk = make_clocked({"shop/login/*": {"rate": f"{limit}/{window}s"}})
     caller = f"c{next(_EXAMPLE)}"
     clock.advance(1000.0)
     admitted: list[float] = []
@@ -478,10 +473,11 @@ def test_rate_window_is_exact(
 _EXAMPLE = itertools.count()
 
 
-def test_rate_retry_after_is_time_until_next_admission(make: Make, clock: FakeClock) -> None:
+def test_rate_retry_after_is_time_until_next_admission(
+    make_clocked: Make, clock: FakeClock
+) -> None:
     """Retry-After and the RateLimit fields say exactly when the next request gets in."""
-    gk = make({"shop/login/*": {"rate": "2/minute"}})
-    travels(gk)
+    gk = make_clocked({"shop/login/*": {"rate": "2/minute"}})
     gk.admit("shop", "login", "alice").release(200)
     clock.advance(20)
     gk.admit("shop", "login", "alice").release(200)
@@ -580,10 +576,9 @@ def test_count_all_counts_every_status(make: Make) -> None:
 # ------------------------------------------------------------------------ delayed decreases
 
 
-def test_faulty_response_holds_slots_for_the_delay(make: Make, clock: FakeClock) -> None:
+def test_faulty_response_holds_slots_for_the_delay(make_clocked: Make, clock: FakeClock) -> None:
     """After a faulty response the slots stay taken for `delay`, then free up on their own."""
-    gk = make({"shop": {"concurrency": 5}, "shop/crm": {"concurrency": 1, "delay": 2.0}})
-    travels(gk)
+    gk = make_clocked({"shop": {"concurrency": 5}, "shop/crm": {"concurrency": 1, "delay": 2.0}})
     threads_before = threading.active_count()
     gk.admit("shop", "crm", "a").release(504, faulty=True)
     assert gk.stats()["counters"]["delayed_pending"] == 1
@@ -609,16 +604,17 @@ def test_ok_response_frees_at_once_despite_delay(make: Make) -> None:
     assert gk.stats()["counters"]["delayed_pending"] == 0
 
 
-def test_delays_mature_before_new_ones_and_all_reach_zero(make: Make, clock: FakeClock) -> None:
+def test_delays_mature_before_new_ones_and_all_reach_zero(
+    make_clocked: Make, clock: FakeClock
+) -> None:
     """Due delays are applied on the next release, too; after every delay all is zero."""
-    gk = make(
+    gk = make_clocked(
         {
             "shop": {"concurrency": 10, "delay": 1.0},
             "shop/crm": {"concurrency": 3, "delay": 3.0},
             "shop/crm/*": {"concurrency": 2, "delay": 5.0},
         }
     )
-    travels(gk)
     admissions = [gk.admit("shop", "crm", f"c{i % 2}") for i in range(3)]
     admissions += [gk.admit("shop", "erp", "x")]
     admissions[0].release(500, faulty=True)
@@ -728,12 +724,11 @@ def test_queue_waiter_woken_by_release(make: Make) -> None:
     assert busy(gk) == {"shop/checkout": 1}
 
 
-def test_queue_waiter_woken_by_maturing_delay(make: Make, clock: FakeClock) -> None:
+def test_queue_waiter_woken_by_maturing_delay(make_clocked: Make, clock: FakeClock) -> None:
     """A slot freed by a maturing delay admits a waiter, though nobody released anything."""
-    gk = make(
+    gk = make_clocked(
         {"shop/checkout": {"concurrency": 1, "delay": 0.05, "queue": {"size": 5, "wait": 60}}}
     )
-    travels(gk)
     gk.admit("shop", "checkout", "a").release(504, faulty=True)
     got: list[Admission] = []
     thread = start(lambda: got.append(gk.admit("shop", "checkout", "b")))
@@ -756,10 +751,9 @@ def test_queue_waiter_woken_by_maturing_delay_in_real_time(make: Make) -> None:
     assert gk.stats()["counters"]["rejected"] == {}
 
 
-def test_queue_on_a_rate_limit_waits_for_the_window(make: Make, clock: FakeClock) -> None:
+def test_queue_on_a_rate_limit_waits_for_the_window(make_clocked: Make, clock: FakeClock) -> None:
     """A queued request on an exhausted rate limit is admitted when the window slides."""
-    gk = make({"shop/export": {"rate": "1/0.05s", "queue": {"size": 2, "wait": 60}}})
-    travels(gk)
+    gk = make_clocked({"shop/export": {"rate": "1/0.05s", "queue": {"size": 2, "wait": 60}}})
     gk.admit("shop", "export", "a").release(200)
     got: list[Admission] = []
     thread = start(lambda: got.append(gk.admit("shop", "export", "b")))
@@ -1107,10 +1101,9 @@ def test_stats_count_what_happened(make: Make) -> None:
     assert decide["p99_us"] <= decide["max_us"]
 
 
-def test_delay_stages_are_timed(make: Make, clock: FakeClock) -> None:
+def test_delay_stages_are_timed(make_clocked: Make, clock: FakeClock) -> None:
     """Placing and processing delayed decreases shows up in the stage timings."""
-    gk = make({"shop": {"concurrency": 1, "delay": 1.0}})
-    travels(gk)
+    gk = make_clocked({"shop": {"concurrency": 1, "delay": 1.0}})
     gk.admit("shop", "crm", "a").release(500, faulty=True)
     clock.advance(1)
     gk.admit("shop", "crm", "a")
