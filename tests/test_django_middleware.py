@@ -8,8 +8,7 @@ import io
 import json
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,11 @@ from gatekeeper_wsgi.contrib.django.middleware import (
 from werkzeug.test import Client as WerkzeugClient
 
 from gatekeeper_wsgi import GateKeeperMiddleware as WSGIGateKeeperMiddleware
+from gatekeeper_wsgi import rejectlog
 from tests.django_project import configure, views
+from tests.servers import DEADLINE, wait_until
 
 configure()
-
-DEADLINE = 10.0
 
 
 def configure_gatekeeper(settings: Any, limits: dict[str, Any], **extra: Any) -> None:
@@ -46,15 +45,6 @@ def nonzero(inflight: dict[str, int]) -> dict[str, int]:
 def counted_during(response: Any) -> dict[str, int]:
     """What the view saw counted in flight while it ran (the test views report it)."""
     return nonzero(json.loads(response.content)["inflight"])
-
-
-def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` until it holds; fail after the deadline."""
-    deadline = time.monotonic() + DEADLINE
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not reached within {DEADLINE}s: {what}")
-        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -365,7 +355,7 @@ def test_concurrency_limit_is_exact_across_threads(settings: Any, hold: views.Ho
     holders = [threading.Thread(target=call) for _ in range(3)]
     for thread in holders:
         thread.start()
-    eventually(lambda: hold.active == 3, "three views running")
+    wait_until(lambda: hold.active == 3, what="three views running")
     for _ in range(4):
         response = Client().get("/hold/")
         assert response.status_code == 503
@@ -466,13 +456,9 @@ def test_rejection_is_logged_with_its_body(
         headers={"Authorization": "Bearer s3cret", "X-Request-Id": "log-7"},
     )
 
-    def lines() -> list[dict[str, Any]]:
-        return [
-            json.loads(r.getMessage()) for r in caplog.records if r.name == "gatekeeper.rejected"
-        ]
-
-    eventually(lambda: any(line["requestId"] == "log-7" for line in lines()), "the log line")
-    (line,) = [line for line in lines() if line["requestId"] == "log-7"]
+    assert rejectlog.flush()  # the line is written by the log's own thread
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gatekeeper.rejected"]
+    (line,) = [line for line in lines if line["requestId"] == "log-7"]
     assert line["method"] == "POST"
     assert line["path"] == "/work/"
     assert line["query"] == "x=1"

@@ -16,7 +16,6 @@ import logging
 import re
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +40,7 @@ from gatekeeper_wsgi import (
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.errors import FAULT_CODES
 from tests.conftest import FakeClock
+from tests.servers import wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -172,11 +172,10 @@ def after(seconds: float, clock: FakeClock, gk: GateKeeper, check: Callable[[], 
     """Let ``seconds`` pass for the backend and wait for ``check``: the fake clock moves at
     once; a backend that keeps its own time (Redis ``TIME``) is polled up to a deadline."""
     clock.advance(seconds)
-    deadline = time.monotonic() + seconds + 10.0
-    while not check():
-        if gk.backend.engine_clock or time.monotonic() > deadline:
-            raise AssertionError(f"not true {seconds}s later: inflight {gk.inflight()}")
-        time.sleep(0.01)
+    if gk.backend.engine_clock:
+        assert check(), f"not true {seconds}s later: inflight {gk.inflight()}"
+    else:
+        wait_until(check, seconds + 10.0, f"true {seconds}s later")
 
 
 # -- tiny apps ------------------------------------------------------------------------------
@@ -1403,10 +1402,8 @@ def test_queue_full_and_queue_timeout_faults(clock: FakeClock) -> None:
     results: list[TestResponse] = []
     waiter = threading.Thread(target=lambda: results.append(fetch(mw, "/slow")))
     waiter.start()
-    deadline = time.monotonic() + 10
-    while keeper._waiting == 0:  # no public view of the queue: wait until the waiter is in it
-        assert time.monotonic() < deadline, "the waiter never queued"
-        time.sleep(0.005)
+    # No public view of the queue: wait until the waiter is in it.
+    wait_until(lambda: keeper._waiting == 1, what="the waiter in the queue")
     full = fetch(mw, "/slow", headers={"X-Request-Id": "q1"})
     assert full.status_code == 503
     assert full.headers["Retry-After"] == "30"

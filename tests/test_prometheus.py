@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from werkzeug.test import Client
 
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from gatekeeper_wsgi.prometheus import GateKeeperCollector, MultiProcessExporter, register
-from tests.servers import free_port
+from tests.servers import free_port, wait_until
 
 SETTINGS: dict[str, Any] = {
     "project": "shop",
@@ -263,11 +262,10 @@ def test_the_sync_thread_writes_without_being_asked(tmp_path: Path) -> None:
         assert worker.stdout is not None and worker.stdin is not None
         assert worker.stdout.readline().strip() == "ready"
         labels = {"limit": "shop", "level": "project"}
-        deadline = time.monotonic() + 30
-        # Waiting for the thread's first write: a condition polled, not a timing assumption.
-        while scrape(tmp_path).get_sample_value("gatekeeper_inflight", labels) != 1:
-            assert time.monotonic() < deadline, "the sync thread never wrote the gauge"
-            time.sleep(0.01)
+        wait_until(
+            lambda: scrape(tmp_path).get_sample_value("gatekeeper_inflight", labels) == 1,
+            what="the sync thread's first write of the gauge",
+        )
         assert scrape(tmp_path).get_sample_value("gatekeeper_admitted_total") == 1
         worker.stdin.write("\n")
         worker.stdin.flush()

@@ -11,12 +11,11 @@ import json
 import multiprocessing
 import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -31,23 +30,9 @@ from gatekeeper_wsgi.backends.redis import CircuitOpen, RedisBackend  # noqa: E4
 from gatekeeper_wsgi.errors import ConfigError  # noqa: E402
 from gatekeeper_wsgi.resolve import resolve_route  # noqa: E402
 from tests.conftest import REDIS_BINARY  # noqa: E402
-from tests.servers import Blackhole, ControlledRedis, free_port, gather  # noqa: E402
+from tests.servers import Blackhole, ControlledRedis, free_port, gather, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.redis
-
-T = TypeVar("T")
-
-
-def eventually(check: Callable[[], T | None], what: str, timeout: float = 10.0) -> T:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.01)
 
 
 def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
@@ -234,7 +219,9 @@ def test_runs_on_redis_cluster(tmp_path: Path) -> None:
     try:
         admin = redis.Redis(port=port)
         admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        eventually(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), "ok")
+        wait_until(
+            lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), what="ok"
+        )
         gk = keeper(
             f"redis://127.0.0.1:{port}/0?cluster=1",
             {"shop": {"concurrency": 2}, "shop/work/*": {"rate": "2/minute"}},
@@ -277,7 +264,7 @@ def test_windows_run_on_redis_time_not_host_clocks(prefixed: str) -> None:
     clocks[0] += 3600  # a host clock jumping ahead frees nothing
     with pytest.raises(Rejected):
         hosts[0].admit("shop", "login", "c")
-    eventually(lambda: admitted(hosts[1], "login"), "the window to slide in Redis time")
+    wait_until(lambda: admitted(hosts[1], "login"), what="the window to slide in Redis time")
 
 
 def test_counted_statuses_confirm_or_return_the_reservation(prefixed: str) -> None:
@@ -304,7 +291,7 @@ def test_delayed_decrease_holds_the_slot_until_it_matures(prefixed: str) -> None
     with pytest.raises(Rejected) as refused:
         gk.admit("shop", "work", "c")
     assert refused.value.retry_after == 1  # the delayed lease matures within a second
-    eventually(lambda: admitted(gk), "the delayed release to mature").release(200)
+    wait_until(lambda: admitted(gk), what="the delayed release to mature").release(200)
     assert gk.inflight() == {}
 
 
@@ -326,7 +313,7 @@ def test_crashed_holders_lease_expires(prefixed: str) -> None:
     gk = keeper(prefixed, {"shop/work": {"concurrency": 1}})
     with pytest.raises(Rejected):
         gk.admit("shop", "work", "c")
-    eventually(lambda: admitted(gk), "the lease to expire").release(200)
+    wait_until(lambda: admitted(gk), what="the lease to expire").release(200)
 
 
 def test_url_options_are_validated() -> None:
@@ -418,7 +405,7 @@ def test_hung_redis_then_recovery_is_automatic(own_redis: ControlledRedis) -> No
             assert refused.value.code == "GK-BACKEND-UNAVAILABLE"
     finally:
         own_redis.resume()
-    held = eventually(lambda: admitted(gk), "recovery")
+    held = wait_until(lambda: admitted(gk), what="recovery")
     with pytest.raises(Rejected) as refused:
         gk.admit("shop", "work", "c")
     assert refused.value.code == "GK-CONCURRENCY-LIMIT"
@@ -442,7 +429,7 @@ def test_releases_failed_in_an_outage_are_replayed(own_redis: ControlledRedis) -
     assert gk.stats()["counters"]["backend_errors"] == 2
     own_redis.start()
     assert redis.Redis.from_url(own_redis.url).dbsize() == 1  # the lease set is back
-    first = eventually(lambda: admitted(gk), "recovery")
+    first = wait_until(lambda: admitted(gk), what="recovery")
     second = gk.admit("shop", "work", "c")
     with pytest.raises(Rejected):
         gk.admit("shop", "work", "c")
@@ -483,12 +470,12 @@ def test_restart_mid_load_never_raises(own_redis: ControlledRedis) -> None:
     for thread in threads:
         thread.start()
     try:
-        eventually(lambda: granted[0] >= 100, "load before the restart")
+        wait_until(lambda: granted[0] >= 100, what="load before the restart")
         own_redis.stop()
-        eventually(lambda: codes.get("GK-BACKEND-UNAVAILABLE", 0) >= 20, "the outage to show")
+        wait_until(lambda: codes.get("GK-BACKEND-UNAVAILABLE", 0) >= 20, what="the outage to show")
         before = granted[0]
         own_redis.start()
-        eventually(lambda: granted[0] >= before + 100, "recovery under load")
+        wait_until(lambda: granted[0] >= before + 100, what="recovery under load")
     finally:
         stop.set()
         for thread in threads:

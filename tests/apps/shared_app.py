@@ -5,7 +5,8 @@ tests/test_shared.py as ``shared_app:create_app()`` (``--pythonpath tests/apps``
 ``GK_SHARED_OBSERVER`` (the observer file), ``GK_SHARED_LIMIT`` (the project's
 concurrency). Paths:
 
-- ``/work``: counts itself in the observer while it runs (a few ms of work);
+- ``/work``: counts itself in the observer while it runs, until the limit is full or a
+  few ms passed;
 - ``/hold?until=<file>``: sends this worker's pid, then holds its slot until ``<file>``
   exists (or 30 s pass), so a test can kill the worker in mid-request.
 
@@ -15,21 +16,23 @@ concurrent ``/work`` executions) in a file, updated under ``flock`` by every wor
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
-import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from gatekeeper_wsgi import GateKeeperMiddleware
+from tests.servers import wait_until
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 _PAIR = struct.Struct("<ii")
 HOLD_LIMIT = 30.0
+WORK_LIMIT = 0.02
 
 
 def observe(path: str, step: int) -> None:
@@ -58,9 +61,8 @@ def reset_observer(path: str) -> None:
 
 def _hold(until: str) -> Iterator[bytes]:
     yield f"{os.getpid()}\n".encode()
-    deadline = time.monotonic() + HOLD_LIMIT
-    while not os.path.exists(until) and time.monotonic() < deadline:
-        time.sleep(0.005)  # the workload: keep the slot, as a slow backend call would
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: os.path.exists(until), HOLD_LIMIT)
     yield b"released\n"
 
 
@@ -70,10 +72,13 @@ def inner(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[b
         until = parse_qs(environ.get("QUERY_STRING", "")).get("until", [""])[0]
         start_response("200 OK", [("Content-Type", "text/plain")])
         return _hold(until)
-    observer = os.environ["GK_SHARED_OBSERVER"]
+    observer, limit = os.environ["GK_SHARED_OBSERVER"], int(os.environ["GK_SHARED_LIMIT"])
     observe(observer, +1)
     try:
-        time.sleep(0.003)  # the work, long enough for requests to overlap
+        # The work: it lasts until the limit is full (a newcomer would be turned away), or a
+        # few ms at most, so requests really overlap however fast the machine is.
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: read_observer(observer)[0] >= limit, WORK_LIMIT)
     finally:
         observe(observer, -1)
     start_response("200 OK", [("Content-Type", "text/plain")])
