@@ -1,8 +1,8 @@
 """Self-monitoring: the counters and stage timings behind ``GateKeeper.stats()``.
 
-Recording is a handful of attribute updates, cheap enough for every request. Percentiles
-come from a ring of the most recent samples, so ``p99_us`` describes current behaviour
-rather than the whole life of the process.
+Recording is a handful of attribute updates, cheap enough for every request: a count, a
+total (so ``mean_us`` covers the whole life of the process) and a ring of the most recent
+1024 samples, from which ``p99_us`` and ``max_us`` describe current behaviour.
 """
 
 from __future__ import annotations
@@ -26,28 +26,27 @@ STAGES = (
     "delay_process",
 )
 
-_RING = 1024
+_RING = 1024  # a power of two: the ring index is a mask
+_RING_MASK = _RING - 1
 
 
 class Stage:
     """Timings of one stage, in nanoseconds."""
 
-    __slots__ = ("count", "max", "observer", "ring", "total")
+    __slots__ = ("count", "observer", "ring", "total")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0
-        self.max = 0
         self.ring = [0] * _RING
         #: called with every sample (nanoseconds); exporters (Prometheus) set it
         self.observer: Callable[[int], None] | None = None
 
     def record(self, ns: int) -> None:
-        self.ring[self.count % _RING] = ns
-        self.count += 1
+        count = self.count
+        self.ring[count & _RING_MASK] = ns
+        self.count = count + 1
         self.total += ns
-        if ns > self.max:
-            self.max = ns
         if self.observer is not None:
             self.observer(ns)
 
@@ -61,7 +60,7 @@ class Stage:
             "count": count,
             "mean_us": round(self.total / count / 1000, 3),
             "p99_us": round(p99 / 1000, 3),
-            "max_us": round(self.max / 1000, 3),
+            "max_us": round(recent[-1] / 1000, 3),
         }
 
 

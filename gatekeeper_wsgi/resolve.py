@@ -54,12 +54,18 @@ def _most_specific(candidates: list[Limit]) -> Limit | None:
 
 
 class _CallerCandidate:
-    """A caller-level limit and how to read its key from a request."""
+    """A caller-level limit of one route, how to read its key from a request, and what
+    its slot needs besides the key (computed once per route, not per request)."""
 
-    __slots__ = ("environ_key", "kind", "limit", "segment")
+    __slots__ = ("counts", "enforce", "environ_key", "kind", "limit", "prefix", "segment")
 
-    def __init__(self, limit: Limit) -> None:
+    def __init__(self, limit: Limit, prefix: str, enforce: bool) -> None:
         self.limit = limit
+        #: the concrete path before the key: "project/service/"
+        self.prefix = prefix
+        self.enforce = enforce
+        #: False for a limit that only sets a delay: it matches but takes no slot
+        self.counts = limit.concurrency is not None or limit.rate is not None
         self.segment = limit.segments[2]
         self.kind = limit.key
         self.environ_key = ""
@@ -108,7 +114,10 @@ class Route:
             lim for lim in limits if len(lim.segments) == 3 and _matches(lim, (project, service))
         ]
         callers.sort(key=lambda limit: (_specificity(limit), limit.path), reverse=True)
-        self.caller_candidates = tuple(_CallerCandidate(limit) for limit in callers)
+        prefix = f"{project}/{service}/"
+        self.caller_candidates = tuple(
+            _CallerCandidate(limit, prefix, self.enforces(limit)) for limit in callers
+        )
         # The most specific level that sets a value wins: service over project.
         self.delay = 0.0
         self.timeout_status: frozenset[int] | None = None
@@ -132,7 +141,6 @@ class Route:
     ) -> tuple[Slot | None, float | None]:
         """The caller-level slot for this request and the delay that limit sets, if any
         caller-level limit matches."""
-        project_service: str | None = None
         for candidate in self.caller_candidates:
             kind = candidate.kind
             if kind == "caller":
@@ -145,11 +153,9 @@ class Route:
             if segment != "*" and segment != value:
                 continue
             limit = candidate.limit
-            if limit.concurrency is None and limit.rate is None:
+            if not candidate.counts:
                 return None, limit.delay
-            if project_service is None:
-                project_service = f"{self.project}/{self.service}/"
-            return Slot(project_service + value, limit, self.enforces(limit)), limit.delay
+            return Slot(candidate.prefix + value, limit, candidate.enforce), limit.delay
         return None, None
 
 
