@@ -8,6 +8,7 @@ timing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -826,25 +827,23 @@ def test_shadow_counts_rate_while_over_concurrency(make: Make) -> None:
     assert gk.stats()["counters"]["shadow_rejected"] == 2
 
 
-# --------------------------------------------------------------- bounded keys (memory backend)
+# ---------------------------------------------------------------------------- bounded keys
+# max_keys is counted by the backends that keep their own tables (memory, shared), the same
+# that follow the engine's clock; Redis lets idle keys expire instead.
 
 
-def memory(limits: dict[str, Any], clock: FakeClock, **options: Any) -> GateKeeper:
-    return GateKeeper({"project": "shop", **options, "limits": limits}, clock=clock)
-
-
-def test_max_keys_bounds_memory_of_a_key_spraying_client(clock: FakeClock) -> None:
+def test_max_keys_bounds_memory_of_a_key_spraying_client(make_clocked: Make) -> None:
     """A client spraying 5 000 caller names cannot make the engine track over max_keys."""
-    gk = memory({"shop/api/*": {"concurrency": 1, "rate": "5/minute", "max_keys": 100}}, clock)
+    gk = make_clocked({"shop/api/*": {"concurrency": 1, "rate": "5/minute", "max_keys": 100}})
     for index in range(5000):
         gk.admit("shop", "api", f"spray-{index}").release(200)
     assert len(gk.inflight()) <= 100
     assert busy(gk) == {}
 
 
-def test_idle_keys_are_evicted_first(clock: FakeClock) -> None:
+def test_idle_keys_are_evicted_first(make_clocked: Make) -> None:
     """A key still inside its rate window outlives newer idle keys when room is needed."""
-    gk = memory({"shop/login/*": {"rate": "1/minute", "count": [401], "max_keys": 2}}, clock)
+    gk = make_clocked({"shop/login/*": {"rate": "1/minute", "count": [401], "max_keys": 2}})
     gk.admit("shop", "login", "mallory").release(401)
     gk.admit("shop", "login", "alice").release(200)
     gk.admit("shop", "login", "bob").release(200)
@@ -852,17 +851,23 @@ def test_idle_keys_are_evicted_first(clock: FakeClock) -> None:
     assert refused(gk, "shop", "login", "mallory").code == "GK-RATE-LIMIT"
 
 
-def test_least_recently_used_idle_key_goes_first(clock: FakeClock) -> None:
-    """Among idle keys the one unused for longest is evicted."""
-    gk = memory({"shop/api/*": {"concurrency": 1, "max_keys": 3}}, clock)
+def test_least_recently_used_idle_key_goes_first(make_clocked: Make) -> None:
+    """Among idle keys the one unused for longest is evicted; without an idle key, the
+    least recently used one with nothing in flight loses its window."""
+    gk = make_clocked({"shop/api/*": {"concurrency": 1, "max_keys": 3}})
     for caller in ("a", "b", "c", "a", "d"):
         gk.admit("shop", "api", caller).release(200)
     assert set(gk.inflight()) == {"shop/api/a", "shop/api/c", "shop/api/d"}
+    gk = make_clocked({"shop/login/*": {"rate": "1/minute", "max_keys": 2}})
+    for caller in ("x", "y", "x", "z"):
+        with contextlib.suppress(Rejected):
+            gk.admit("shop", "login", caller).release(200)
+    assert set(gk.inflight()) == {"shop/login/x", "shop/login/z"}
 
 
-def test_in_flight_state_is_never_evicted(clock: FakeClock) -> None:
+def test_in_flight_state_is_never_evicted(make_clocked: Make) -> None:
     """Keys with requests in flight are kept; a new key then cannot be tracked."""
-    gk = memory({"shop/api/*": {"concurrency": 1, "max_keys": 2}}, clock, on_backend_error="reject")
+    gk = make_clocked({"shop/api/*": {"concurrency": 1, "max_keys": 2}}, on_backend_error="reject")
     gk.admit("shop", "api", "a")
     gk.admit("shop", "api", "b")
     assert refused(gk, "shop", "api", "c").code == "GK-BACKEND-UNAVAILABLE"
@@ -871,9 +876,9 @@ def test_in_flight_state_is_never_evicted(clock: FakeClock) -> None:
     assert refused(gk, "shop", "api", "b").code == "GK-CONCURRENCY-LIMIT"
 
 
-def test_delayed_state_is_not_evicted(clock: FakeClock) -> None:
+def test_delayed_state_is_not_evicted(make_clocked: Make, clock: FakeClock) -> None:
     """A key whose slot is held by a delayed decrease is still in flight, so it is kept."""
-    gk = memory({"shop/api/*": {"concurrency": 1, "delay": 10, "max_keys": 1}}, clock)
+    gk = make_clocked({"shop/api/*": {"concurrency": 1, "delay": 10, "max_keys": 1}})
     gk.admit("shop", "api", "a").release(500, faulty=True)
     gk.admit("shop", "api", "b")
     assert busy(gk) == {"shop/api/a": 1}

@@ -225,68 +225,6 @@ def test_max_keys_all_in_flight_applies_on_backend_error(table: Path) -> None:
     gk.close()
 
 
-@pytest.fixture(params=["memory", "shared"])
-def keeper(request: pytest.FixtureRequest, table: Path, clock: FakeClock) -> Iterator[Any]:
-    """Builds a GateKeeper on the memory backend and on the shared one: both evict alike."""
-    built: list[GateKeeper] = []
-
-    def build(limits: dict[str, Any], **options: Any) -> GateKeeper:
-        settings_ = config(table, limits, **options)
-        if request.param == "memory":
-            settings_["backend"] = "memory"
-        built.append(GateKeeper(settings_, clock=clock))
-        return built[-1]
-
-    yield build
-    for gk in built:
-        gk.close()
-
-
-def test_spraying_client_cannot_grow_the_table(keeper: Any) -> None:
-    """5 000 caller names sprayed at a limit with max_keys=100: at most 100 are tracked."""
-    gk = keeper({"shop/api/*": {"concurrency": 1, "rate": "5/minute", "max_keys": 100}})
-    for index in range(5000):
-        gk.admit("shop", "api", f"spray-{index}").release(200)
-    assert len(gk.inflight()) <= 100
-    assert busy(gk) == {}
-
-
-def test_idle_keys_are_evicted_first(keeper: Any) -> None:
-    """A key still inside its rate window outlives newer idle keys when room is needed."""
-    gk = keeper({"shop/login/*": {"rate": "1/minute", "count": [401], "max_keys": 2}})
-    gk.admit("shop", "login", "mallory").release(401)
-    gk.admit("shop", "login", "alice").release(200)
-    gk.admit("shop", "login", "bob").release(200)
-    assert set(gk.inflight()) == {"shop/login/mallory", "shop/login/bob"}
-    assert refused(gk, "login", "mallory").code == "GK-RATE-LIMIT"
-
-
-def test_least_recently_used_key_goes_first(keeper: Any) -> None:
-    """Among idle keys the one unused for longest is evicted; without an idle key, the
-    least recently used one with nothing in flight loses its window."""
-    gk = keeper({"shop/api/*": {"concurrency": 1, "max_keys": 3}})
-    for caller in ("a", "b", "c", "a", "d"):
-        gk.admit("shop", "api", caller).release(200)
-    assert set(gk.inflight()) == {"shop/api/a", "shop/api/c", "shop/api/d"}
-    gk = keeper({"shop/login/*": {"rate": "1/minute", "max_keys": 2}})
-    for caller in ("x", "y", "x", "z"):
-        with contextlib.suppress(Rejected):
-            gk.admit("shop", "login", caller).release(200)
-    assert set(gk.inflight()) == {"shop/login/x", "shop/login/z"}
-
-
-def test_delayed_state_is_not_evicted(keeper: Any, clock: FakeClock) -> None:
-    """A key whose slot is held by a delayed decrease is in flight, so it is kept."""
-    gk = keeper({"shop/api/*": {"concurrency": 1, "delay": 10, "max_keys": 1}})
-    gk.admit("shop", "api", "a").release(500, faulty=True)
-    gk.admit("shop", "api", "b")
-    assert busy(gk) == {"shop/api/a": 1}
-    assert gk.stats()["counters"]["backend_errors"] == 1
-    clock.advance(10)
-    gk.admit("shop", "api", "b")
-    assert busy(gk) == {"shop/api/b": 1}
-
-
 # --- files of another layout -------------------------------------------------------------
 
 
