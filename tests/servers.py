@@ -5,6 +5,7 @@ a timing assumption) and releasing threads or processes together."""
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -260,3 +261,15 @@ class Gunicorn:
             return response.status, response.read()
         finally:
             connection.close()
+
+    def json(self, path: str, headers: Mapping[str, str] | None = None) -> Any:
+        """GET ``path`` and parse its JSON answer, which must be a 200."""
+        status, body = self.request(path, headers=headers)
+        assert status == 200, body
+        return json.loads(body)
+
+    def json_when(self, path: str, condition: Callable[[Any], bool]) -> Any:
+        """The JSON answer of ``path`` once ``condition`` holds for it (polled until the
+        deadline)."""
+        found = wait_until(lambda: (doc,) if condition(doc := self.json(path)) else None)
+        return found[0]

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers import DEADLINE, Gunicorn, run_together, wait_until
+from tests.servers import DEADLINE, Gunicorn, run_together
 
 pytestmark = pytest.mark.slow
 
 LIMIT = 3  # site/hold and site/observe in tests/django_project/settings.py
 TOKEN = "test-token"
+#: The app's observer (an exempt view) and the engine's in-flight counts.
+OBSERVED = "/observed/"
 
 
 @pytest.fixture
@@ -29,30 +31,14 @@ def server(tmp_path: Path) -> Iterator[Gunicorn]:
         yield server
 
 
-def observed(server: Gunicorn) -> dict[str, Any]:
-    """The app's observer (an exempt view) and the engine's in-flight counts."""
-    status, body = server.request("/observed/")
-    assert status == 200
-    result: dict[str, Any] = json.loads(body)
-    return result
-
-
-def eventually(server: Gunicorn, condition: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The app's state once ``condition`` holds (polled until the deadline)."""
-    return wait_until(lambda: state if condition(state := observed(server)) else None)
-
-
 def all_zero(current: dict[str, Any]) -> bool:
     """Every slot came back."""
     return all(count == 0 for count in current["inflight"].values())
 
 
-def status_json(server: Gunicorn) -> dict[str, Any]:
+def status_json(server: Gunicorn) -> Any:
     """The status JSON view, read with the token."""
-    status, body = server.request("/gk/status.json", headers={"Authorization": f"Bearer {TOKEN}"})
-    assert status == 200
-    result: dict[str, Any] = json.loads(body)
-    return result
+    return server.json("/gk/status.json", headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 def test_full_limit_rejects_every_further_request(server: Gunicorn) -> None:
@@ -61,7 +47,7 @@ def test_full_limit_rejects_every_further_request(server: Gunicorn) -> None:
         target=lambda: run_together(LIMIT, lambda i: server.request("/hold/")), daemon=True
     )
     holders.start()
-    eventually(server, lambda current: current["active"] == LIMIT)
+    server.json_when(OBSERVED, lambda current: current["active"] == LIMIT)
     results = run_together(5, lambda i: server.request("/hold/"))
     assert [status for status, _ in results] == [503] * 5
     fault = json.loads(results[0][1])
@@ -69,7 +55,7 @@ def test_full_limit_rejects_every_further_request(server: Gunicorn) -> None:
     assert fault["limit"] == {"path": "site/hold", "value": str(LIMIT)}
     assert server.request("/open/")[0] == 200
     holders.join(DEADLINE)
-    final = eventually(server, all_zero)
+    final = server.json_when(OBSERVED, all_zero)
     assert final["max_active"] == LIMIT
     assert final["executions"] == LIMIT
 
@@ -83,7 +69,7 @@ def test_app_never_sees_more_than_the_limit_under_load(server: Gunicorn) -> None
 
     statuses = [status for result in run_together(8, client) for status in result]
     assert set(statuses) <= {200, 503}
-    final = eventually(server, all_zero)
+    final = server.json_when(OBSERVED, all_zero)
     assert 1 <= final["max_active"] <= LIMIT
     assert final["executions"] == statuses.count(200)
 
@@ -92,9 +78,9 @@ def test_status_view_reports_inflight_under_gunicorn(server: Gunicorn) -> None:
     """The status JSON view (token access) shows a held request in flight, then zero."""
     holder = threading.Thread(target=lambda: server.request("/hold/"), daemon=True)
     holder.start()
-    eventually(server, lambda current: current["active"] == 1)
+    server.json_when(OBSERVED, lambda current: current["active"] == 1)
     assert status_json(server)["inflight"]["site/hold"]["inflight"] == 1
     server.request("/open/")
     holder.join(DEADLINE)
-    eventually(server, all_zero)
+    server.json_when(OBSERVED, all_zero)
     assert status_json(server)["stats"]["counters"]["admitted"] == 1

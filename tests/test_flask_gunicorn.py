@@ -5,16 +5,18 @@ their slot until closed, and every slot comes back (zero leaks)."""
 from __future__ import annotations
 
 import http.client
-import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.servers import DEADLINE, Gunicorn, run_together, wait_until
+from tests.servers import DEADLINE, Gunicorn, run_together
 
 pytestmark = pytest.mark.slow
+
+#: The app's observer and engine counters.
+STATE = "/_test/state"
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +25,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
     args = ("--workers", "1", "--threads", "8", "--pythonpath", "tests/apps")
     with Gunicorn(tmp_path_factory.mktemp("gunicorn"), *args, "flask_app:create_app()") as server:
         yield server
-
-
-def state(server: Gunicorn) -> dict[str, Any]:
-    """The app's observer and engine counters."""
-    status, body = server.request("/_test/state")
-    assert status == 200
-    result: dict[str, Any] = json.loads(body)
-    return result
-
-
-def eventually(server: Gunicorn, condition: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The app's state once ``condition`` holds (polled until the deadline)."""
-    return wait_until(lambda: current if condition(current := state(server)) else None)
 
 
 def no_leaks(current: dict[str, Any]) -> bool:
@@ -66,14 +55,14 @@ def test_concurrent_clients_never_exceed_the_view_limit(server: Gunicorn) -> Non
     opener.start()
     for _ in range(6):
         assert rejected.acquire(timeout=DEADLINE)
-    held = eventually(server, lambda current: current["current"].get("hold") == 2)
+    held = server.json_when(STATE, lambda current: current["current"].get("hold") == 2)
     assert held["inflight"]["demo/hold"] == 2
     server.request("/_test/open/hold", "POST")
     opener.join(DEADLINE)
     statuses = sorted(status for status, _ in results)
     assert statuses == [200, 200] + [503] * 6
     assert all(b"GK-CONCURRENCY-LIMIT" in body for status, body in results if status == 503)
-    final = eventually(server, no_leaks)
+    final = server.json_when(STATE, no_leaks)
     assert final["peak"]["hold"] == 2
 
 
@@ -87,7 +76,7 @@ def test_blueprint_and_view_limits_hold_under_load(server: Gunicorn) -> None:
     assert {status for status, _ in results} <= {200, 503}
     assert all(b"GK-CONCURRENCY-LIMIT" in body for status, body in results if status == 503)
     assert any(status == 200 for status, _ in results)
-    final = eventually(server, no_leaks)
+    final = server.json_when(STATE, no_leaks)
     assert final["peak"]["api"] <= 4
     assert final["peak"]["api/a"] <= 3
     assert final["peak"]["api/b"] <= 3
@@ -106,9 +95,9 @@ def test_streamed_response_holds_its_slot_until_closed(server: Gunicorn) -> None
         assert response.read() == b"last\n"
     finally:
         connection.close()
-    eventually(server, no_leaks)
+    server.json_when(STATE, no_leaks)
     assert server.request("/stream?n=3") == (200, b"first 3\nlast\n")
-    assert eventually(server, no_leaks)["peak"]["stream"] == 1
+    assert server.json_when(STATE, no_leaks)["peak"]["stream"] == 1
 
 
 def test_client_disconnect_mid_stream_releases(server: Gunicorn) -> None:
@@ -118,8 +107,8 @@ def test_client_disconnect_mid_stream_releases(server: Gunicorn) -> None:
     assert response.readline() == b"first 4\n"
     connection.close()
     server.request("/_test/open/stream", "POST")
-    final = eventually(
-        server, lambda current: no_leaks(current) and not current["current"]["stream"]
+    final = server.json_when(
+        STATE, lambda current: no_leaks(current) and not current["current"]["stream"]
     )
     assert final["inflight"].get("demo/stream", 0) == 0
     assert server.request("/stream?n=5") == (200, b"first 5\nlast\n")
@@ -127,7 +116,7 @@ def test_client_disconnect_mid_stream_releases(server: Gunicorn) -> None:
 
 def test_error_inside_stream_releases_after_the_delay(server: Gunicorn) -> None:
     """A generator raising mid-stream is a faulty response: released after its delay."""
-    before = state(server)["faulty_releases"]
+    before = server.json(STATE)["faulty_releases"]
     connection, response = open_stream(server, "/stream-fail")
     try:
         assert response.readline() == b"partial\n"
@@ -135,8 +124,8 @@ def test_error_inside_stream_releases_after_the_delay(server: Gunicorn) -> None:
             response.read()
     finally:
         connection.close()
-    eventually(server, lambda current: current["faulty_releases"] > before)
-    eventually(server, no_leaks)
+    server.json_when(STATE, lambda current: current["faulty_releases"] > before)
+    server.json_when(STATE, no_leaks)
     connection, response = open_stream(server, "/stream-fail")  # admitted again
     connection.close()
-    eventually(server, no_leaks)
+    server.json_when(STATE, no_leaks)

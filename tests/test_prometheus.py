@@ -19,7 +19,7 @@ from werkzeug.test import Client
 
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from gatekeeper_wsgi.prometheus import GateKeeperCollector, MultiProcessExporter, register
-from tests.servers import free_port, wait_until
+from tests.servers import ROOT, free_port, wait_until
 
 SETTINGS: dict[str, Any] = {
     "project": "shop",
@@ -165,6 +165,19 @@ WORKER = textwrap.dedent(
 ).format(SETTINGS=SETTINGS)
 
 
+def start_worker(script: str, directory: Path) -> subprocess.Popen[str]:
+    """A Python process running ``script`` in the repository with PROMETHEUS_MULTIPROC_DIR
+    set to ``directory``; its stdin and stdout are text pipes."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)},
+        cwd=ROOT,
+    )
+
+
 def scrape(directory: Path) -> CollectorRegistry:
     """What a gunicorn scrape endpoint serves: the workers' files aggregated."""
     registry = CollectorRegistry()
@@ -177,19 +190,7 @@ def test_two_worker_processes_aggregate_in_multiprocess_mode(tmp_path: Path) -> 
     """Two workers sharing PROMETHEUS_MULTIPROC_DIR scrape as one service, dead ones too."""
     directory = tmp_path / "prom"
     directory.mkdir()
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
-    repo = Path(__file__).resolve().parent.parent
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=repo,
-        )
-        for _ in range(2)
-    ]
+    workers = [start_worker(WORKER, directory) for _ in range(2)]
     try:
         for worker in workers:
             assert worker.stdout is not None
@@ -249,16 +250,7 @@ THREADED_WORKER = textwrap.dedent(
 @pytest.mark.slow
 def test_the_sync_thread_writes_without_being_asked(tmp_path: Path) -> None:
     """In a worker that never calls sync(), the exporter's thread publishes its values."""
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    repo = Path(__file__).resolve().parent.parent
-    with subprocess.Popen(
-        [sys.executable, "-c", THREADED_WORKER],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=repo,
-    ) as worker:
+    with start_worker(THREADED_WORKER, tmp_path) as worker:
         assert worker.stdout is not None and worker.stdin is not None
         assert worker.stdout.readline().strip() == "ready"
         labels = {"limit": "shop", "level": "project"}

@@ -78,15 +78,20 @@ def boom(request: Any) -> HttpResponse:
     raise RuntimeError("the view failed")
 
 
+def ending(request: Any) -> Iterator[bytes]:
+    """A stream's last chunks: the timeout marker if ``?marker``, a failure if ``?fail``."""
+    if request.GET.get("marker"):
+        yield b" TIMEOUT"
+    if request.GET.get("fail"):
+        raise RuntimeError("the stream failed")
+    yield b" last"
+
+
 def stream(request: Any) -> StreamingHttpResponse:
     def chunks() -> Iterator[bytes]:
         yield b"first "
         yield str(get_gatekeeper().inflight().get("site/stream", 0)).encode()
-        if request.GET.get("marker"):
-            yield b" TIMEOUT"
-        if request.GET.get("fail"):
-            raise RuntimeError("the stream failed")
-        yield b" last"
+        yield from ending(request)
 
     return StreamingHttpResponse(chunks())
 
@@ -94,11 +99,8 @@ def stream(request: Any) -> StreamingHttpResponse:
 def astream(request: Any) -> StreamingHttpResponse:
     async def chunks() -> AsyncIterator[bytes]:
         yield b"first "
-        if request.GET.get("marker"):
-            yield b" TIMEOUT"
-        if request.GET.get("fail"):
-            raise RuntimeError("the stream failed")
-        yield b" last"
+        for chunk in ending(request):
+            yield chunk
 
     return StreamingHttpResponse(chunks())
 
