@@ -15,16 +15,12 @@ from django.core.handlers.asgi import ASGIHandler
 from django.test import AsyncClient
 from gatekeeper_wsgi.contrib.django import get_gatekeeper
 
+from tests.conftest import busy
 from tests.django_project import configure, views
 
 configure()
 
 DEADLINE = 10.0
-
-
-def nonzero(inflight: dict[str, int]) -> dict[str, int]:
-    """In-flight counts without the paths at zero."""
-    return {path: count for path, count in inflight.items() if count}
 
 
 def configure_gatekeeper(settings: Any, limits: dict[str, Any]) -> None:
@@ -85,27 +81,16 @@ async def until(condition: Any, what: str) -> None:
         await asyncio.sleep(0.005)
 
 
-def test_async_client_counts_and_releases(settings: Any) -> None:
-    """Through AsyncClient a sync view is counted while it runs and released after."""
+@pytest.mark.parametrize("view", ["work", "async"], ids=["sync-view", "async-view"])
+def test_async_client_counts_and_releases(settings: Any, view: str) -> None:
+    """Through AsyncClient a sync or `async def` view is counted while it runs, then freed."""
 
     async def scenario() -> None:
-        configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
-        response = await AsyncClient().get("/work/")
+        configure_gatekeeper(settings, {f"site/{view}": {"concurrency": 1}})
+        response = await AsyncClient().get(f"/{view}/")
         assert response.status_code == 200
-        assert nonzero(json.loads(response.content)["inflight"]) == {"site/work": 1}
-        assert nonzero(get_gatekeeper().inflight()) == {}
-
-    asyncio.run(scenario())
-
-
-def test_async_view_is_counted(settings: Any) -> None:
-    """An `async def` view is counted like a sync one."""
-
-    async def scenario() -> None:
-        configure_gatekeeper(settings, {"site/async": {"concurrency": 1}})
-        response = await AsyncClient().get("/async/")
-        assert nonzero(json.loads(response.content)["inflight"]) == {"site/async": 1}
-        assert nonzero(get_gatekeeper().inflight()) == {}
+        assert busy(json.loads(response.content)["inflight"]) == {f"site/{view}": 1}
+        assert busy(get_gatekeeper()) == {}
 
     asyncio.run(scenario())
 
@@ -131,7 +116,7 @@ def test_async_stream_is_released_when_sent(settings: Any) -> None:
         await exchange.run()
         assert exchange.status == 200
         assert exchange.body == b"first  last"
-        assert nonzero(get_gatekeeper().inflight()) == {}
+        assert busy(get_gatekeeper()) == {}
 
     asyncio.run(scenario())
 
@@ -185,7 +170,7 @@ def test_concurrency_limit_is_exact_under_asgi(settings: Any) -> None:
         await asyncio.gather(*tasks)
         assert [exchange.status for exchange in holders] == [200, 200]
         assert hold.max_active == 2
-        assert nonzero(get_gatekeeper().inflight()) == {}
+        assert busy(get_gatekeeper()) == {}
 
     asyncio.run(scenario())
 
@@ -201,11 +186,11 @@ def test_disconnect_frees_the_slot_when_the_view_stops(settings: Any) -> None:
         try:
             await until(lambda: hold.active == 1, "the view running")
             exchange.disconnect.set()
-            assert nonzero(get_gatekeeper().inflight()) == {"site/hold": 1}
+            assert busy(get_gatekeeper()) == {"site/hold": 1}
         finally:
             hold.gate.set()
         await task
-        await until(lambda: not nonzero(get_gatekeeper().inflight()), "the slot back")
+        await until(lambda: not busy(get_gatekeeper()), "the slot back")
         assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 0
 
     asyncio.run(scenario())
@@ -220,12 +205,12 @@ def test_disconnect_cancels_an_async_view_and_frees_its_slot(settings: Any) -> N
         exchange = Exchange("/ahold/")
         task = asyncio.create_task(exchange.run())
         await until(lambda: hold.active == 1, "the view running")
-        assert nonzero(get_gatekeeper().inflight()) == {"site/ahold": 1}
+        assert busy(get_gatekeeper()) == {"site/ahold": 1}
         exchange.disconnect.set()
         await task
         assert hold.active == 0
         assert exchange.sent == []
-        assert nonzero(get_gatekeeper().inflight()) == {}
+        assert busy(get_gatekeeper()) == {}
         assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 0
 
     asyncio.run(scenario())

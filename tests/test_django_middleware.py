@@ -26,6 +26,7 @@ from werkzeug.test import Client as WerkzeugClient
 
 from gatekeeper_wsgi import GateKeeperMiddleware as WSGIGateKeeperMiddleware
 from gatekeeper_wsgi import rejectlog
+from tests.conftest import busy
 from tests.django_project import configure, views
 from tests.servers import DEADLINE, wait_until
 
@@ -37,14 +38,9 @@ def configure_gatekeeper(settings: Any, limits: dict[str, Any], **extra: Any) ->
     settings.GATEKEEPER = {"project": "site", **extra, "limits": limits}
 
 
-def nonzero(inflight: dict[str, int]) -> dict[str, int]:
-    """In-flight counts without the paths at zero."""
-    return {path: count for path, count in inflight.items() if count}
-
-
 def counted_during(response: Any) -> dict[str, int]:
     """What the view saw counted in flight while it ran (the test views report it)."""
-    return nonzero(json.loads(response.content)["inflight"])
+    return busy(json.loads(response.content)["inflight"])
 
 
 @pytest.fixture
@@ -72,7 +68,7 @@ def test_named_url_counts_under_the_project_setting_and_its_url_name(
     response = client.get("/work/")
     assert response.status_code == 200
     assert counted_during(response) == {"site": 1, "site/work": 1}
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_url_namespace_is_the_project(settings: Any, client: Client) -> None:
@@ -148,7 +144,7 @@ def run_middleware(request: Any) -> dict[str, int]:
     seen: dict[str, int] = {}
 
     def view(request: Any) -> HttpResponse:
-        seen.update(nonzero(get_gatekeeper().inflight()))
+        seen.update(busy(get_gatekeeper()))
         return HttpResponse("ok")
 
     GateKeeperMiddleware(view)(request).close()
@@ -168,7 +164,7 @@ def test_user_key_reads_the_authenticated_request_user(settings: Any) -> None:
     request = RequestFactory().get("/whoami/", REMOTE_USER="from-server")
     request.user = User()
     assert run_middleware(request) == {"site/whoami/alice": 1}
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_user_key_falls_back_to_remote_user(settings: Any) -> None:
@@ -185,10 +181,10 @@ def test_streamed_response_holds_its_slot_until_consumed(settings: Any, client: 
     """A StreamingHttpResponse is counted while it streams and released when closed."""
     configure_gatekeeper(settings, {"site/stream": {"concurrency": 1}})
     response = client.get("/stream/")
-    assert nonzero(get_gatekeeper().inflight()) == {"site/stream": 1}
+    assert busy(get_gatekeeper()) == {"site/stream": 1}
     assert client.get("/stream/").status_code == 503
     assert b"".join(response.streaming_content) == b"first 1 last"
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
     assert client.get("/stream/").status_code == 200
 
 
@@ -202,7 +198,7 @@ def test_error_mid_stream_is_faulty_and_releases_after_the_delay(
         b"".join(response.streaming_content)
     keeper = get_gatekeeper()
     assert keeper.stats()["counters"]["delayed_pending"] == 1
-    assert nonzero(keeper.inflight()) == {"site/stream": 1}
+    assert busy(keeper.inflight()) == {"site/stream": 1}
 
 
 def test_body_marker_in_a_stream_is_faulty(settings: Any, client: Client) -> None:
@@ -232,9 +228,9 @@ def test_file_response_is_released_on_close(settings: Any, client: Client) -> No
     """A FileResponse holds its slot until its content is consumed and closed."""
     configure_gatekeeper(settings, {"site/file": {"concurrency": 1}})
     response = client.get("/file/")
-    assert nonzero(get_gatekeeper().inflight()) == {"site/file": 1}
+    assert busy(get_gatekeeper()) == {"site/file": 1}
     assert b"".join(response.streaming_content) == b"file body " * 100
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_file_response_keeps_the_servers_file_wrapper(settings: Any) -> None:
@@ -262,10 +258,10 @@ def test_file_response_keeps_the_servers_file_wrapper(settings: Any) -> None:
     }
     result = WSGIHandler()(environ, lambda status, headers, exc_info=None: None)
     assert isinstance(result, FileWrapper)
-    assert nonzero(get_gatekeeper().inflight()) == {"site/file": 1}
+    assert busy(get_gatekeeper()) == {"site/file": 1}
     assert b"".join(result) == b"file body " * 100
     result.close()
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 @pytest.mark.parametrize(
@@ -298,7 +294,7 @@ def test_faulty_responses_hold_the_slot_for_the_delay(
     assert response.status_code in (200, 500, 504)
     keeper = get_gatekeeper()
     assert keeper.stats()["counters"]["delayed_pending"] == 1
-    assert nonzero(keeper.inflight()) == {"site": 1}
+    assert busy(keeper.inflight()) == {"site": 1}
 
 
 def test_healthy_response_releases_at_once(settings: Any, client: Client) -> None:
@@ -308,7 +304,7 @@ def test_healthy_response_releases_at_once(settings: Any, client: Client) -> Non
     assert client.get("/work/").status_code == 200
     keeper = get_gatekeeper()
     assert keeper.stats()["counters"]["delayed_pending"] == 0
-    assert nonzero(keeper.inflight()) == {}
+    assert busy(keeper.inflight()) == {}
 
 
 def test_response_short_circuited_below_is_released(settings: Any, client: Client) -> None:
@@ -316,7 +312,7 @@ def test_response_short_circuited_below_is_released(settings: Any, client: Clien
     configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
     for _ in range(3):
         assert client.get("/work/", headers={"X-Short-Circuit": "1"}).status_code == 204
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_response_dropped_without_close_is_released(settings: Any) -> None:
@@ -324,9 +320,9 @@ def test_response_dropped_without_close_is_released(settings: Any) -> None:
     configure_gatekeeper(settings, {"site/work": {"concurrency": 1}})
     middleware = GateKeeperMiddleware(lambda request: views.inflight_now(request))
     response = middleware(RequestFactory().get("/work/"))
-    assert nonzero(get_gatekeeper().inflight()) == {"site/work": 1}
+    assert busy(get_gatekeeper()) == {"site/work": 1}
     del response
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_count_statuses_see_the_django_response_status(settings: Any, client: Client) -> None:
@@ -365,7 +361,7 @@ def test_concurrency_limit_is_exact_across_threads(settings: Any, hold: views.Ho
         thread.join(DEADLINE)
     assert statuses == [200, 200, 200]
     assert hold.max_active == 3
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 # -- rejections ------------------------------------------------------------------------
@@ -493,9 +489,9 @@ def test_wsgi_middleware_around_django_is_not_counted_twice(settings: Any) -> No
     app = WSGIGateKeeperMiddleware(WSGIHandler(), get_gatekeeper())
     response = WerkzeugClient(app).get("/work/", buffered=True)
     assert response.status_code == 200
-    assert nonzero(json.loads(response.get_data())["inflight"]) == {"site": 1}
+    assert busy(json.loads(response.get_data())["inflight"]) == {"site": 1}
     assert get_gatekeeper().stats()["counters"]["admitted"] == 1
-    assert nonzero(get_gatekeeper().inflight()) == {}
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_operators_file_hot_reloads_under_django(

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import STAGES
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, busy
 from tests.servers import wait_until
 
 
@@ -77,11 +77,6 @@ def refused(gk: GateKeeper, project: str, service: str, caller: str, **kw: Any) 
     with pytest.raises(Rejected) as info:
         gk.admit(project, service, caller, **kw)
     return info.value
-
-
-def busy(gk: GateKeeper) -> dict[str, int]:
-    """inflight() without the paths at zero (a backend may omit or show them)."""
-    return {path: count for path, count in gk.inflight().items() if count}
 
 
 def waiters(gk: GateKeeper) -> int:

@@ -39,7 +39,7 @@ from gatekeeper_wsgi import (
 )
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.errors import FAULT_CODES
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, busy
 from tests.servers import wait_until
 
 if TYPE_CHECKING:
@@ -106,11 +106,6 @@ def fetch(app: WSGIApplication, path: str = "/", **kwargs: Any) -> TestResponse:
 def start(app: WSGIApplication, path: str = "/", **kwargs: Any) -> TestResponse:
     """A request whose response stays open (first chunk read) until the test closes it."""
     return Client(app).get(path, buffered=False, **kwargs)
-
-
-def busy(gk: GateKeeper) -> dict[str, int]:
-    """The in-flight counters that are not zero."""
-    return {path: count for path, count in gk.inflight().items() if count}
 
 
 def all_zero(gk: GateKeeper) -> bool:
