@@ -43,16 +43,21 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on a free loopback port for the whole session; yields its URL."""
+def redis_binary() -> str:
+    """The redis-server binary; without one a skip (a failure when CI requires Redis)."""
     if REDIS_BINARY is None:
         if REQUIRE_REDIS:
             pytest.fail("GATEKEEPER_REQUIRE_REDIS=1 but no redis-server binary on PATH")
         pytest.skip("redis-server binary not found (apt-get install redis-server)")
+    return REDIS_BINARY
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port for the whole session; yields its URL."""
     from tests.servers import RedisServer
 
-    server = RedisServer(REDIS_BINARY, tmp_path_factory.mktemp("redis"))
+    server = RedisServer(redis_binary(), tmp_path_factory.mktemp("redis"))
     server.start()
     try:
         yield server.url

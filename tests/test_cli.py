@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from werkzeug.test import Client
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from gatekeeper_wsgi.cli import main, parse_rate, run_check, run_replay, run_status
 from gatekeeper_wsgi.rejectlog import flush
+from tests.conftest import BACKENDS, new_backend_url
 from tests.servers import free_port
 
 PROPERTIES = """\
@@ -186,17 +186,10 @@ def test_status_of_an_unreachable_redis_fails_cleanly() -> None:
     assert "backend failed" in json.loads(out.getvalue())["error"]
 
 
-@pytest.fixture(params=["shared", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=[param for param in BACKENDS if param.id != "memory"])
 def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A backend URL that other processes can read: shared file or Redis."""
-    if request.param == "shared":
-        try:
-            import gatekeeper_wsgi.backends.shared  # noqa: F401
-        except ImportError:
-            pytest.skip("the shared backend module is not in this checkout yet")
-        return f"shared://{tmp_path}/gatekeeper.shm"
-    base = request.getfixturevalue("redis_server")
-    return f"{base}?prefix=gk-cli-{os.getpid()}-{id(request)}"
+    return new_backend_url(request, tmp_path)
 
 
 def test_status_reads_live_counts_from_another_process(shared_backend: str) -> None:

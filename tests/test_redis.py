@@ -29,7 +29,7 @@ from gatekeeper_wsgi.backends import backend_from_url  # noqa: E402
 from gatekeeper_wsgi.backends.redis import CircuitOpen, RedisBackend  # noqa: E402
 from gatekeeper_wsgi.errors import ConfigError  # noqa: E402
 from gatekeeper_wsgi.resolve import resolve_route  # noqa: E402
-from tests.conftest import REDIS_BINARY  # noqa: E402
+from tests.conftest import redis_binary  # noqa: E402
 from tests.servers import Blackhole, ControlledRedis, free_port, gather, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -55,9 +55,7 @@ def admitted(gk: GateKeeper, service: str = "work", caller: str = "c") -> Any:
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[ControlledRedis]:
     """A redis-server of this test alone, to stop, freeze and restart."""
-    if REDIS_BINARY is None:
-        pytest.skip("redis-server binary not found")
-    server = ControlledRedis(REDIS_BINARY, tmp_path)
+    server = ControlledRedis(redis_binary(), tmp_path)
     server.start()
     try:
         yield server
@@ -200,10 +198,9 @@ def test_hash_tags_put_all_keys_of_a_project_in_one_cluster_slot(prefixed: str) 
 
 def test_runs_on_redis_cluster(tmp_path: Path) -> None:
     """On a real (one-node) Redis Cluster, which refuses cross-slot scripts, all of it works."""
-    assert REDIS_BINARY is not None
     port = free_port()
     node = ControlledRedis(
-        REDIS_BINARY,
+        redis_binary(),
         tmp_path,
         port,
         (
