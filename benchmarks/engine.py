@@ -22,11 +22,12 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _common import threaded
 
 from gatekeeper_wsgi.engine import GateKeeper
 
@@ -58,20 +59,8 @@ def single_threaded(gk: GateKeeper, operations: int) -> float:
 def multi_threaded(gk: GateKeeper, operations: int, threads: int) -> float:
     """Wall-clock µs per admit+release with ``threads`` threads sharing the work."""
     share = operations // threads
-    barrier = threading.Barrier(threads + 1)
-
-    def work() -> None:
-        barrier.wait()
-        admit_release(gk, share)
-
-    workers = [threading.Thread(target=work) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for worker in workers:
-        worker.join()
-    return (time.perf_counter() - started) / (share * threads) * 1e6
+    seconds = threaded(threads, lambda _index: admit_release(gk, share))
+    return seconds / (share * threads) * 1e6
 
 
 def properties_file(limits: int, variant: int) -> str:

@@ -24,16 +24,17 @@ import io
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _common
+
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.frs import FrequencyService
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = _common.ROOT
 KEYS = 1000
 # A rate never reached in a run, so every update records, and one always reached.
 OPEN_RATE = "1000000000/hour"
@@ -64,24 +65,16 @@ def run_threads(threads: int, seconds: float, work: Callable[[int, int], None]) 
     """Call ``work(thread, i)`` in ``threads`` threads for ``seconds``; requests/s."""
     counts = [0] * threads
     stop = time.perf_counter() + seconds
-    barrier = threading.Barrier(threads + 1)
 
     def loop(thread: int) -> None:
-        barrier.wait()
         i = thread
         while time.perf_counter() < stop:
             work(thread, i)
             i += threads
             counts[thread] += 1
 
-    pool = [threading.Thread(target=loop, args=(n,)) for n in range(threads)]
-    for worker in pool:
-        worker.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for worker in pool:
-        worker.join()
-    return sum(counts) / (time.perf_counter() - started)
+    seconds_taken = _common.threaded(threads, loop)
+    return sum(counts) / seconds_taken
 
 
 def fill(service: FrequencyService) -> None:
@@ -128,10 +121,7 @@ def bench_http(
         config = Path(tmp) / "gatekeeper.toml"
         config.write_text(config_toml(backend))
         fill(FrequencyService(GateKeeper(str(config))))
-        sys.path.insert(0, str(ROOT))
-        from tests.servers import free_port, wait_for_port
-
-        port = free_port()
+        port = _common.free_port()
         server = subprocess.Popen(
             [
                 sys.executable, "-m", "gunicorn",
@@ -144,7 +134,7 @@ def bench_http(
             cwd=ROOT,
         )  # fmt: skip
         try:
-            wait_for_port(port)
+            _common.wait_for_port(port)
             connections = [http.client.HTTPConnection("127.0.0.1", port) for _ in range(threads)]
             headers = {"Content-Type": "application/xml"}
             results = {}

@@ -1,144 +1,138 @@
-"""Per-request overhead of gatekeeper-wsgi against the bare app and Flask-Limiter.
+"""Per-request cost of gatekeeper-wsgi against the bare app and the usual peer, by direct
+WSGI calls.
 
-Run ``python benchmarks/overhead.py``. One Flask app, three ways, measured interleaved in
-one run (so machine noise hits all alike) by calling the WSGI app directly:
+Run ``python benchmarks/overhead.py`` (Flask, memory backend, 1 and 8 threads);
+``--framework django``, ``--backend shared`` or ``--backend redis`` (starts its own
+``redis-server`` unless ``--redis-url`` names one nobody else uses) for the other cells.
+One app, several ways, measured interleaved in one run (so machine noise hits all alike):
 
-- bare Flask;
-- Flask wrapped in GateKeeperMiddleware: concurrency limits on all three levels plus a
-  per-IP rate limit, none of them ever hit (the cost every admitted request pays);
-- Flask with Flask-Limiter (memory storage, moving window, one limit).
+- Flask: bare; the core GateKeeperMiddleware (one rate limit per client address, as the
+  peer; and concurrency limits on all three levels plus that rate); the gatekeeper Flask
+  extension (3 levels + rate); Flask-Limiter (one moving-window limit per address).
+- Django: bare; the gatekeeper Django middleware (3 levels + rate); django-ratelimit
+  (one limit per address, on the Django cache: local memory, or Redis with ``redis``).
 
-Prints median µs per request, the overhead over bare Flask and the ratio of overheads.
+The peers have no host-wide file store, so they sit out ``--backend shared``.
+Prints median µs per request and the cost over the bare app; with 8 threads the time is
+wall time / requests (what the GIL and the locks leave of parallelism).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
+import json
 import sys
-import time
-from collections.abc import Callable, Iterable
-from typing import Any
+import tempfile
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
 
-from flask import Flask
+import _common
+from _common import WSGIApp
 
-from gatekeeper_wsgi import GateKeeperMiddleware
-
-# Three concurrency levels and a rate limit, all counted on every request, none ever hit.
-GATEKEEPER_SETTINGS = {
-    "project": "shop",
-    "limits": {
-        "shop": {"concurrency": 10_000},
-        "shop/orders": {"concurrency": 10_000},
-        "shop/orders/*": {"concurrency": 10_000, "rate": "1000000000/minute"},
-    },
-}
-
-ENVIRON = {
-    "REQUEST_METHOD": "GET",
-    "SCRIPT_NAME": "",
-    "PATH_INFO": "/orders",
-    "QUERY_STRING": "",
-    "SERVER_NAME": "127.0.0.1",
-    "SERVER_PORT": "8000",
-    "SERVER_PROTOCOL": "HTTP/1.1",
-    "REMOTE_ADDR": "127.0.0.1",
-    "HTTP_HOST": "127.0.0.1:8000",
-    "HTTP_X_CALLER_ID": "crm",
-    "wsgi.version": (1, 0),
-    "wsgi.url_scheme": "http",
-    "wsgi.input": None,
-    "wsgi.errors": sys.stderr,
-    "wsgi.multithread": True,
-    "wsgi.multiprocess": False,
-    "wsgi.run_once": False,
-}
-
-WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+BARE = {"flask": "bare Flask", "django": "bare Django"}
+PEER = {"flask": "Flask-Limiter (1 rate)", "django": "django-ratelimit (1 rate)"}
 
 
-def flask_app() -> Flask:
-    app = Flask("bench")
+def apps(framework: str, backend: str, url: Callable[[], str]) -> dict[str, WSGIApp]:
+    """The ways to serve ``framework`` on ``backend``; ``url()`` gives a fresh backend URL."""
+    if framework == "flask":
+        ways: dict[str, WSGIApp] = {
+            BARE["flask"]: _common.flask_app(),
+            "gatekeeper middleware (1 rate)": _common.flask_gatekeeper_middleware(url(), "1 rate"),
+            "gatekeeper middleware (3 conc + 1 rate)": _common.flask_gatekeeper_middleware(url()),
+            "gatekeeper Flask extension (3 conc + 1 rate)": _common.flask_gatekeeper_extension(
+                url()
+            ),
+        }
+        if backend != "shared":
+            storage = "memory://" if backend == "memory" else url()
+            ways[PEER["flask"]] = _common.flask_limiter(storage)
+        return ways
+    redis_url = url() if backend == "redis" else None
+    _common.configure_django(url(), redis_url)
+    ways = {
+        BARE["django"]: _common.django_app("bare"),
+        "gatekeeper Django middleware (3 conc + 1 rate)": _common.django_app("gatekeeper"),
+    }
+    if backend != "shared":
+        ways[PEER["django"]] = _common.django_app("django-ratelimit")
+    return ways
 
-    @app.route("/orders")
-    def orders() -> str:
-        return "ok"
 
-    return app
+def measure(
+    framework: str, backend: str, redis_url: str | None, rounds: int, requests: int
+) -> dict[str, dict[str, float]]:
+    """{"1": {way: µs}, "8": {way: µs}}: medians over interleaved rounds."""
+    with ExitStack() as stack:
+        if backend == "redis":
+            server = stack.enter_context(_common.redis_server(redis_url))
+
+            def url() -> str:
+                return server
+
+        elif backend == "shared":
+            directory = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(dir=_tmpfs(), prefix="gk-bench-"))
+            )
+            files = iter(range(1_000))
+
+            def url() -> str:
+                return f"shared://{directory}/table-{next(files)}.shm"
+
+        else:
+
+            def url() -> str:
+                return "memory"
+
+        ways = apps(framework, backend, url)
+        for app in ways.values():  # warm up: imports, connections, scripts, first pages
+            _common.run(app, 300)
+        return {
+            "1": _common.interleaved(ways, rounds, lambda app: _common.run(app, requests)),
+            "8": _common.interleaved(
+                ways, rounds, lambda app: _common.run_threads(app, requests, 8)
+            ),
+        }
 
 
-def bare() -> WSGIApp:
-    return flask_app()
+def _tmpfs() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
-def gatekeeper() -> WSGIApp:
-    return GateKeeperMiddleware(flask_app(), GATEKEEPER_SETTINGS)
-
-
-def flask_limiter() -> WSGIApp:
-    from flask_limiter import Limiter
-    from flask_limiter.util import get_remote_address
-
-    app = flask_app()
-    Limiter(
-        get_remote_address,
-        app=app,
-        default_limits=["1000000000 per minute"],
-        storage_uri="memory://",
-        strategy="moving-window",
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--framework", choices=("flask", "django"), default="flask")
+    parser.add_argument("--backend", choices=("memory", "shared", "redis"), default="memory")
+    parser.add_argument("--redis-url", help="an existing Redis nobody else uses")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--requests", type=int, help="per round and way (default 1000, 300 on Redis)"
     )
-    return app
+    parser.add_argument("--json", type=Path, help="also write the medians here")
+    args = parser.parse_args(argv)
+    requests = args.requests or (300 if args.backend == "redis" else 1000)
+    results = measure(args.framework, args.backend, args.redis_url, args.rounds, requests)
 
-
-def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
-    pass
-
-
-def run(app: WSGIApp, n: int) -> float:
-    """µs per request over n requests."""
-    environ = ENVIRON
-    started = time.perf_counter()
-    for _ in range(n):
-        result = app(dict(environ), start_response)
-        for _chunk in result:
-            pass
-        close = getattr(result, "close", None)
-        if close is not None:
-            close()
-    return (time.perf_counter() - started) / n * 1e6
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--requests", type=int, default=2000, help="requests per round")
-    args = parser.parse_args()
-    apps = {"bare Flask": bare(), "gatekeeper-wsgi": gatekeeper(), "Flask-Limiter": flask_limiter()}
-    samples: dict[str, list[float]] = {name: [] for name in apps}
-    for app in apps.values():  # warm up
-        run(app, 500)
-    gc.disable()
-    try:
-        for _ in range(args.rounds):
-            for name, app in apps.items():
-                samples[name].append(run(app, args.requests))
-    finally:
-        gc.enable()
-    median = {name: statistics.median(values) for name, values in samples.items()}
-    base = median["bare Flask"]
-    print(f"{args.rounds} rounds x {args.requests} requests, medians, direct WSGI calls")
-    print(f"{'':18}{'µs/request':>12}{'overhead µs':>13}{'x bare':>9}")
-    for name, value in median.items():
-        print(f"{name:18}{value:12.2f}{value - base:13.2f}{value / base:9.2f}")
-    ours = median["gatekeeper-wsgi"] - base
-    theirs = median["Flask-Limiter"] - base
+    bare = BARE[args.framework]
     print(
-        f"\ngatekeeper-wsgi overhead (3 concurrency levels + 1 rate limit): {ours:.2f} µs; "
-        f"Flask-Limiter (1 moving-window limit): {theirs:.2f} µs; "
-        f"ratio {ours / theirs:.3f} (1/{theirs / ours:.1f})"
+        f"{args.framework}, backend {args.backend}: {args.rounds} rounds x {requests} "
+        f"requests, medians, direct WSGI calls"
     )
+    print(f"{'':48}{'threads':>8}{'µs/request':>12}{'over bare':>11}{'x bare':>8}")
+    for threads, medians in results.items():
+        for name, value in medians.items():
+            base = medians[bare]
+            print(f"{name:48}{threads:>8}{value:12.2f}{value - base:11.2f}{value / base:8.2f}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {"framework": args.framework, "backend": args.backend, "results": results},
+                indent=2,
+            )
+        )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,88 +21,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any
 
+import _common
 import redis
-from flask import Flask
-
-from gatekeeper_wsgi import GateKeeperMiddleware
-
-ENVIRON = {
-    "REQUEST_METHOD": "GET",
-    "SCRIPT_NAME": "",
-    "PATH_INFO": "/orders",
-    "QUERY_STRING": "",
-    "SERVER_NAME": "127.0.0.1",
-    "SERVER_PORT": "8000",
-    "SERVER_PROTOCOL": "HTTP/1.1",
-    "REMOTE_ADDR": "127.0.0.1",
-    "HTTP_HOST": "127.0.0.1:8000",
-    "HTTP_X_CALLER_ID": "crm",
-    "wsgi.version": (1, 0),
-    "wsgi.url_scheme": "http",
-    "wsgi.input": None,
-    "wsgi.errors": sys.stderr,
-    "wsgi.multithread": True,
-    "wsgi.multiprocess": False,
-    "wsgi.run_once": False,
-}
-
-WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
-
-
-def flask_app() -> Flask:
-    app = Flask("bench")
-
-    @app.route("/orders")
-    def orders() -> str:
-        return "ok"
-
-    return app
+from _common import ENVIRON, WSGIApp, flask_app, flask_limiter, redis_server, start_response
 
 
 def gatekeeper(url: str) -> WSGIApp:
-    return GateKeeperMiddleware(
-        flask_app(),
-        {
-            "project": "shop",
-            "backend": f"{url}?prefix=bench-{uuid.uuid4().hex[:6]}",
-            "limits": {
-                "shop": {"concurrency": 10_000},
-                "shop/orders": {"concurrency": 10_000},
-                "shop/orders/*": {"concurrency": 10_000, "rate": "1000000000/minute"},
-            },
-        },
-    )
-
-
-def flask_limiter(url: str) -> WSGIApp:
-    from flask_limiter import Limiter
-    from flask_limiter.util import get_remote_address
-
-    app = flask_app()
-    Limiter(
-        get_remote_address,
-        app=app,
-        default_limits=["1000000000 per minute"],
-        storage_uri=url,
-        strategy="moving-window",
-    )
-    return app
-
-
-def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
-    pass
+    """Concurrency limits on all three levels plus a per-caller rate, under a fresh prefix."""
+    return _common.flask_gatekeeper_middleware(url)
 
 
 def run(app: WSGIApp, n: int) -> tuple[float, float]:
@@ -166,38 +95,6 @@ def commands(server: redis.Redis, app: WSGIApp, n: int) -> tuple[float, dict[str
         if not name.startswith(("cmdstat_config", "cmdstat_info"))
     }
     return sum(calls.values()) / n, calls
-
-
-@contextmanager
-def redis_server(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found: install it or pass --url")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as workdir:
-        process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
-            stdout=subprocess.DEVNULL,
-        )
-        try:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait()
 
 
 def main() -> None:
