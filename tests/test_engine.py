@@ -488,6 +488,25 @@ def test_rate_retry_after_is_time_until_next_admission(
     gk.admit("shop", "login", "alice")
 
 
+def test_concurrency_retry_after_follows_this_limits_delayed_releases(
+    make_clocked: Make, clock: FakeClock
+) -> None:
+    """Retry-After of a full limit is when its own delayed slot frees, not another limit's."""
+    gk = make_clocked(
+        {
+            "shop/flaky": {"concurrency": 1, "delay": 30},
+            "shop/partner/*": {"concurrency": 1, "delay": 4},
+        }
+    )
+    gk.admit("shop", "flaky", "crm").release(504, faulty=True)
+    partner = gk.admit("shop", "partner", "crm")
+    assert refused(gk, "shop", "partner", "crm").retry_after == 1  # in flight: any moment
+    partner.release(504, faulty=True)
+    clock.advance(1.5)
+    assert refused(gk, "shop", "partner", "crm").retry_after == 3
+    assert refused(gk, "shop", "flaky", "crm").retry_after == 29
+
+
 def test_rate_window_slides_in_real_time(make: Make) -> None:
     """Real-time variant: after a tiny window passes, the rate limit admits again."""
     gk = make({"shop/login/*": {"rate": "2/0.2s"}}, clock=time.monotonic)

@@ -105,7 +105,7 @@ class MemoryBackend(Backend):
                 concurrency = limit.concurrency
                 if concurrency is not None and counter.inflight >= concurrency:
                     if enforce:
-                        return Denial(index, "concurrency", self._soonest(now), 0)
+                        return Denial(index, "concurrency", self._soonest(counter, now), 0)
                     shadowed += (index,)
                 rate = limit.rate
                 if rate is not None:
@@ -141,7 +141,7 @@ class MemoryBackend(Backend):
                 if counter is None or not enforce:
                     continue
                 if limit.concurrency is not None and counter.inflight >= limit.concurrency:
-                    return Denial(index, "concurrency", self._soonest(now), 0)
+                    return Denial(index, "concurrency", self._soonest(counter, now), 0)
                 if limit.rate is not None:
                     cutoff = now - limit.rate.seconds
                     live = [stamp for stamp in counter.window if stamp > cutoff]
@@ -185,10 +185,11 @@ class MemoryBackend(Backend):
         del table[victim]
         self._counters.pop(victim, None)
 
-    def _soonest(self, now: float) -> float:
-        return max(0.0, self._delayed[0][0] - now) if self._delayed else 0.0
-
-    # --- release --------------------------------------------------------------------------
+    def _soonest(self, counter: _Counter, now: float) -> float:
+        """Seconds until a delayed release of this counter matures; 0 when none is held
+        (a request in flight may finish at any moment)."""
+        dues = [due for due, _, counters in self._delayed if counter in counters]
+        return max(0.0, min(dues) - now) if dues else 0.0
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _MemoryGrant)

@@ -991,7 +991,7 @@ class SharedBackend(Backend):
             concurrency = limit.concurrency
             if concurrency is not None and _U32.unpack_from(mm, offset)[0] >= concurrency:
                 if enforce:
-                    return Denial(index, "concurrency", self._soonest(now), 0)
+                    return Denial(index, "concurrency", self._soonest(node, now), 0)
                 shadowed.append(index)
             rate = limit.rate
             if rate is not None:
@@ -1023,13 +1023,18 @@ class SharedBackend(Backend):
         lease, serial = self._new_lease(pid, nodes)
         return _SharedGrant(slots, tuple(shadowed), self._epoch, pid, lease, serial, nodes, stamps)
 
-    def _soonest(self, now: float) -> float:
+    def _soonest(self, node: int, now: float) -> float:
+        """Seconds until a delayed release holding ``node`` matures; 0 when none does
+        (a request in flight may finish at any moment)."""
         mm = self._mm
         assert mm is not None
-        if _U32.unpack_from(mm, H_HEAP_LEN)[0]:
-            due: float = _F64.unpack_from(mm, self._heap_off)[0]
-            return max(0.0, due - now)
-        return 0.0
+        soonest = None
+        for position in range(_U32.unpack_from(mm, H_HEAP_LEN)[0]):
+            due, lease, serial = _HEAP.unpack_from(mm, self._heap_off + position * HEAP_SIZE)
+            fields = _LEASE.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)
+            if fields[1] == serial and node in fields[4 : 4 + fields[3]]:
+                soonest = due if soonest is None else min(soonest, due)
+        return 0.0 if soonest is None else max(0.0, soonest - now)
 
     # --- keys and nodes -------------------------------------------------------------------
 
