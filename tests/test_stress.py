@@ -383,7 +383,8 @@ class Model:
         slots = [(path, limit) for path, limit in levels if limit is not None]
         for path, limit in slots:
             if limit.concurrency is not None and self.inflight[path] >= limit.concurrency:
-                soonest = min((due for due, _ in self.pending), default=now)
+                # When a delayed release holding this path matures (any moment if none).
+                soonest = min((due for due, paths in self.pending if path in paths), default=now)
                 self.rejected["GK-CONCURRENCY-LIMIT"] += 1
                 return ("rejected", "GK-CONCURRENCY-LIMIT", path, soonest - now)
             if limit.rate is not None:
