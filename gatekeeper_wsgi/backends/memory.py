@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -22,6 +23,19 @@ logger = logging.getLogger("gatekeeper")
 
 # Processes that were warned that their limits are per process.
 _WARNED: set[int] = set()
+# Every memory backend of this process, for the fork hook below.
+_BACKENDS: weakref.WeakSet[MemoryBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread at fork time would stay held in the child forever.
+    # Done by a fork hook rather than a pid check, which would cost a syscall per request.
+    for backend in list(_BACKENDS):
+        backend._lock = threading.Lock()
+        backend._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # How many of a wildcard limit's oldest keys are looked at to choose one to evict.
@@ -81,13 +95,16 @@ class MemoryBackend(Backend):
         self._delayed: list[tuple[float, int, list[_Counter]]] = []
         self._seq = itertools.count()
         self._tick = 0
-        self._pid = os.getpid()
+        #: set in a forked child: the first admission there warns that limits are per process
+        self._forked = False
+        _BACKENDS.add(self)
 
     # --- admission ------------------------------------------------------------------------
 
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
-        if os.getpid() != self._pid:
-            self._forked()
+        if self._forked:
+            self._forked = False
+            self.multiprocess()
         with self._lock:
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
@@ -230,12 +247,6 @@ class MemoryBackend(Backend):
 
     def delayed_pending(self) -> int:
         return len(self._delayed)
-
-    def _forked(self) -> None:
-        self._pid = os.getpid()
-        # The lock may have been held by another thread at fork time; start afresh.
-        self._lock = threading.Lock()
-        self.multiprocess()
 
     def multiprocess(self) -> None:
         """Warn (once per process) that limits are counted per process: this runs in a
