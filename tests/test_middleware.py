@@ -30,17 +30,15 @@ from werkzeug.test import Client, EnvironBuilder, TestResponse
 from werkzeug.wsgi import FileWrapper
 
 from gatekeeper_wsgi import (
-    BackendError,
     ConfigError,
     GateKeeper,
     GateKeeperMiddleware,
     Rejected,
     rejectlog,
 )
-from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.errors import FAULT_CODES
 from tests.conftest import FakeClock, busy
-from tests.servers import wait_until
+from tests.servers import free_port, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -1397,32 +1395,20 @@ def test_queue_full_and_queue_timeout_faults(clock: FakeClock) -> None:
     impatient.close()
 
 
-class DownBackend(Backend):
-    """A counter store that is unreachable."""
-
-    def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
-        raise BackendError("connection refused")
-
-    def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
-        raise BackendError("connection refused")
-
-    def inflight(self, now: float) -> dict[str, int]:
-        return {}
-
-
 @pytest.mark.parametrize("on_error", ["reject", "allow"])
 def test_backend_unavailable(
     clock: FakeClock, caplog: pytest.LogCaptureFixture, on_error: str
 ) -> None:
     """With the backend down, `reject` answers GK-BACKEND-UNAVAILABLE 503, `allow` serves."""
+    # A real Redis URL on a loopback port nobody listens on: connection refused.
     keeper = GateKeeper(
         {
             "project": "shop",
+            "backend": f"redis://127.0.0.1:{free_port()}/0",
             "on_backend_error": on_error,
             "limits": {"shop": {"concurrency": 5}},
         },
         clock=clock,
-        backend=DownBackend(),
     )
     mw = GateKeeperMiddleware(ok_app, keeper)
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
