@@ -225,7 +225,7 @@ def _unescape(raw: str, key: str, file: str, line: int) -> str:
             digits = raw[index : index + 4]
             if not _HEX4.fullmatch(digits):
                 raise ConfigError(
-                    key, f"malformed \\uXXXX escape: \\u{digits}", file=file, line=line
+                    key, f"malformed \\uHHHH escape: \\u{digits}", file=file, line=line
                 )
             out.append(chr(int(digits, 16)))
             index += 4
@@ -233,12 +233,12 @@ def _unescape(raw: str, key: str, file: str, line: int) -> str:
             out.append(_SIMPLE_ESCAPES.get(char, char))
     result = "".join(out)
     if _SURROGATES.search(result):
-        # Java writes characters outside the BMP as two \uXXXX escapes (a UTF-16 pair).
+        # Java writes characters outside the BMP as two \uHHHH escapes (a UTF-16 pair).
         try:
             result = result.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
         except UnicodeDecodeError as exc:
             raise ConfigError(
-                key, "\\uXXXX escape is an unpaired UTF-16 surrogate", file=file, line=line
+                key, "\\uHHHH escape is an unpaired UTF-16 surrogate", file=file, line=line
             ) from exc
     return result
 

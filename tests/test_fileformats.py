@@ -464,7 +464,7 @@ def test_malformed_unicode_escape(tmp_path: Path, escape: str) -> None:
     """A \\u escape without four hex digits is an error with its line."""
     error = load_error(tmp_path, f"project = shop\nk = a{escape}\n")
     assert error.line == 2
-    assert "malformed \\uXXXX escape" in error.problem
+    assert "malformed \\uHHHH escape" in error.problem
 
 
 def test_unpaired_surrogate_escape(tmp_path: Path) -> None:
