@@ -36,6 +36,10 @@ _ROUTE_CACHE_SIZE = 10_000
 # Seconds after its last change during which a file's contents are compared even when its
 # (mtime, size, inode) stamp is unchanged.
 _FRESH_FILE = 2.0
+_PERF_IS_MONOTONIC = (
+    time.get_clock_info("perf_counter").implementation
+    == time.get_clock_info("monotonic").implementation
+)
 # A backend outage is logged at most this often.
 _ERROR_LOG_INTERVAL = 10.0
 
@@ -58,13 +62,31 @@ class Admission:
         """Give the slots back: now, or after ``delay`` when the response was faulty.
 
         ``status`` confirms or returns the rate reservations of limits that count only
-        some statuses (``count = [401]``).
+        some statuses (``count = [401]``). Timed as the ``response`` stage, or
+        ``service_error`` when faulty.
         """
         if self.released:
             return
         self.released = True
-        if self._grant is not None:
-            self._keeper._release(self._grant, status, self.delay if faulty else 0.0)
+        started = time.perf_counter_ns()
+        keeper = self._keeper
+        grant = self._grant
+        delay = self.delay if faulty else 0.0
+        if grant is not None:
+            now = started * 1e-9 if keeper._perf_clock else keeper._clock()
+            try:
+                keeper.backend.release(grant, status, delay, now)
+            except BackendError as exc:
+                # The backend's own expiry (lease) gives these slots back; never fail a
+                # response.
+                keeper._log_backend_error(exc)
+            if keeper._waiting:
+                with keeper._cond:
+                    keeper._cond.notify_all()
+        elapsed = time.perf_counter_ns() - started
+        if delay > 0:
+            keeper.monitor.stages["delay_place"].record(elapsed)
+        (keeper._error_stage if faulty else keeper._response_stage).record(elapsed)
 
 
 class GateKeeper:
@@ -94,6 +116,10 @@ class GateKeeper:
         )
         self._code_limits: dict[str, Mapping[str, Any]] = {}
         self._clock = clock
+        # Where the default clock is the one behind perf_counter (CLOCK_MONOTONIC on
+        # Linux), admission and release read "now" from the timestamp they take for their
+        # stage timings instead of asking the clock a second time.
+        self._perf_clock = clock is time.monotonic and _PERF_IS_MONOTONIC
         self.monitor = Monitor()
         self._file_stamp: tuple[int, int, int] | None = None
         self._file_digest = b""
@@ -103,8 +129,8 @@ class GateKeeper:
         )
         stages = self.monitor.stages
         self.backend.delay_stage = stages["delay_process"]
-        self._resolve_stage = stages["resolve_limits"]
-        self._decide_stage = stages["decide"]
+        self._response_stage = stages["response"]
+        self._error_stage = stages["service_error"]
         self._routes: dict[tuple[str, str], Route] = {}
         self._reload_lock = threading.Lock()
         self._requests_since_check = 0
@@ -211,37 +237,51 @@ class GateKeeper:
         supplies ``REMOTE_ADDR``, ``REMOTE_USER`` and headers for ``key`` kinds other than
         the caller; ``user`` overrides ``REMOTE_USER`` (Django's ``request.user``).
         """
+        return self._admit(project, service, caller, environ, user, time.perf_counter_ns())
+
+    def _admit(
+        self,
+        project: str,
+        service: str,
+        caller: str,
+        environ: Mapping[str, Any],
+        user: str | None,
+        started: int,
+    ) -> Admission:
+        """:meth:`admit`, timed from ``started`` (``perf_counter_ns``): the middlewares
+        pass the moment they began to name the request, so naming counts as resolving."""
         perf = time.perf_counter_ns
-        started = perf()
-        now = self._clock()
+        now = started * 1e-9 if self._perf_clock else self._clock()
         route, slots, delay = self._limits_of(project, service, caller, environ, user, now)
         resolved = perf()
-        self._resolve_stage.record(resolved - started)
-        if not slots:
-            self.monitor.admitted += 1
-            return Admission(self, route, None, delay)
-        try:
-            # Looked up once: the last waiter may leave between two lookups.
-            queued = self._queued_slot(slots) if self._waiting else None
-            if queued is not None:
-                result: Grant | Denial = self._wait(slots, queued, now)
-            else:
-                result = self.backend.acquire(slots, now)
-                if type(result) is Denial:
-                    result = self._refused(slots, result, now)
-        except BackendError as exc:
-            self._decide_stage.record(perf() - resolved)
-            return self._backend_failed(exc, route, delay)
-        except Rejected:
-            # A refusal is a decision too; without it "decide" only timed admissions.
-            self._decide_stage.record(perf() - resolved)
-            raise
-        self._decide_stage.record(perf() - resolved)
-        assert isinstance(result, Grant)
-        if result.shadowed:
-            self._shadow(slots, result)
-        self.monitor.admitted += 1
-        return Admission(self, route, result, delay)
+        monitor = self.monitor
+        grant: Grant | None = None
+        if slots:
+            try:
+                # Looked up once: the last waiter may leave between two lookups.
+                queued = self._queued_slot(slots) if self._waiting else None
+                if queued is not None:
+                    grant = self._wait(slots, queued, now)
+                else:
+                    result = self.backend.acquire(slots, now)
+                    if isinstance(result, Denial):
+                        grant = self._refused(slots, result, now)
+                    else:
+                        grant = result
+                if grant.shadowed:
+                    self._shadow(slots, grant)
+            except BackendError as exc:
+                self._log_backend_error(exc)
+                if self.config.on_backend_error == "reject":
+                    monitor.decision(started, resolved, perf(), False)
+                    rejected = Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0)
+                    raise self._counted(rejected) from exc
+                grant = None  # fail open
+            except Rejected:
+                monitor.decision(started, resolved, perf(), False)
+                raise
+        monitor.decision(started, resolved, perf(), True)
+        return Admission(self, route, grant, delay)
 
     def query(
         self,
@@ -303,8 +343,7 @@ class GateKeeper:
             route = self._route(project, service)
         if not route.caller_candidates:
             return route, route.slots, route.delay
-        slot, caller_delay = route.caller_level(caller, environ, user)
-        slots = route.slots if slot is None else (*route.slots, slot)
+        slots, caller_delay = route.caller_level(caller, environ, user)
         return route, slots, route.delay if caller_delay is None else caller_delay
 
     def _reload_if_due(self, now: float) -> None:
@@ -365,13 +404,6 @@ class GateKeeper:
         paths = ", ".join(slots[index].limit.path for index in grant.shadowed)
         logger.info("gatekeeper: shadow mode admitted a request over the limit of %s", paths)
 
-    def _backend_failed(self, exc: BaseException, route: Route, delay: float) -> Admission:
-        self._log_backend_error(exc)
-        if self.config.on_backend_error == "reject":
-            raise self._counted(Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0))
-        self.monitor.admitted += 1
-        return Admission(self, route, None, delay)
-
     def _log_backend_error(self, exc: BaseException) -> None:
         self.monitor.backend_errors += 1
         now = time.monotonic()
@@ -412,8 +444,7 @@ class GateKeeper:
                     retry_hint = None
                     if queue[0] is waiter:
                         result = backend.acquire(slots, clock())
-                        if type(result) is not Denial:
-                            assert isinstance(result, Grant)
+                        if not isinstance(result, Denial):
                             return result
                         refusing = slots[result.at]
                         if refusing.limit.queue is None:
@@ -449,21 +480,6 @@ class GateKeeper:
                 code, level=limit.level, limit_path=limit.path, limit_value=value, retry_after=wait
             )
         )
-
-    # --- release --------------------------------------------------------------------------
-
-    def _release(self, grant: Grant, status: int | None, delay: float) -> None:
-        started = time.perf_counter_ns()
-        try:
-            self.backend.release(grant, status, delay, self._clock())
-        except BackendError as exc:
-            # The backend's own expiry (lease) gives these slots back; never fail a response.
-            self._log_backend_error(exc)
-        if delay > 0:
-            self.monitor.stages["delay_place"].record(time.perf_counter_ns() - started)
-        if self._waiting:
-            with self._cond:
-                self._cond.notify_all()
 
     # --- observation ----------------------------------------------------------------------
 

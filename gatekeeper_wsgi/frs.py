@@ -143,8 +143,8 @@ class FrequencyService:
             return _restricted(rejected)
         # A limit that counts only some statuses (failed logins) records the use only if
         # given one of them: an update is such a use by definition.
-        slot, _ = route.caller_level(caller, environ, key)
-        counted = slot.limit.count if slot is not None else None
+        slots, _ = route.caller_level(caller, environ, key)
+        counted = slots[-1].limit.count if len(slots) > len(route.slots) else None
         admission.release(min(counted) if counted else 200)
         return _not_restricted("recorded")
 

@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, RequestRedirect, Rule
 
 from gatekeeper_wsgi.config import CALLER_RE, Config
-from gatekeeper_wsgi.resolve import key_segment
+from gatekeeper_wsgi.resolve import MEMO_SIZE, key_segment
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
@@ -62,6 +62,10 @@ class Identifier:
         self.resolver: CallerResolver | None = config.caller.resolver
         #: whether a limit counts by user (Django reads request.user only then)
         self.needs_user = any(limit.key == "user" for limit in config.limits.values())
+        # Memos of the per-request regular-expression work: path -> service (without a
+        # routes table) and header value -> whether it is a valid caller name.
+        self._services: dict[str, str] = {}
+        self._callers: dict[str, bool] = {}
         self._adapter = None
         if config.routes:
             rules = [Rule(rule, endpoint=name) for rule, name in config.routes.items()]
@@ -78,8 +82,15 @@ class Identifier:
                 pass
             except Exception:  # a hostile path must never turn into a 500
                 logger.debug("gatekeeper: route matching failed for %r", path, exc_info=True)
-        first = path.lstrip("/").split("/", 1)[0]
-        return key_segment(first) if first else "root"
+        services = self._services
+        service = services.get(path)
+        if service is None:
+            first = path.lstrip("/").split("/", 1)[0]
+            service = key_segment(first) if first else "root"
+            if len(services) >= MEMO_SIZE:
+                services.clear()
+            services[path] = service
+        return service
 
     def caller(self, environ: WSGIEnvironment) -> str | None:
         """The caller named by the resolver or header, or None when missing or invalid."""
@@ -91,6 +102,13 @@ class Identifier:
                 return None
         else:
             value = environ.get(self.caller_key)
-        if isinstance(value, str) and CALLER_RE.fullmatch(value):
-            return value
-        return None
+        if not isinstance(value, str):
+            return None
+        callers = self._callers
+        valid = callers.get(value)
+        if valid is None:
+            valid = CALLER_RE.fullmatch(value) is not None
+            if len(callers) >= MEMO_SIZE:
+                callers.clear()
+            callers[value] = valid
+        return value if valid else None

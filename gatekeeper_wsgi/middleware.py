@@ -52,8 +52,9 @@ class ResponseWatch:
         self.admission = admission
         self.status: int | None = None
         self.faulty = False
-        self._scanned = 0
-        self._tail = b""
+        if admission.route.timeout_body is not None:
+            self._scanned = 0
+            self._tail = b""
 
     @property
     def scans_body(self) -> bool:
@@ -93,13 +94,7 @@ class ResponseWatch:
 
     def finish(self) -> None:
         """Release the admission (after its delay when the response was faulty)."""
-        admission = self.admission
-        if admission.released:
-            return
-        started = time.perf_counter_ns()
-        admission.release(self.status, faulty=self.faulty)
-        stage = "service_error" if self.faulty else "response"
-        admission._keeper.monitor.stages[stage].record(time.perf_counter_ns() - started)
+        self.admission.release(self.status, faulty=self.faulty)
 
 
 class _WatchedResponse(ResponseWatch):
@@ -110,20 +105,11 @@ class _WatchedResponse(ResponseWatch):
     slots come back even when the inner ``close()`` raises.
     """
 
-    __slots__ = ("_inner", "_plain", "_start_response")
-
-    def __init__(self, admission: Admission, start_response: StartResponse) -> None:
-        # ResponseWatch.__init__ inlined: this runs on every request.
-        self.admission = admission
-        self.status: int | None = None
-        self.faulty = False
-        self._scanned = 0
-        self._tail = b""
-        self._start_response = start_response
-        self._inner: Iterable[bytes] = ()
-        route = admission.route
-        #: no marker in the status line or headers: only a 5xx can make it faulty
-        self._plain = route.timeout_status is None and route.timeout_header is None
+    # Set by GateKeeperMiddleware.call_app: the server's start_response, then the app's
+    # iterable (no __init__ of its own, which would cost a super() call per request).
+    __slots__ = ("_inner", "_start_response")
+    _inner: Iterable[bytes]
+    _start_response: StartResponse
 
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
@@ -132,7 +118,8 @@ class _WatchedResponse(ResponseWatch):
             code = int(status[:3])
         except ValueError:
             code = 500
-        if code < 500 and self._plain:
+        if code < 500 and not self.admission.route.marks_headers:
+            # Only a 5xx can make it faulty: no header to look at.
             self.status = code
             self.faulty = False
         else:
@@ -159,7 +146,7 @@ class _WatchedResponse(ResponseWatch):
             if close is not None:
                 close()
         finally:
-            self.finish()
+            self.admission.release(self.status, faulty=self.faulty)
 
 
 class Gate:
@@ -205,9 +192,9 @@ class Gate:
                 raise keeper._counted(Rejected("GK-CALLER-MISSING"))
             caller = config.caller.default
         environ[IDENTITY_KEY] = (project, service, caller)
-        admission = keeper.admit(project, service, caller, environ, user)
-        environ[ADMISSION_KEY] = admission
-        keeper.monitor.stages["request"].record(time.perf_counter_ns() - started)
+        admission = environ[ADMISSION_KEY] = keeper._admit(
+            project, service, caller, environ, user, started
+        )
         return admission
 
     def fault(
@@ -297,12 +284,12 @@ class GateKeeperMiddleware:
         self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
     ) -> Iterable[bytes]:
         """Run the app for an admitted request; the admission is released on close."""
-        response = _WatchedResponse(admission, start_response)
+        response = _WatchedResponse(admission)
+        response._start_response = start_response
         try:
             response._inner = self.app(environ, response.start_response)
         except BaseException:
-            response.faulty = True
-            response.finish()
+            admission.release(response.status, faulty=True)
             raise
         result = response._inner
         file_wrapper = environ.get("wsgi.file_wrapper")

@@ -177,7 +177,7 @@ class GateKeeperCollector:
         for name, stage in gatekeeper.monitor.stages.items():
             if name in self._buckets:
                 self._previous[name] = stage.observer
-                stage.observer = _chain(stage.observer, self._observer(name))
+                gatekeeper.monitor.observe(name, _chain(stage.observer, self._observer(name)))
 
     def _observer(self, name: str) -> Callable[[int], None]:
         buckets = self._buckets[name]
@@ -198,7 +198,7 @@ class GateKeeperCollector:
             self.registry.unregister(self)
             self.registry = None
         for name, previous in self._previous.items():
-            self.gatekeeper.monitor.stages[name].observer = previous
+            self.gatekeeper.monitor.observe(name, previous)
         self._previous = {}
 
     def describe(self) -> Iterator[Metric]:
@@ -368,7 +368,7 @@ class MultiProcessExporter:
         for name, stage in gatekeeper.monitor.stages.items():
             self._previous[name] = stage.observer
             child = self._stages.labels(name)
-            stage.observer = _chain(stage.observer, self._observer(child))
+            gatekeeper.monitor.observe(name, _chain(stage.observer, self._observer(child)))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -467,7 +467,7 @@ class MultiProcessExporter:
         if self._previous:
             self.sync()
         for name, previous in self._previous.items():
-            self.gatekeeper.monitor.stages[name].observer = previous
+            self.gatekeeper.monitor.observe(name, previous)
         self._previous = {}
         _exporters.discard(self)
 

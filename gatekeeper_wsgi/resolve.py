@@ -21,6 +21,15 @@ from gatekeeper_wsgi.config import CALLER_RE, Config, Limit, TimeoutHeader
 
 __all__ = ["Route", "key_segment", "resolve_route"]
 
+# Slot(...) runs NamedTuple's generated __new__, a Python function; the caller level makes
+# a slot for every new key, so it builds the tuple directly.
+_new_slot = tuple.__new__
+#: Entries a memo of request values keeps before it starts over (bounds hostile sprays).
+MEMO_SIZE = 16_384
+# (route, request value) -> Route.caller_level's answer; shared by all routes so that its
+# size is bounded however many routes a spray of paths creates.
+_CALLER_MEMO: dict[tuple[Route, str], tuple[tuple[Slot, ...], float | None]] = {}
+
 
 def key_segment(value: str | None) -> str:
     """A request-derived value made safe to use as a path segment and in logs.
@@ -57,7 +66,16 @@ class _CallerCandidate:
     """A caller-level limit of one route, how to read its key from a request, and what
     its slot needs besides the key (computed once per route, not per request)."""
 
-    __slots__ = ("counts", "enforce", "environ_key", "kind", "limit", "prefix", "segment")
+    __slots__ = (
+        "counts",
+        "enforce",
+        "environ_key",
+        "kind",
+        "limit",
+        "prefix",
+        "segment",
+        "source",
+    )
 
     def __init__(self, limit: Limit, prefix: str, enforce: bool) -> None:
         self.limit = limit
@@ -74,15 +92,19 @@ class _CallerCandidate:
         elif limit.key.startswith("header:"):
             name = limit.key[len("header:") :]
             self.environ_key = "HTTP_" + name.upper().replace("-", "_")
+        #: the request value the key is read from: "caller", "user" or an environ key
+        self.source = self.environ_key or self.kind
 
 
 class Route:
     """The limits of one (project, service), plus the effective delay and timeout markers."""
 
     __slots__ = (
+        "_source",
         "caller_candidates",
         "config",
         "delay",
+        "marks_headers",
         "mode",
         "project",
         "service",
@@ -118,6 +140,10 @@ class Route:
         self.caller_candidates = tuple(
             _CallerCandidate(limit, prefix, self.enforces(limit)) for limit in callers
         )
+        # When every candidate reads the same request value, the caller level depends on
+        # that value alone and is memoized by it: a repeat caller costs one dict lookup.
+        sources = {candidate.source for candidate in self.caller_candidates}
+        self._source = sources.pop() if len(sources) == 1 else None
         # The most specific level that sets a value wins: service over project.
         self.delay = 0.0
         self.timeout_status: frozenset[int] | None = None
@@ -132,15 +158,41 @@ class Route:
                 self.timeout_header = limit.timeout_header
             if limit.timeout_body is not None:
                 self.timeout_body = limit.timeout_body
+        #: whether a status or header marker can make a response faulty (besides a 5xx)
+        self.marks_headers = self.timeout_status is not None or self.timeout_header is not None
 
     def enforces(self, limit: Limit) -> bool:
         return (limit.mode or self.mode) == "enforce"
 
     def caller_level(
         self, caller: str, environ: Mapping[str, Any], user: str | None
-    ) -> tuple[Slot | None, float | None]:
-        """The caller-level slot for this request and the delay that limit sets, if any
-        caller-level limit matches."""
+    ) -> tuple[tuple[Slot, ...], float | None]:
+        """The slots of this request (the route's, plus its caller-level slot) and the
+        delay its caller-level limit sets, if one matches."""
+        source = self._source
+        if source is None:
+            return self._caller_level(caller, environ, user)
+        raw: object
+        if source == "caller":
+            raw = caller
+        elif source == "user":
+            raw = user or environ.get("REMOTE_USER")
+        else:
+            raw = environ.get(source)
+        if not isinstance(raw, str):
+            return self._caller_level(caller, environ, user)
+        key = (self, raw)
+        found = _CALLER_MEMO.get(key)
+        if found is None:
+            found = self._caller_level(caller, environ, user)
+            if len(_CALLER_MEMO) >= MEMO_SIZE:
+                _CALLER_MEMO.clear()
+            _CALLER_MEMO[key] = found
+        return found
+
+    def _caller_level(
+        self, caller: str, environ: Mapping[str, Any], user: str | None
+    ) -> tuple[tuple[Slot, ...], float | None]:
         for candidate in self.caller_candidates:
             kind = candidate.kind
             if kind == "caller":
@@ -154,9 +206,10 @@ class Route:
                 continue
             limit = candidate.limit
             if not candidate.counts:
-                return None, limit.delay
-            return Slot(candidate.prefix + value, limit, candidate.enforce), limit.delay
-        return None, None
+                return self.slots, limit.delay
+            slot = _new_slot(Slot, (candidate.prefix + value, limit, candidate.enforce))
+            return (*self.slots, slot), limit.delay
+        return self.slots, None
 
 
 def resolve_route(config: Config, project: str, service: str) -> Route:

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gatekeeper_wsgi import resolve
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import STAGES
@@ -285,6 +286,37 @@ def test_hostile_user_and_ip_values_become_digests(make: Make) -> None:
     gk.admit("shop", "me", "x", user="../admin")
     gk.admit("shop", "ip", "x", environ={"REMOTE_ADDR": "1.2.3.4, 5.6.7.8"})
     assert all(re.fullmatch(r"shop/(me|ip)/~[0-9a-f]{16}", key) for key in busy(gk))
+
+
+def test_caller_level_memo_stays_bounded_and_exact(make: Make) -> None:
+    """The caller level is memoized by the request value it reads; a spray of addresses
+    keeps the memo bounded, and a repeat caller still meets its own limit afterwards."""
+    gk = make({"shop/ip/*": {"concurrency": 1, "key": "ip"}})
+    held = gk.admit("shop", "ip", "x", environ={"REMOTE_ADDR": "10.0.0.1"})
+    for n in range(resolve.MEMO_SIZE + 100):
+        address = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+        if address != "10.0.0.1":
+            gk.admit("shop", "ip", "x", environ={"REMOTE_ADDR": address}).release(200)
+        assert len(resolve._CALLER_MEMO) <= resolve.MEMO_SIZE
+    rejected = refused(gk, "shop", "ip", "x", environ={"REMOTE_ADDR": "10.0.0.1"})
+    assert rejected.limit_path == "shop/ip/*"
+    held.release(200)
+    gk.admit("shop", "ip", "x", environ={"REMOTE_ADDR": "10.0.0.1"})
+    assert busy(gk) == {"shop/ip/10.0.0.1": 1}
+
+
+def test_caller_level_memo_follows_a_reload(make: Make, tmp_path: Path) -> None:
+    """A memoized caller level is never answered from a replaced configuration."""
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, "limits.shop/ip/*.concurrency = 1\nlimits.shop/ip/*.key = ip\n")
+    gk = reloading(make, path)
+    environ = {"REMOTE_ADDR": "10.0.0.1"}
+    gk.admit("shop", "ip", "x", environ=environ)
+    refused(gk, "shop", "ip", "x", environ=environ)
+    rewrite(path, "limits.shop/ip/*.concurrency = 2\nlimits.shop/ip/*.key = ip\n")
+    assert gk.reload() is True
+    gk.admit("shop", "ip", "x", environ=environ)
+    assert refused(gk, "shop", "ip", "x", environ=environ).limit_value == "2"
 
 
 # ------------------------------------------------------------------ all-or-nothing admission

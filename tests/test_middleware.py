@@ -37,6 +37,7 @@ from gatekeeper_wsgi import (
     rejectlog,
 )
 from gatekeeper_wsgi.errors import FAULT_CODES
+from gatekeeper_wsgi.resolve import MEMO_SIZE
 from tests.conftest import FakeClock, busy
 from tests.servers import free_port, wait_until
 
@@ -344,6 +345,20 @@ def test_hostile_first_segment_is_digested_not_echoed(make: Any) -> None:
     service = app.identity[1]
     assert service.startswith("~")
     assert re.fullmatch(r"~[0-9a-f]{16}", service)
+
+
+def test_naming_memos_stay_bounded_under_a_spray(make: Any) -> None:
+    """Service names and caller checks are memoized per path and header value; a spray of
+    new paths and callers keeps those memos bounded and every answer right."""
+    mw = make(Seen(), {"project": "shop"})
+    identifier = mw.gate.identifier()
+    for n in range(MEMO_SIZE + 100):
+        assert identifier.service({"PATH_INFO": f"/s{n}/x"}) == f"s{n}"
+        assert identifier.caller({"HTTP_X_CALLER_ID": f"c{n}"}) == f"c{n}"
+        assert identifier.caller({"HTTP_X_CALLER_ID": f"c {n}"}) is None
+        assert len(identifier._services) <= MEMO_SIZE
+        assert len(identifier._callers) <= MEMO_SIZE
+    assert identifier.service({"PATH_INFO": "/<b>/x"}).startswith("~")
 
 
 def test_caller_from_header_default_and_invalid(make: Any) -> None:

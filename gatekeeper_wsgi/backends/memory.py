@@ -12,6 +12,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Limit
@@ -66,7 +67,9 @@ class _MemoryGrant(Grant):
         stamp: float,
         reserved: list[tuple[deque[float], frozenset[int]]],
     ) -> None:
-        super().__init__(slots, shadowed)
+        # Grant.__init__ inlined: a super() call per admission is measurable.
+        self.slots = slots
+        self.shadowed = shadowed
         self.counters = counters
         #: the admission time, entered in the window of every rate slot that recorded it
         self.stamp = stamp
@@ -108,20 +111,26 @@ class MemoryBackend(Backend):
         with self._lock:
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
-            counters = []
+            counters: list[_Counter] = []
             recording: list[deque[float]] = []
             reserved: list[tuple[deque[float], frozenset[int]]] = []
             shadowed: tuple[int, ...] = ()
             get = self._counters.get
             self._tick = tick = self._tick + 1
+            # Counted as it goes; a refusal takes back what was counted before it.
             for index, (key, limit, enforce) in enumerate(slots):
                 counter = get(key)
                 if counter is None:
-                    counter = self._create(key, limit, now)
+                    try:
+                        counter = self._create(key, limit, now)
+                    except FullError:
+                        self._undo(counters)
+                        raise
                 counter.used = tick
                 concurrency = limit.concurrency
                 if concurrency is not None and counter.inflight >= concurrency:
                     if enforce:
+                        self._undo(counters)
                         return Denial(index, "concurrency", self._soonest(counter, now), 0)
                     shadowed += (index,)
                 rate = limit.rate
@@ -135,17 +144,22 @@ class MemoryBackend(Backend):
                         if limit.count is not None:
                             reserved.append((window, limit.count))
                     elif enforce:
+                        self._undo(counters)
                         return Denial(index, "rate", window[0] - cutoff, 0)
                     elif index not in shadowed:
                         # Shadow over concurrency still counts in the window; a full window
                         # is not extended (as enforce mode would not have admitted).
                         shadowed += (index,)
-                counters.append(counter)
-            for counter in counters:
                 counter.inflight += 1
+                counters.append(counter)
             for window in recording:
                 window.append(now)
             return _MemoryGrant(slots, shadowed, counters, now, reserved)
+
+    @staticmethod
+    def _undo(counters: list[_Counter]) -> None:
+        for counter in counters:
+            counter.inflight -= 1
 
     def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
         """What :meth:`acquire` would answer now, read under the lock: no trace, and no
@@ -209,7 +223,8 @@ class MemoryBackend(Backend):
         return max(0.0, min(dues) - now) if dues else 0.0
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
-        assert isinstance(grant, _MemoryGrant)
+        if TYPE_CHECKING:  # checked by mypy only: an assert costs every release
+            assert isinstance(grant, _MemoryGrant)
         with self._lock:
             for window, count in grant.reserved:
                 if status not in count:
