@@ -49,7 +49,7 @@ _RATE_RE = re.compile(
 DEFAULT_MAX_KEYS = 100_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Rate:
     """``N`` admissions in any rolling window of ``seconds``; ``text`` as configured."""
 
@@ -75,7 +75,7 @@ class TimeoutHeader:
     text: str
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Limit:
     """One configured limit, addressed by its path (``shop``, ``shop/checkout/*``)."""
 

@@ -68,13 +68,13 @@ class Admission:
         if self.released:
             return
         self.released = True
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         keeper = self._keeper
         grant = self._grant
         delay = self.delay if faulty else 0.0
         if grant is not None:
-            now = started * 1e-9 if keeper._perf_clock else keeper._clock()
             try:
+                now = started if keeper._perf_clock else keeper._clock()
                 keeper.backend.release(grant, status, delay, now)
             except BackendError as exc:
                 # The backend's own expiry (lease) gives these slots back; never fail a
@@ -83,7 +83,7 @@ class Admission:
             if keeper._waiting:
                 with keeper._cond:
                     keeper._cond.notify_all()
-        elapsed = time.perf_counter_ns() - started
+        elapsed = time.perf_counter() - started
         if delay > 0:
             keeper.monitor.stages["delay_place"].record(elapsed)
         (keeper._error_stage if faulty else keeper._response_stage).record(elapsed)
@@ -116,8 +116,8 @@ class GateKeeper:
         )
         self._code_limits: dict[str, Mapping[str, Any]] = {}
         self._clock = clock
-        # Where the default clock is the one behind perf_counter (CLOCK_MONOTONIC on
-        # Linux), admission and release read "now" from the timestamp they take for their
+        # Where the default clock is the one behind perf_counter (both CLOCK_MONOTONIC on
+        # Linux), admission and release take "now" from the reading they take for their
         # stage timings instead of asking the clock a second time.
         self._perf_clock = clock is time.monotonic and _PERF_IS_MONOTONIC
         self.monitor = Monitor()
@@ -184,7 +184,7 @@ class GateKeeper:
         self._next_check = self._clock() + self.config.reload.every_seconds
         if self._file is None:
             return False
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         try:
             stat = os.stat(self._file)
             stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
@@ -212,7 +212,7 @@ class GateKeeper:
             )
             return False
         finally:
-            self.monitor.stages["reload"].record(time.perf_counter_ns() - started)
+            self.monitor.stages["reload"].record(time.perf_counter() - started)
         changed = config != self.config
         self._swap(config)
         self._next_check = self._clock() + config.reload.every_seconds
@@ -237,7 +237,7 @@ class GateKeeper:
         supplies ``REMOTE_ADDR``, ``REMOTE_USER`` and headers for ``key`` kinds other than
         the caller; ``user`` overrides ``REMOTE_USER`` (Django's ``request.user``).
         """
-        return self._admit(project, service, caller, environ, user, time.perf_counter_ns())
+        return self._admit(project, service, caller, environ, user, time.perf_counter())
 
     def _admit(
         self,
@@ -246,12 +246,12 @@ class GateKeeper:
         caller: str,
         environ: Mapping[str, Any],
         user: str | None,
-        started: int,
+        started: float,
     ) -> Admission:
-        """:meth:`admit`, timed from ``started`` (``perf_counter_ns``): the middlewares
+        """:meth:`admit`, timed from ``started`` (``time.perf_counter()``): the middlewares
         pass the moment they began to name the request, so naming counts as resolving."""
-        perf = time.perf_counter_ns
-        now = started * 1e-9 if self._perf_clock else self._clock()
+        perf = time.perf_counter
+        now = started if self._perf_clock else self._clock()
         route, slots, delay = self._limits_of(project, service, caller, environ, user, now)
         resolved = perf()
         monitor = self.monitor

@@ -17,7 +17,7 @@ from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.rejectlog import log_rejected
-from gatekeeper_wsgi.resolve import Route
+from gatekeeper_wsgi.resolve import MEMO_SIZE, Route
 
 if TYPE_CHECKING:
     from _typeshed import OptExcInfo
@@ -114,10 +114,9 @@ class _WatchedResponse(ResponseWatch):
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
     ) -> Callable[[bytes], object]:
-        try:
-            code = int(status[:3])
-        except ValueError:
-            code = 500
+        code = _STATUS_CODES.get(status)
+        if code is None:
+            code = _status_code(status)
         if code < 500 and not self.admission.route.marks_headers:
             # Only a 5xx can make it faulty: no header to look at.
             self.status = code
@@ -149,6 +148,20 @@ class _WatchedResponse(ResponseWatch):
             self.admission.release(self.status, faulty=self.faulty)
 
 
+# Status line -> code: a few distinct lines, parsed once (int() on each one is measurable).
+_STATUS_CODES: dict[str, int] = {}
+
+
+def _status_code(status: str) -> int:
+    try:
+        code = int(status[:3])
+    except ValueError:
+        code = 500
+    if len(_STATUS_CODES) < MEMO_SIZE:
+        _STATUS_CODES[status] = code
+    return code
+
+
 class Gate:
     """The steps every integration shares around its framework: name the caller, admit,
     and answer a rejection (ServiceFault, rejected-request log, stage timings).
@@ -177,7 +190,7 @@ class Gate:
         service: str,
         user: str | None = None,
         *,
-        started: int,
+        started: float,
     ) -> Admission:
         """Admit the request (raises :class:`Rejected`) and mark it counted in ``environ``."""
         keeper = self.keeper
@@ -206,7 +219,7 @@ class Gate:
     ) -> tuple[str, list[tuple[str, str]], bytes]:
         """The ServiceFault of a rejection (status line, headers, body), logged on
         ``gatekeeper.rejected``; the request id used is left in ``environ``."""
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         config = identifier.config
         request_id = request_id_from(environ, identifier.request_id_key)
         environ[REQUEST_ID_KEY] = request_id
@@ -219,7 +232,7 @@ class Gate:
             renderer=config.fault.renderer,
         )
         log_rejected(environ if log_environ is None else log_environ, rejected, request_id, config)
-        self.keeper.monitor.stages["reject"].record(time.perf_counter_ns() - started)
+        self.keeper.monitor.stages["reject"].record(time.perf_counter() - started)
         return response
 
 
@@ -260,7 +273,7 @@ class GateKeeperMiddleware:
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if ADMISSION_KEY in environ:  # already counted by an outer gatekeeper
             return self.app(environ, start_response)
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         gate = self.gate
         identifier = gate._identifier
         if identifier.config is not gate.keeper.config:

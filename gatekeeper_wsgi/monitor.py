@@ -13,6 +13,7 @@ request, where three stage records cost a measurable share of the overhead.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -35,43 +36,47 @@ DECISION_STAGES = ("resolve_limits", "decide", "request")
 
 _RING = 1024  # a power of two: the ring index is a mask
 _RING_MASK = _RING - 1
+# Rings are arrays of doubles, not lists: a list would keep each sample's float object
+# for 1024 requests and then free it, long out of the CPU's caches.
+_NOT_ADMITTED = -1.0
 
-Observer = Callable[[int], None]
+#: called with a sample, in seconds
+Observer = Callable[[float], None]
 
 
 class Stage:
-    """Timings of one stage, in nanoseconds."""
+    """Timings of one stage, in seconds (``time.perf_counter`` differences)."""
 
     __slots__ = ("count", "observer", "ring")
 
     def __init__(self) -> None:
         self.count = 0
-        self.ring = [0] * _RING
-        #: called with every sample (nanoseconds); exporters (Prometheus) set it through
+        self.ring = array("d", bytes(8 * _RING))
+        #: called with every sample; exporters (Prometheus) set it through
         #: :meth:`Monitor.observe`
         self.observer: Observer | None = None
 
-    def record(self, ns: int) -> None:
+    def record(self, seconds: float) -> None:
         count = self.count
-        self.ring[count & _RING_MASK] = ns
+        self.ring[count & _RING_MASK] = seconds
         self.count = count + 1
         if self.observer is not None:
-            self.observer(ns)
+            self.observer(seconds)
 
     def summary(self) -> dict[str, Any]:
-        return _summary(self.count, self.ring[: min(self.count, _RING)])
+        return _summary(self.count, self.ring[: min(self.count, _RING)].tolist())
 
 
-def _summary(count: int, samples: list[int]) -> dict[str, Any]:
+def _summary(count: int, samples: list[float]) -> dict[str, Any]:
     if not count or not samples:
         return {"count": count, "mean_us": 0.0, "p99_us": 0.0, "max_us": 0.0}
     recent = sorted(samples)
     p99 = recent[min(len(recent) - 1, (len(recent) * 99) // 100)]
     return {
         "count": count,
-        "mean_us": round(sum(recent) / len(recent) / 1000, 3),
-        "p99_us": round(p99 / 1000, 3),
-        "max_us": round(recent[-1] / 1000, 3),
+        "mean_us": round(sum(recent) / len(recent) * 1e6, 3),
+        "p99_us": round(p99 * 1e6, 3),
+        "max_us": round(recent[-1] * 1e6, 3),
     }
 
 
@@ -81,8 +86,9 @@ class Monitor:
     def __init__(self) -> None:
         #: every stage; those of DECISION_STAGES only carry their observers
         self.stages = {name: Stage() for name in STAGES}
-        # (started, resolved, decided, admitted) of the most recent decisions
-        self._decisions: list[tuple[int, int, int, bool]] = [(0, 0, 0, False)] * _RING
+        # resolve_limits, decide and request (_NOT_ADMITTED for a refusal) seconds of the
+        # most recent decisions, three numbers per decision
+        self._decisions = array("d", bytes(3 * 8 * _RING))
         self._decided = 0
         self._observed = False
         self.admitted = 0
@@ -97,22 +103,26 @@ class Monitor:
         # Dict updates of two counters must not interleave with a concurrent snapshot.
         self._lock = threading.Lock()
 
-    def decision(self, started: int, resolved: int, decided: int, admitted: bool) -> None:
-        """One admission decision (``perf_counter_ns`` timestamps): the limits were
+    def decision(self, started: float, resolved: float, decided: float, admitted: bool) -> None:
+        """One admission decision (``time.perf_counter`` readings): the limits were
         resolved after ``started``, the backend decided after ``resolved``. Times
         ``resolve_limits`` and ``decide``, and ``request`` (start to finish) when admitted.
         """
         count = self._decided
-        self._decisions[count & _RING_MASK] = (started, resolved, decided, admitted)
+        at = (count & _RING_MASK) * 3
+        decisions = self._decisions
+        decisions[at] = resolved - started
+        decisions[at + 1] = decided - resolved
+        decisions[at + 2] = decided - started if admitted else _NOT_ADMITTED
         self._decided = count + 1
         if admitted:
             self.admitted += 1
         if self._observed:
             stages = self.stages
-            for name, ns in _decision_times(started, resolved, decided, admitted):
+            for name, seconds in _decision_times(resolved - started, decided - resolved, admitted):
                 observer = stages[name].observer
                 if observer is not None:
-                    observer(ns)
+                    observer(seconds)
 
     def observe(self, name: str, observer: Observer | None) -> None:
         """Call ``observer`` with every sample of stage ``name`` (None: stop)."""
@@ -123,13 +133,11 @@ class Monitor:
         """count, mean_us, p99_us and max_us of every stage."""
         summaries = {name: stage.summary() for name, stage in self.stages.items()}
         decided = self._decided
-        samples: dict[str, list[int]] = {name: [] for name in DECISION_STAGES}
-        for entry in self._decisions[: min(decided, _RING)]:
-            for name, ns in _decision_times(*entry):
-                samples[name].append(ns)
-        summaries["resolve_limits"] = _summary(decided, samples["resolve_limits"])
-        summaries["decide"] = _summary(decided, samples["decide"])
-        summaries["request"] = _summary(self.admitted, samples["request"])
+        recent = self._decisions[: 3 * min(decided, _RING)].tolist()
+        requests = [seconds for seconds in recent[2::3] if seconds != _NOT_ADMITTED]
+        summaries["resolve_limits"] = _summary(decided, recent[0::3])
+        summaries["decide"] = _summary(decided, recent[1::3])
+        summaries["request"] = _summary(self.admitted, requests)
         return summaries
 
     def count_rejection(self, code: str, limit_path: str | None) -> None:
@@ -162,10 +170,8 @@ class Monitor:
         return {"counters": counters, "stages": self.stage_summaries()}
 
 
-def _decision_times(
-    started: int, resolved: int, decided: int, admitted: bool
-) -> list[tuple[str, int]]:
-    times = [("resolve_limits", resolved - started), ("decide", decided - resolved)]
+def _decision_times(resolving: float, deciding: float, admitted: bool) -> list[tuple[str, float]]:
+    times = [("resolve_limits", resolving), ("decide", deciding)]
     if admitted:
-        times.append(("request", decided - started))
+        times.append(("request", resolving + deciding))
     return times

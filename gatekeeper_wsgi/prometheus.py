@@ -75,7 +75,6 @@ BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
-_BOUNDS_NS = tuple(round(bound * 1e9) for bound in BUCKETS)
 
 _COUNTERS = (
     ("admitted", "Requests admitted"),
@@ -104,14 +103,14 @@ def _multiprocess_dir() -> str | None:
 
 
 def _chain(
-    first: Callable[[int], None] | None, second: Callable[[int], None]
-) -> Callable[[int], None]:
+    first: Callable[[float], None] | None, second: Callable[[float], None]
+) -> Callable[[float], None]:
     if first is None:
         return second
 
-    def both(ns: int) -> None:
-        first(ns)
-        second(ns)
+    def both(seconds: float) -> None:
+        first(seconds)
+        second(seconds)
 
     return both
 
@@ -171,24 +170,24 @@ class GateKeeperCollector:
         self._lock = threading.Lock()
         # stage -> [count per bucket (the last one is +Inf)], sum of nanoseconds
         self._buckets = {name: [0] * (len(BUCKETS) + 1) for name in STAGES}
-        self._sums = dict.fromkeys(STAGES, 0)
-        self._previous: dict[str, Callable[[int], None] | None] = {}
+        self._sums = dict.fromkeys(STAGES, 0.0)
+        self._previous: dict[str, Callable[[float], None] | None] = {}
         self.registry: CollectorRegistry | None = None
         for name, stage in gatekeeper.monitor.stages.items():
             if name in self._buckets:
                 self._previous[name] = stage.observer
                 gatekeeper.monitor.observe(name, _chain(stage.observer, self._observer(name)))
 
-    def _observer(self, name: str) -> Callable[[int], None]:
+    def _observer(self, name: str) -> Callable[[float], None]:
         buckets = self._buckets[name]
         sums = self._sums
         lock = self._lock
 
-        def observe(ns: int) -> None:
-            index = bisect_left(_BOUNDS_NS, ns)
+        def observe(seconds: float) -> None:
+            index = bisect_left(BUCKETS, seconds)
             with lock:
                 buckets[index] += 1
-                sums[name] += ns
+                sums[name] += seconds
 
         return observe
 
@@ -260,13 +259,13 @@ class GateKeeperCollector:
             up.add_metric([], 1 if backend_up else 0)
             with self._lock:
                 snapshot = {name: (list(b), self._sums[name]) for name, b in self._buckets.items()}
-            for name, (counts, total_ns) in snapshot.items():
+            for name, (counts, seconds) in snapshot.items():
                 cumulative = 0
                 buckets: list[tuple[str, float]] = []
                 for bound, count in zip((*BUCKETS, math.inf), counts, strict=True):
                     cumulative += count
                     buckets.append((_le(bound), cumulative))
-                stages.add_metric([name], buckets, total_ns / 1e9)
+                stages.add_metric([name], buckets, seconds)
         yield from (rejected, inflight, keys, capacity, delayed, up, stages)
 
 
@@ -364,7 +363,7 @@ class MultiProcessExporter:
         self._synced_rejections: dict[tuple[str, str], int] = {}
         self._labelled: set[tuple[str, str]] = set()
         self._baseline()
-        self._previous: dict[str, Callable[[int], None] | None] = {}
+        self._previous: dict[str, Callable[[float], None] | None] = {}
         for name, stage in gatekeeper.monitor.stages.items():
             self._previous[name] = stage.observer
             child = self._stages.labels(name)
@@ -376,13 +375,8 @@ class MultiProcessExporter:
         _exporters.add(self)
         atexit.register(self._at_exit)
 
-    def _observer(self, child: Any) -> Callable[[int], None]:
-        observe = child.observe
-
-        def on_sample(ns: int) -> None:
-            observe(ns / 1e9)
-
-        return on_sample
+    def _observer(self, child: Any) -> Callable[[float], None]:
+        return child.observe  # type: ignore[no-any-return]
 
     def _baseline(self) -> None:
         """Count from now on: what the monitor holds already is someone else's."""

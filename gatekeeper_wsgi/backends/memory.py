@@ -240,13 +240,13 @@ class MemoryBackend(Backend):
                 self._mature(now)
 
     def _mature(self, now: float) -> None:
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         delayed = self._delayed
         while delayed and delayed[0][0] <= now:
             for counter in heapq.heappop(delayed)[2]:
                 counter.inflight -= 1
         if self.delay_stage is not None:
-            self.delay_stage.record(time.perf_counter_ns() - started)
+            self.delay_stage.record(time.perf_counter() - started)
 
     # --- observation ----------------------------------------------------------------------
 

@@ -1565,7 +1565,7 @@ class SharedBackend(Backend):
         assert mm is not None
         if not _U32.unpack_from(mm, H_HEAP_LEN)[0] or _F64.unpack_from(mm, self._heap_off)[0] > now:
             return
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         leases_off = self._leases_off
         while (
             _U32.unpack_from(mm, H_HEAP_LEN)[0] and _F64.unpack_from(mm, self._heap_off)[0] <= now
@@ -1575,7 +1575,7 @@ class SharedBackend(Backend):
                 self._free_lease(lease)
             self._commit()
         if self.delay_stage is not None:
-            self.delay_stage.record(time.perf_counter_ns() - started)
+            self.delay_stage.record(time.perf_counter() - started)
 
     # --- processes: registration, liveness, reclaim ---------------------------------------
 
