@@ -9,6 +9,7 @@ so every source goes through the same checks and the same error messages.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -99,11 +100,15 @@ class Limit:
     level: str = field(init=False, compare=False)
     #: whether a segment is ``*`` (one counter per value; derived from the path)
     wildcard: bool = field(init=False, compare=False)
+    #: ``concurrency``, or no bound when None (derived; one comparison per admission)
+    capacity: float = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         # Read on every admission: computed once, not by a property.
         object.__setattr__(self, "level", LEVELS[len(self.segments) - 1])
         object.__setattr__(self, "wildcard", "*" in self.segments)
+        capacity = math.inf if self.concurrency is None else self.concurrency
+        object.__setattr__(self, "capacity", capacity)
 
     def _identity(self) -> tuple[Any, ...]:
         th = self.timeout_header

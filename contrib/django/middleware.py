@@ -165,7 +165,7 @@ class GateKeeperMiddleware:
         meta = request.META
         if ADMISSION_KEY in meta:  # already counted by the WSGI middleware around Django
             return self.get_response(request)
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
         gate = self._gate
         keeper = get_gatekeeper()
         if gate.keeper is not keeper:  # settings.GATEKEEPER was replaced

@@ -117,8 +117,9 @@ class MemoryBackend(Backend):
             shadowed: tuple[int, ...] = ()
             get = self._counters.get
             self._tick = tick = self._tick + 1
-            # Counted as it goes; a refusal takes back what was counted before it.
-            for index, (key, limit, enforce) in enumerate(slots):
+            # Counted as it goes; a refusal takes back what was counted before it. The
+            # slot's index is len(counters): one counter per slot so far.
+            for key, limit, enforce in slots:
                 counter = get(key)
                 if counter is None:
                     try:
@@ -127,12 +128,12 @@ class MemoryBackend(Backend):
                         self._undo(counters)
                         raise
                 counter.used = tick
-                concurrency = limit.concurrency
-                if concurrency is not None and counter.inflight >= concurrency:
+                if counter.inflight >= limit.capacity:
                     if enforce:
                         self._undo(counters)
-                        return Denial(index, "concurrency", self._soonest(counter, now), 0)
-                    shadowed += (index,)
+                        wait = self._soonest(counter, now)
+                        return Denial(len(counters), "concurrency", wait, 0)
+                    shadowed += (len(counters),)
                 rate = limit.rate
                 if rate is not None:
                     window = counter.window
@@ -145,11 +146,11 @@ class MemoryBackend(Backend):
                             reserved.append((window, limit.count))
                     elif enforce:
                         self._undo(counters)
-                        return Denial(index, "rate", window[0] - cutoff, 0)
-                    elif index not in shadowed:
+                        return Denial(len(counters), "rate", window[0] - cutoff, 0)
+                    elif len(counters) not in shadowed:
                         # Shadow over concurrency still counts in the window; a full window
                         # is not extended (as enforce mode would not have admitted).
-                        shadowed += (index,)
+                        shadowed += (len(counters),)
                 counter.inflight += 1
                 counters.append(counter)
             for window in recording:
