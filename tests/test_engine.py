@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gatekeeper_wsgi import resolve
+from gatekeeper_wsgi.config import load_config
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import STAGES
@@ -303,6 +304,34 @@ def test_caller_level_memo_stays_bounded_and_exact(make: Make) -> None:
     held.release(200)
     gk.admit("shop", "ip", "x", environ={"REMOTE_ADDR": "10.0.0.1"})
     assert busy(gk) == {"shop/ip/10.0.0.1": 1}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=st.sampled_from(["caller", "ip", "user", "header:X-Key"]),
+    exact=st.lists(st.sampled_from(["a", "b", "10.0.0.1", "x y"]), max_size=3, unique=True),
+    values=st.lists(
+        st.one_of(st.none(), st.sampled_from(["a", "b", "10.0.0.1", ""]), st.text(max_size=8)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_memoized_caller_level_answers_as_the_limits_say(
+    kind: str, exact: list[str], values: list[str | None]
+) -> None:
+    """Whatever the limits and request values, the memoized caller level gives the same
+    slots and delay as resolving from scratch, on first sight and on a repeat."""
+    limits: dict[str, Any] = {"shop/api/*": {"concurrency": 5, "key": kind, "delay": 1.0}}
+    for n, segment in enumerate(exact):
+        if " " not in segment:
+            limits[f"shop/api/{segment}"] = {"concurrency": n + 1, "key": kind}
+    route = resolve.Route(load_config({"project": "shop", "limits": limits}), "shop", "api")
+    for value in values * 2:
+        caller = value if value and resolve.CALLER_RE.fullmatch(value) else "anonymous"
+        environ = {"REMOTE_ADDR": value, "HTTP_X_KEY": value}
+        assert route.caller_level(caller, environ, value) == route._caller_level(
+            caller, environ, value
+        )
 
 
 def test_caller_level_memo_follows_a_reload(make: Make, tmp_path: Path) -> None:
