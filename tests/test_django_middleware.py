@@ -10,12 +10,13 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from django.core.handlers.wsgi import WSGIHandler
 from django.http import HttpResponse
 from django.test import Client, RequestFactory
+from django.urls import path
 from gatekeeper_wsgi.contrib.django import get_gatekeeper, request_rejected
 from gatekeeper_wsgi.contrib.django.middleware import (
     UNRESOLVED,
@@ -104,6 +105,21 @@ def test_unresolvable_path_counts_as_service_unresolved(settings: Any, client: C
     assert fault["code"] == "GK-CONCURRENCY-LIMIT"
     assert fault["limit"] == {"path": "site/unresolved", "value": "0"}
     assert client.get("/work/").status_code == 200
+
+
+class OtherURLs:
+    """A second URLconf naming /work/ differently."""
+
+    urlpatterns: ClassVar[list[Any]] = [path("work/", views.inflight_now, name="elsewhere")]
+
+
+def test_names_follow_a_changed_root_urlconf(settings: Any, client: Client) -> None:
+    """Resolved names are memoized per path; a new ROOT_URLCONF is resolved afresh."""
+    configure_gatekeeper(settings, {"*/*": {"concurrency": 5}})
+    assert counted_during(client.get("/work/")) == {"site/work": 1}
+    assert counted_during(client.get("/work/")) == {"site/work": 1}
+    settings.ROOT_URLCONF = OtherURLs
+    assert counted_during(client.get("/work/")) == {"site/elsewhere": 1}
 
 
 def test_names_outside_the_segment_alphabet_are_made_safe() -> None:

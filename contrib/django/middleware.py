@@ -8,16 +8,17 @@ import asyncio
 import logging
 import re
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
+from django.core.signals import setting_changed
 from django.http import HttpResponse
-from django.urls import Resolver404, resolve
+from django.urls import Resolver404, get_urlconf, resolve
 
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.middleware import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
+from gatekeeper_wsgi.resolve import MEMO_SIZE
 
 from .conf import get_gatekeeper
 from .signals import request_rejected
@@ -30,6 +31,20 @@ logger = logging.getLogger("gatekeeper")
 UNRESOLVED = "unresolved"
 
 _NOT_SEGMENT = re.compile(r"[^A-Za-z0-9._:@-]+")
+
+#: Resolving a path costs more than everything else the middleware does, so its outcome
+#: is memoized: (urlconf, path) -> (the namespace's project or None, service), or None for
+#: an exempt view. Cleared when ROOT_URLCONF changes, as Django clears its URL caches.
+_NAMES: dict[tuple[Any, str], tuple[str | None, str] | None] = {}
+_UNKNOWN = ("", "")
+
+
+def _forget_names(*, setting: str, **kwargs: Any) -> None:
+    if setting == "ROOT_URLCONF":
+        _NAMES.clear()
+
+
+setting_changed.connect(_forget_names, dispatch_uid="gatekeeper_wsgi.forget_names")
 
 
 def service_segment(name: str) -> str:
@@ -52,6 +67,32 @@ def _is_exempt(func: Any) -> bool:
         getattr(func, "gatekeeper_exempt", False)
         or getattr(getattr(func, "view_class", None), "gatekeeper_exempt", False)
     )
+
+
+def _resolve_names(path: str, urlconf: Any) -> tuple[str | None, str] | None:
+    """(the namespace's project or None, service) of a path, or None for an exempt view."""
+    try:
+        match = resolve(path, urlconf)
+    except Resolver404:
+        return None, UNRESOLVED
+    if _is_exempt(match.func):
+        return None
+    project = service_segment(match.namespace) if match.namespace else None
+    return project, service_segment(match.url_name or _view_path(match.func))
+
+
+class _ReleaseWhenCollected:
+    """Finishes a watch when the response holding it is garbage collected: the safety net
+    for servers (and ASGI cancellations) that drop a response unclosed. Cheaper per
+    request than ``weakref.finalize``; finishing twice does nothing."""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: ResponseWatch) -> None:
+        self.watch = watch
+
+    def __del__(self) -> None:
+        self.watch.finish()
 
 
 def _username(request: Any) -> str | None:
@@ -193,17 +234,22 @@ class GateKeeperMiddleware:
             raise
         return response
 
-    def _names(self, request: Any, default_project: str) -> tuple[str, str] | None:
+    @staticmethod
+    def _names(request: Any, default_project: str) -> tuple[str, str] | None:
         """(project, service) of the request, or None for an exempt view."""
-        try:
-            match = resolve(request.path_info, getattr(request, "urlconf", None))
-        except Resolver404:
-            return default_project, UNRESOLVED
-        if _is_exempt(match.func):
+        urlconf = getattr(request, "urlconf", None)
+        path = request.path_info
+        key = (get_urlconf() if urlconf is None else urlconf, path)
+        names = _NAMES.get(key, _UNKNOWN)
+        if names is _UNKNOWN:
+            names = _resolve_names(path, urlconf)
+            if len(_NAMES) >= MEMO_SIZE:
+                _NAMES.clear()
+            _NAMES[key] = names
+        if names is None:
             return None
-        project = service_segment(match.namespace) if match.namespace else default_project
-        service = match.url_name or _view_path(match.func)
-        return project, service_segment(service)
+        project, service = names
+        return project or default_project, service
 
     @staticmethod
     def _watch(response: Any, watch: ResponseWatch) -> None:
@@ -218,8 +264,7 @@ class GateKeeperMiddleware:
         elif watch.scans_body:
             watch.chunk(response.content)
         response._resource_closers.append(watch.finish)
-        # A safety net for servers (and ASGI cancellations) that drop a response unclosed.
-        weakref.finalize(response, watch.finish).atexit = False
+        response._gatekeeper_release = _ReleaseWhenCollected(watch)
 
     def _reject(
         self, request: Any, rejected: Rejected, gate: Gate, identifier: Identifier
