@@ -36,6 +36,7 @@ _ROUTE_CACHE_SIZE = 10_000
 # Seconds after its last change during which a file's contents are compared even when its
 # (mtime, size, inode) stamp is unchanged.
 _FRESH_FILE = 2.0
+# Whether a perf_counter() reading is also a monotonic() one (see GateKeeper._perf_clock).
 _PERF_IS_MONOTONIC = (
     time.get_clock_info("perf_counter").implementation
     == time.get_clock_info("monotonic").implementation
