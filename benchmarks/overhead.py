@@ -13,8 +13,9 @@ One app, several ways, measured interleaved in one run (so machine noise hits al
   (one limit per address, on the Django cache: local memory, or Redis with ``redis``).
 
 The peers have no host-wide file store, so they sit out ``--backend shared``.
-Prints median µs per request and the cost over the bare app; with 8 threads the time is
-wall time / requests (what the GIL and the locks leave of parallelism).
+Prints median µs per request, the cost over the bare app, and that cost as a share of the
+peer's cost over the same bare app; with 8 threads the time is wall time / requests (what
+the GIL and the locks leave of parallelism).
 """
 
 from __future__ import annotations
@@ -114,16 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     requests = args.requests or (300 if args.backend == "redis" else 1000)
     results = measure(args.framework, args.backend, args.redis_url, args.rounds, requests)
 
-    bare = BARE[args.framework]
+    bare, peer = BARE[args.framework], PEER[args.framework]
     print(
         f"{args.framework}, backend {args.backend}: {args.rounds} rounds x {requests} "
         f"requests, medians, direct WSGI calls"
     )
-    print(f"{'':48}{'threads':>8}{'µs/request':>12}{'over bare':>11}{'x bare':>8}")
+    print(
+        f"{'':48}{'threads':>8}{'µs/request':>12}{'over bare':>11}{'x bare':>8}"
+        f"{'over bare ÷ peer':>18}"
+    )
     for threads, medians in results.items():
+        base = medians[bare]
+        peer_cost = medians[peer] - base if peer in medians else None
         for name, value in medians.items():
-            base = medians[bare]
-            print(f"{name:48}{threads:>8}{value:12.2f}{value - base:11.2f}{value / base:8.2f}")
+            cost = value - base
+            versus = f"{cost / peer_cost:18.2f}" if peer_cost and name != bare else f"{'—':>18}"
+            print(f"{name:48}{threads:>8}{value:12.2f}{cost:11.2f}{value / base:8.2f}{versus}")
     if args.json is not None:
         args.json.write_text(
             json.dumps(
