@@ -52,6 +52,8 @@ class ResponseWatch:
         self.admission = admission
         self.status: int | None = None
         self.faulty = False
+        # Only a route with a body marker scans; chunk() returns before reading these
+        # otherwise, and most requests are spared setting them.
         if admission.route.timeout_body is not None:
             self._scanned = 0
             self._tail = b""
