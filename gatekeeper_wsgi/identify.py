@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, RequestRedirect, Rule
 
 from gatekeeper_wsgi.config import CALLER_RE, Config
-from gatekeeper_wsgi.resolve import MEMO_SIZE, key_segment
+from gatekeeper_wsgi.resolve import key_segment, remember
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
@@ -82,14 +82,10 @@ class Identifier:
                 pass
             except Exception:  # a hostile path must never turn into a 500
                 logger.debug("gatekeeper: route matching failed for %r", path, exc_info=True)
-        services = self._services
-        service = services.get(path)
+        service = self._services.get(path)
         if service is None:
             first = path.lstrip("/").split("/", 1)[0]
-            service = key_segment(first) if first else "root"
-            if len(services) >= MEMO_SIZE:
-                services.clear()
-            services[path] = service
+            service = remember(self._services, path, key_segment(first) if first else "root")
         return service
 
     def caller(self, environ: WSGIEnvironment) -> str | None:
@@ -104,11 +100,7 @@ class Identifier:
             value = environ.get(self.caller_key)
         if not isinstance(value, str):
             return None
-        callers = self._callers
-        valid = callers.get(value)
+        valid = self._callers.get(value)
         if valid is None:
-            valid = CALLER_RE.fullmatch(value) is not None
-            if len(callers) >= MEMO_SIZE:
-                callers.clear()
-            callers[value] = valid
+            valid = remember(self._callers, value, CALLER_RE.fullmatch(value) is not None)
         return value if valid else None

@@ -17,7 +17,7 @@ from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.rejectlog import log_rejected
-from gatekeeper_wsgi.resolve import MEMO_SIZE, Route
+from gatekeeper_wsgi.resolve import Route, remember
 
 if TYPE_CHECKING:
     from _typeshed import OptExcInfo
@@ -159,9 +159,7 @@ def _status_code(status: str) -> int:
         code = int(status[:3])
     except ValueError:
         code = 500
-    if len(_STATUS_CODES) < MEMO_SIZE:
-        _STATUS_CODES[status] = code
-    return code
+    return remember(_STATUS_CODES, status, code)
 
 
 class Gate:

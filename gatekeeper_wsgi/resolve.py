@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from gatekeeper_wsgi.backends.base import Slot
 from gatekeeper_wsgi.config import CALLER_RE, Config, Limit, TimeoutHeader
 
-__all__ = ["Route", "key_segment", "resolve_route"]
+__all__ = ["MEMO_SIZE", "Route", "key_segment", "remember", "resolve_route"]
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 # Slot(...) runs NamedTuple's generated __new__, a Python function; the caller level makes
 # a slot for every new key, so it builds the tuple directly.
@@ -29,6 +32,16 @@ MEMO_SIZE = 16_384
 # (route, request value) -> Route.caller_level's answer; shared by all routes so that its
 # size is bounded however many routes a spray of paths creates.
 _CALLER_MEMO: dict[tuple[Route, str], tuple[tuple[Slot, ...], float | None]] = {}
+
+
+def remember(memo: dict[K, V], key: K, value: V) -> V:
+    """Store ``value`` in a memo of request values and return it; a full memo starts over,
+    so a spray of new values costs a little time and never memory. (Memos are read with a
+    bare ``dict.get``; only a miss comes here.)"""
+    if len(memo) >= MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 def key_segment(value: str | None) -> str:
@@ -184,10 +197,7 @@ class Route:
         key = (self, raw)
         found = _CALLER_MEMO.get(key)
         if found is None:
-            found = self._caller_level(caller, environ, user)
-            if len(_CALLER_MEMO) >= MEMO_SIZE:
-                _CALLER_MEMO.clear()
-            _CALLER_MEMO[key] = found
+            found = remember(_CALLER_MEMO, key, self._caller_level(caller, environ, user))
         return found
 
     def _caller_level(

@@ -18,7 +18,7 @@ from django.urls import Resolver404, get_urlconf, resolve
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.middleware import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
-from gatekeeper_wsgi.resolve import MEMO_SIZE
+from gatekeeper_wsgi.resolve import remember
 
 from .conf import get_gatekeeper
 from .signals import request_rejected
@@ -242,10 +242,7 @@ class GateKeeperMiddleware:
         key = (get_urlconf() if urlconf is None else urlconf, path)
         names = _NAMES.get(key, _UNKNOWN)
         if names is _UNKNOWN:
-            names = _resolve_names(path, urlconf)
-            if len(_NAMES) >= MEMO_SIZE:
-                _NAMES.clear()
-            _NAMES[key] = names
+            names = remember(_NAMES, key, _resolve_names(path, urlconf))
         if names is None:
             return None
         project, service = names
