@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FAULT_CODES", "BackendError", "ConfigError", "GateKeeperError", "RateInfo", "Rejected"]
+__all__ = [
+    "FAULT_CODES",
+    "BackendError",
+    "CapacityError",
+    "ConfigError",
+    "GateKeeperError",
+    "RateInfo",
+    "Rejected",
+]
 
 
 class GateKeeperError(Exception):
@@ -41,6 +49,26 @@ class ConfigError(GateKeeperError, ValueError):
 
 class BackendError(GateKeeperError):
     """The counter backend (shared file, Redis) failed; wraps the original exception."""
+
+
+class CapacityError(GateKeeperError):
+    """The backend's own capacity ran out for one slot of a request: it cannot track a new
+    key of a limit (``max_keys``, all keys busy), a lease, or a rate-window entry.
+
+    Not an outage, so not a :class:`BackendError`: ``on_backend_error`` never applies. The
+    backend raises it having undone whatever it took for the request, and the engine refuses
+    the request by the limit of ``slots[at]`` (SPEC §4.5), so a full table never admits a
+    request uncounted.
+    """
+
+    def __init__(self, at: int, what: str, *, retry_after: float = 1.0) -> None:
+        #: position of the slot that could not be tracked, in the slots given to ``acquire``
+        self.at = at
+        #: what ran out and how to size it, for the operator's WARNING
+        self.what = what
+        #: seconds until a retry may find room
+        self.retry_after = retry_after
+        super().__init__(what)
 
 
 #: code -> (HTTP status, reason)
