@@ -162,6 +162,17 @@ def _json_str(value: str) -> str:
     return _LONE_SURROGATES.sub("", value)
 
 
+# A limit value of plain ASCII digits can only be a concurrency (a rate always has its "/"),
+# which SPEC §5 types as a JSON number; 18 digits keep int() far from Python's digit cap.
+_CONCURRENCY_VALUE = re.compile(r"(?:0|[1-9][0-9]{0,17})")
+
+
+def _json_limit_value(value: str) -> int | str:
+    if _CONCURRENCY_VALUE.fullmatch(value):
+        return int(value)
+    return _json_str(value)
+
+
 def _render_json(rejected: Rejected, request_id: str) -> bytes:
     problem: dict[str, object] = {
         "type": _JSON_TYPE.get(rejected.code) or f"urn:gatekeeper-wsgi:fault:{rejected.code}",
@@ -172,9 +183,9 @@ def _render_json(rejected: Rejected, request_id: str) -> bytes:
     if rejected.level is not None:
         problem["level"] = _json_str(rejected.level)
     if rejected.limit_path is not None:
-        limit = {"path": _json_str(rejected.limit_path)}
+        limit: dict[str, object] = {"path": _json_str(rejected.limit_path)}
         if rejected.limit_value is not None:
-            limit["value"] = _json_str(rejected.limit_value)
+            limit["value"] = _json_limit_value(rejected.limit_value)
         problem["limit"] = limit
     problem["requestId"] = _json_str(request_id)
     if rejected.retry_after is not None:

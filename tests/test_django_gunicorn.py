@@ -52,7 +52,7 @@ def test_full_limit_rejects_every_further_request(server: Gunicorn) -> None:
     assert [status for status, _ in results] == [503] * 5
     fault = json.loads(results[0][1])
     assert fault["code"] == "GK-CONCURRENCY-LIMIT"
-    assert fault["limit"] == {"path": "site/hold", "value": str(LIMIT)}
+    assert fault["limit"] == {"path": "site/hold", "value": LIMIT}
     assert server.request("/open/")[0] == 200
     holders.join(DEADLINE)
     final = server.json_when(OBSERVED, all_zero)

@@ -103,7 +103,7 @@ def test_unresolvable_path_counts_as_service_unresolved(settings: Any, client: C
     assert response.status_code == 503
     fault = response.json()
     assert fault["code"] == "GK-CONCURRENCY-LIMIT"
-    assert fault["limit"] == {"path": "site/unresolved", "value": "0"}
+    assert fault["limit"] == {"path": "site/unresolved", "value": 0}
     assert client.get("/work/").status_code == 200
 
 
@@ -371,7 +371,7 @@ def test_concurrency_limit_is_exact_across_threads(settings: Any, hold: views.Ho
     for _ in range(4):
         response = Client().get("/hold/")
         assert response.status_code == 503
-        assert response.json()["limit"] == {"path": "site/hold", "value": "3"}
+        assert response.json()["limit"] == {"path": "site/hold", "value": 3}
     hold.gate.set()
     for thread in holders:
         thread.join(DEADLINE)

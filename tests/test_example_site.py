@@ -179,7 +179,7 @@ def test_slow_endpoint_runs_two_and_its_queue_answers_503(site: Site) -> None:
     assert answer.status == 503
     fault = answer.fault()
     assert fault["code"] == "GK-QUEUE-TIMEOUT"
-    assert fault["limit"] == {"path": "demo/slow", "value": "2"}
+    assert fault["limit"] == {"path": "demo/slow", "value": 2}
     assert int(answer.headers["Retry-After"]) >= 1
     site.work.finish()
     for thread, answers in holders:
@@ -240,7 +240,7 @@ def test_partner_endpoint_limits_each_caller_separately(site: Site) -> None:
     fault = refused.fault()
     assert fault["code"] == "GK-CONCURRENCY-LIMIT"
     assert fault["level"] == "caller"
-    assert fault["limit"] == {"path": "demo/partner/*", "value": "1"}
+    assert fault["limit"] == {"path": "demo/partner/*", "value": 1}
     assert [a.status for a in crm_answers] == [200]
     assert [a.body for a in billing_answers] == [b"done: partner for billing\n"]
 

@@ -164,11 +164,33 @@ def test_json_problem_details() -> None:
         "status": 503,
         "code": "GK-CONCURRENCY-LIMIT",
         "level": "service",
-        "limit": {"path": "shop/checkout", "value": "10"},
+        "limit": {"path": "shop/checkout", "value": 10},
         "requestId": "9f1c",
         "retryAfter": 2,
     }
     assert b", " not in body and b": " not in body
+
+
+def test_json_types_a_concurrency_as_a_number_and_a_rate_as_a_string() -> None:
+    """In JSON a concurrency value is a number and a rate a string (SPEC §5)."""
+    for value, expected in (("0", 0), ("10", 10), ("5/minute", "5/minute"), ("3/10s", "3/10s")):
+        _, _, body = render_fault(checkout_full(limit_value=value), {}, "r")
+        assert json.loads(body)["limit"]["value"] == expected
+
+
+def test_xml_keeps_the_value_as_text() -> None:
+    """XML shows a concurrency value as the text it always had."""
+    _, _, body = render_fault(checkout_full(), {"HTTP_ACCEPT": "application/xml"}, "r")
+    limit = fromstring(body).find(f"{NS}limit")
+    assert limit is not None
+    assert limit.text == "10"
+
+
+def test_json_value_of_thousands_of_digits_never_raises() -> None:
+    """A 5000-digit value (past Python's int() digit cap) renders instead of raising."""
+    digits = "9" * 5000
+    _, _, body = render_fault(checkout_full(limit_value=digits), {}, "r")
+    assert json.loads(body)["limit"]["value"] == digits
 
 
 def test_json_omits_absent_members() -> None:

@@ -125,7 +125,7 @@ def test_config_limits_address_blueprints_and_endpoints() -> None:
     with app.test_client() as client:
         with client.get("/admin/panel") as response:
             assert response.status_code == 503
-            assert response.get_json()["limit"] == {"path": "admin", "value": "0"}
+            assert response.get_json()["limit"] == {"path": "admin", "value": 0}
         with client.get("/about") as response:
             assert response.status_code == 200
         with client.get("/about") as response:
@@ -171,7 +171,7 @@ def test_view_limit_holds_until_the_stream_is_closed() -> None:
         assert gk.gatekeeper.inflight()["shop/export"] == 1
         with client.get("/export") as second:
             assert second.status_code == 503
-            assert second.get_json()["limit"] == {"path": "shop/export", "value": "1"}
+            assert second.get_json()["limit"] == {"path": "shop/export", "value": 1}
         assert first.get_data() == b"first\nsecond\n"
         first.close()
         assert gk.gatekeeper.inflight()["shop/export"] == 0
@@ -277,7 +277,7 @@ def test_limit_blueprint_caps_all_its_views() -> None:
     with app.test_client() as client:
         with client.get("/reports/daily"), client.get("/reports/weekly") as refused:
             assert refused.status_code == 503
-            assert refused.get_json()["limit"] == {"path": "reports", "value": "1"}
+            assert refused.get_json()["limit"] == {"path": "reports", "value": 1}
         with client.get("/reports/weekly") as response:
             assert response.status_code == 200
 

@@ -1224,7 +1224,7 @@ def test_concurrency_fault_json(make: Any) -> None:
     assert fault_fields(response) == {
         "code": "GK-CONCURRENCY-LIMIT",
         "level": "service",
-        "limit": {"path": "shop/checkout", "value": "1"},
+        "limit": {"path": "shop/checkout", "value": 1},
         "requestId": "req-1",
         "retryAfter": 1,
     }
@@ -1382,7 +1382,7 @@ def test_queue_full_and_queue_timeout_faults(clock: FakeClock) -> None:
     assert fault_fields(full) == {
         "code": "GK-QUEUE-FULL",
         "level": "service",
-        "limit": {"path": "shop/slow", "value": "1"},
+        "limit": {"path": "shop/slow", "value": 1},
         "requestId": "q1",
         "retryAfter": 30,
     }
@@ -1844,7 +1844,7 @@ def test_conformance_all_or_nothing_across_levels(backend_app: Any) -> None:
     assert busy(mw.gatekeeper) == {"shop": 1, "shop/a": 1, "shop/a/crm": 1}
     other = start(mw, "/b")
     refused = fetch(mw, "/c")
-    assert fault_fields(refused)["limit"] == {"path": "shop", "value": "2"}
+    assert fault_fields(refused)["limit"] == {"path": "shop", "value": 2}
     assert busy(mw.gatekeeper) == {"shop": 2, "shop/a": 1, "shop/a/crm": 1}
     held.close()
     other.close()

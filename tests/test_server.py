@@ -103,7 +103,7 @@ def test_held_slots_really_limit_and_come_back_after_disconnect(server: Gunicorn
     assert status == 503
     problem = json.loads(body)
     assert problem["code"] == "GK-CONCURRENCY-LIMIT"
-    assert problem["limit"] == {"path": "demo/stream/*", "value": "2"}
+    assert problem["limit"] == {"path": "demo/stream/*", "value": 2}
     for sock in socks:
         disconnect(sock, abort=True)
     idle(server)
