@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gatekeeper_wsgi.backends import backend_from_url
-from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, LimitTotals, Slot
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
 from gatekeeper_wsgi.errors import BackendError, ConfigError, RateInfo, Rejected
 from gatekeeper_wsgi.monitor import Monitor
@@ -394,10 +394,10 @@ class GateKeeper:
                 limit_value=str(limit.concurrency),
                 retry_after=denial.retry_after,
             )
-        return self._counted(rejected) if counted else rejected
+        return self._counted(rejected, slot.key) if counted else rejected
 
-    def _counted(self, rejected: Rejected) -> Rejected:
-        self.monitor.count_rejection(rejected.code, rejected.limit_path)
+    def _counted(self, rejected: Rejected, key: str | None = None) -> Rejected:
+        self.monitor.count_rejection(rejected.code, rejected.limit_path, key)
         return rejected
 
     def _shadow(self, slots: tuple[Slot, ...], grant: Grant) -> None:
@@ -479,7 +479,8 @@ class GateKeeper:
         return self._counted(
             Rejected(
                 code, level=limit.level, limit_path=limit.path, limit_value=value, retry_after=wait
-            )
+            ),
+            slot.key,
         )
 
     # --- observation ----------------------------------------------------------------------
@@ -487,6 +488,18 @@ class GateKeeper:
     def inflight(self) -> dict[str, int]:
         """Requests in flight per concrete limit path, due delayed releases applied."""
         return self.backend.inflight(self._clock())
+
+    def totals(self, *, top: int = TOP_KEYS) -> dict[str, LimitTotals] | None:
+        """Per counting limit of the configuration: in flight summed over its keys, keys
+        tracked and in flight, and details of its busiest and lately refused keys; None
+        when the backend does not keep totals (see :meth:`Backend.totals`)."""
+        limits = [
+            limit
+            for limit in self.config.limits.values()
+            if limit.concurrency is not None or limit.rate is not None
+        ]
+        watch = self.monitor.refused_keys()
+        return self.backend.totals(limits, self._clock(), top=top, watch=watch)
 
     def stats(self) -> dict[str, Any]:
         """Counters and stage timings (SPEC §7)."""

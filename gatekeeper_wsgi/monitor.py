@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DECISION_STAGES", "STAGES", "Monitor", "Stage"]
+__all__ = ["DECISION_STAGES", "REFUSED_KEYS", "STAGES", "Monitor", "Stage"]
 
 #: The stages timed on every request (SPEC §7).
 STAGES = (
@@ -33,6 +33,12 @@ STAGES = (
 )
 #: The stages read from :meth:`Monitor.decision`'s timestamps.
 DECISION_STAGES = ("resolve_limits", "decide", "request")
+
+#: Keys remembered per limit as refused lately: the status page details them (a client
+#: locked out by a rate limit has nothing in flight, so it is not among the busiest).
+REFUSED_KEYS = 20
+# Limit paths remembered with refused keys; reloads may retire paths, so it is bounded too.
+_REFUSED_LIMITS = 1024
 
 _RING = 1024  # a power of two: the ring index is a mask
 _RING_MASK = _RING - 1
@@ -100,6 +106,8 @@ class Monitor:
         self.reloads = 0
         self.reload_failed = 0
         self.backend_errors = 0
+        # limit path -> the concrete keys it refused lately, oldest first (as dict keys)
+        self._refused: dict[str, dict[str, None]] = {}
         # Dict updates of two counters must not interleave with a concurrent snapshot.
         self._lock = threading.Lock()
 
@@ -140,8 +148,19 @@ class Monitor:
         summaries["request"] = _summary(self.admitted, requests)
         return summaries
 
-    def count_rejection(self, code: str, limit_path: str | None) -> None:
+    def count_rejection(self, code: str, limit_path: str | None, key: str | None = None) -> None:
+        """Count one rejection; ``key`` is the concrete path refused (``shop/login/bob``)."""
         with self._lock:
+            if key is not None and limit_path is not None:
+                refused = self._refused.get(limit_path)
+                if refused is None:
+                    if len(self._refused) >= _REFUSED_LIMITS:
+                        self._refused.clear()
+                    refused = self._refused[limit_path] = {}
+                refused.pop(key, None)
+                refused[key] = None
+                if len(refused) > REFUSED_KEYS:
+                    del refused[next(iter(refused))]
             self.rejected[code] = self.rejected.get(code, 0) + 1
             if limit_path is not None:
                 by_limit = self.rejected_by_limit
@@ -149,6 +168,12 @@ class Monitor:
             pair = (code, limit_path or "")
             pairs = self.rejected_by_code_limit
             pairs[pair] = pairs.get(pair, 0) + 1
+
+    def refused_keys(self) -> dict[str, tuple[str, ...]]:
+        """Per limit path, the concrete keys it refused lately (at most ``REFUSED_KEYS``,
+        most recent last)."""
+        with self._lock:
+            return {path: tuple(keys) for path, keys in self._refused.items()}
 
     def rejections(self) -> dict[tuple[str, str], int]:
         """Rejections by (code, limit path); the path is "" for codes without a limit."""

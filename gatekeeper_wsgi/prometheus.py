@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.monitor import STAGES
-from gatekeeper_wsgi.status import inflight_by_limit
+from gatekeeper_wsgi.status import limit_totals
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -129,26 +129,27 @@ class _Observation:
         return self.gatekeeper.monitor.rejections()
 
     def limits(self) -> tuple[Config, dict[str, int], dict[str, int], bool, int]:
-        """(config, in flight per limit path, wildcard keys in flight, backend up, delayed)."""
+        """(config, in flight per limit path, wildcard keys in flight, backend up, delayed).
+
+        O(limits) with backends that keep totals (memory, shared), whatever the keys."""
         keeper = self.gatekeeper
         config = keeper.config
         try:
-            inflight = keeper.inflight()
+            totals = limit_totals(keeper, top=0)
             delayed = keeper.backend.delayed_pending()
             up = True
         except Exception:
-            inflight, delayed, up = {}, 0, False
-        grouped = inflight_by_limit(config, inflight)
-        totals: dict[str, int] = {}
+            totals, delayed, up = {}, 0, False
+        inflight: dict[str, int] = {}
         keys: dict[str, int] = {}
         for limit in config.limits.values():
             if limit.concurrency is None and limit.rate is None:
                 continue
-            counts = grouped.get(limit.path, {})
-            totals[limit.path] = sum(counts.values())
+            found = totals.get(limit.path)
+            inflight[limit.path] = 0 if found is None else found.inflight
             if limit.wildcard:
-                keys[limit.path] = sum(1 for count in counts.values() if count > 0)
-        return config, totals, keys, up, delayed
+                keys[limit.path] = 0 if found is None else found.busy
+        return config, inflight, keys, up, delayed
 
 
 class GateKeeperCollector:

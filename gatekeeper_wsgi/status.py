@@ -32,6 +32,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
 from gatekeeper_wsgi.config import Config, Limit
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ __all__ = [
     "StatusApp",
     "inflight_by_limit",
     "limit_of",
+    "limit_totals",
     "public_backend_url",
     "render_dashboard",
     "status_payload",
@@ -50,7 +52,8 @@ __all__ = [
 
 logger = logging.getLogger("gatekeeper")
 
-#: concrete keys shown per wildcard limit (the busiest first); the totals count all of them
+#: concrete keys shown per wildcard limit (the busiest first, then those refused lately);
+#: the totals count all of them
 KEYS_SHOWN_PER_LIMIT = 50
 
 Allow = Callable[["WSGIEnvironment"], bool]
@@ -133,12 +136,46 @@ def _limit_summary(limit: Limit) -> dict[str, Any]:
     }
 
 
+def limit_totals(
+    gatekeeper: GateKeeper, *, top: int = KEYS_SHOWN_PER_LIMIT
+) -> dict[str, LimitTotals]:
+    """Per counting limit path: in flight summed over its keys, keys tracked and in
+    flight, and details of up to ``top`` of its busiest keys plus those refused lately.
+
+    Read from the totals the backend keeps (memory, shared: O(limits)); a backend that
+    keeps none (Redis) is read whole with ``inflight()`` and grouped here, O(tracked keys),
+    without rate usage. Raises what the backend raises.
+    """
+    kept = gatekeeper.totals(top=top)
+    if kept is not None:
+        return kept
+    config = gatekeeper.config
+    grouped = inflight_by_limit(config, gatekeeper.inflight())
+    totals: dict[str, LimitTotals] = {}
+    for limit in config.limits.values():
+        if limit.concurrency is None and limit.rate is None:
+            continue
+        counts = grouped.get(limit.path, {})
+        busy = sorted(
+            ((path, n) for path, n in counts.items() if n > 0), key=lambda item: (-item[1], item[0])
+        )
+        details = [KeyUsage(path, n, None, 0.0) for path, n in busy[:top]]
+        if not limit.wildcard and not details:
+            details = [KeyUsage(limit.path, counts.get(limit.path, 0), None, 0.0)]
+        totals[limit.path] = LimitTotals(
+            sum(counts.values()), len(counts), len(busy), tuple(details)
+        )
+    return totals
+
+
 def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
-    """What ``/status.json`` serves: counters, stage timings, in-flight per concrete path
+    """What ``/status.json`` serves: counters, stage timings, in-flight per limit and per
+    concrete path (the busiest keys and those refused lately, with their rate window use)
     with the limit counting it, and a summary of the configuration.
 
-    A failing backend never raises here: its message goes into the ``error`` member and
-    the process-local counters are still reported.
+    It costs O(limits) with backends that keep totals, however many keys they track. A
+    failing backend never raises here: its message goes into the ``error`` member and the
+    process-local counters are still reported.
     """
     config = gatekeeper.config
     payload: dict[str, Any] = {
@@ -159,41 +196,48 @@ def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
         errors.append(f"stats: {type(exc).__name__}: {exc}")
         payload["stats"] = gatekeeper.monitor.snapshot(0)
     try:
-        inflight: Mapping[str, int] = gatekeeper.inflight()
+        totals = limit_totals(gatekeeper)
     except Exception as exc:
         errors.append(f"inflight: {type(exc).__name__}: {exc}")
-        inflight = {}
-    grouped = inflight_by_limit(config, inflight)
+        totals = {}
     limits = []
     concrete: dict[str, dict[str, Any]] = {}
     for limit in sorted(config.limits.values(), key=lambda lim: lim.path):
         summary = _limit_summary(limit)
-        counts = grouped.get(limit.path, {})
-        if not limit.wildcard and (limit.concurrency is not None or limit.rate is not None):
-            counts = {limit.path: 0, **counts}
-        active = {path: n for path, n in counts.items() if n > 0 or not limit.wildcard}
-        summary["inflight"] = sum(active.values())
-        summary["keys"] = len(active)
-        shown = sorted(active.items(), key=lambda item: (-item[1], item[0]))
-        if limit.wildcard:
-            shown = shown[:KEYS_SHOWN_PER_LIMIT]
-        summary["keys_shown"] = len(shown)
-        for path, count in shown:
-            concrete[path] = {
-                "inflight": count,
-                "limit": limit.path,
-                "concurrency": limit.concurrency,
-                "rate": summary["rate"],
-            }
+        counting = limit.concurrency is not None or limit.rate is not None
+        found = totals.get(limit.path)
+        if found is None:
+            details: tuple[KeyUsage, ...] = ()
+            if counting and not limit.wildcard:
+                details = (KeyUsage(limit.path, 0, None, 0.0),)
+            found = LimitTotals(0, 0, 0, details)
+        summary["inflight"] = found.inflight
+        summary["keys"] = found.busy if limit.wildcard else len(found.top)
+        summary["tracked"] = found.keys
+        summary["keys_shown"] = len(found.top)
+        for usage in found.top:
+            concrete[usage.key] = _key_entry(limit, usage)
         limits.append(summary)
-    for path, count in sorted(grouped.get(None, {}).items()):
-        if count > 0:
-            concrete[path] = {"inflight": count, "limit": None, "concurrency": None, "rate": None}
     payload["config"]["limits"] = limits
     payload["inflight"] = concrete
     if errors:
         payload["error"] = "; ".join(errors)
     return payload
+
+
+def _key_entry(limit: Limit, usage: KeyUsage) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "inflight": usage.inflight,
+        "limit": limit.path,
+        "concurrency": limit.concurrency,
+        "rate": None if limit.rate is None else limit.rate.text,
+    }
+    if limit.rate is not None:
+        # None: the backend cannot tell (it keeps no totals).
+        entry["used"] = usage.used
+        entry["remaining"] = None if usage.used is None else max(0, limit.rate.limit - usage.used)
+        entry["resets_in"] = round(usage.resets_in, 3)
+    return entry
 
 
 # --- the HTML page ----------------------------------------------------------------------

@@ -5,19 +5,28 @@ flight and the rolling window of a rate limit. The engine hands it the *slots* o
 request — one per applicable limit — and the backend admits on all of them or on none,
 atomically (SPEC §4.1). Each admission is a *lease*: releasing deletes it, a delayed
 decrease moves its expiry, and a crashed holder's lease is reclaimed (shared, Redis).
+
+For the status page and Prometheus a backend may also keep per-limit totals
+(:meth:`Backend.totals`), so that a scrape costs O(limits), not O(tracked keys).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.monitor import Stage
 
-__all__ = ["Backend", "Denial", "Grant", "Slot"]
+__all__ = ["TOP_KEYS", "Backend", "Denial", "Grant", "KeyUsage", "LimitTotals", "Slot"]
+
+#: Concrete keys :meth:`Backend.totals` details per limit by default (the busiest).
+TOP_KEYS = 50
+
+_NOTHING_WATCHED: Mapping[str, Collection[str]] = MappingProxyType({})
 
 
 class Slot(NamedTuple):
@@ -35,6 +44,27 @@ class Denial(NamedTuple):
     kind: str  #: ``"concurrency"`` or ``"rate"``
     retry_after: float  #: seconds until a retry may succeed (>= 0)
     remaining: int  #: rate limits: admissions still possible now
+
+
+class KeyUsage(NamedTuple):
+    """What one concrete key of a limit holds now."""
+
+    key: str  #: the concrete path, e.g. ``shop/login/10.0.0.7``
+    inflight: int  #: requests in flight (delayed releases included)
+    #: admissions inside its rate window now; None when the limit has no rate
+    used: int | None
+    #: seconds until the oldest of those leaves the window (0 when ``used`` is 0 or None)
+    resets_in: float
+
+
+class LimitTotals(NamedTuple):
+    """One configured limit's state summed over its concrete keys."""
+
+    inflight: int  #: requests in flight, summed over its keys
+    keys: int  #: concrete keys tracked (1 for a limit without ``*`` once it was used)
+    busy: int  #: keys with requests in flight
+    #: details of its busiest keys (most in flight first), then of the watched ones
+    top: tuple[KeyUsage, ...]
 
 
 class Grant:
@@ -101,6 +131,26 @@ class Backend(ABC):
     @abstractmethod
     def inflight(self, now: float) -> dict[str, int]:
         """Requests in flight per concrete path (due delayed releases applied first)."""
+
+    def totals(
+        self,
+        limits: Sequence[Limit],
+        now: float,
+        *,
+        top: int = TOP_KEYS,
+        watch: Mapping[str, Collection[str]] = _NOTHING_WATCHED,
+    ) -> dict[str, LimitTotals] | None:
+        """Per path of ``limits`` (those with a concurrency or rate): its totals, and the
+        :class:`KeyUsage` of up to ``top`` of its busiest keys plus the keys listed in
+        ``watch[path]`` that it tracks (e.g. keys refused lately, locked out by a rate
+        limit with nothing in flight). Due delayed releases are applied first.
+
+        Backends that keep the totals as they count (memory, shared) answer in
+        O(limits + keys in flight + watched keys), however many keys they track, so a
+        status read or a scrape cannot stall admissions. This default returns None: the
+        caller then derives what it can from :meth:`inflight` (O(tracked keys)).
+        """
+        return None
 
     def next_due(self) -> float | None:
         """When the next delayed release matures (engine clock), if known."""
