@@ -61,19 +61,9 @@ def _sort_key(segments: tuple[str, ...]) -> tuple[tuple[bool, str], ...]:
 
 
 def _governing(config: Config, segments: tuple[str, ...]) -> Limit | None:
-    """The limit of this exact level that applies to the node ``segments``."""
-    candidates = [
-        limit
-        for limit in config.limits.values()
-        if len(limit.segments) == len(segments)
-        and all(
-            pattern == "*" or pattern == value
-            for pattern, value in zip(limit.segments, segments, strict=True)
-        )
-    ]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda limit: (tuple(s != "*" for s in limit.segments), limit.path))
+    """The limit of this exact level that applies to the node ``segments`` (the engine's
+    own lookup, so what is printed is what is enforced)."""
+    return config.limit_index.most_specific(segments)
 
 
 def _own(limit: Limit | None) -> list[str]:

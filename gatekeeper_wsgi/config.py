@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -21,6 +22,7 @@ from werkzeug.routing import Map, Rule
 from werkzeug.utils import import_string
 
 from gatekeeper_wsgi.errors import LEVELS, ConfigError
+from gatekeeper_wsgi.limitindex import LimitIndex
 
 __all__ = [
     "CALLER_RE",
@@ -189,6 +191,11 @@ class Config:
     limits: Mapping[str, Limit] = field(default_factory=lambda: MappingProxyType({}))
     rejected_log: RejectedLogConfig = field(default_factory=RejectedLogConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+
+    @cached_property
+    def limit_index(self) -> LimitIndex[Limit]:
+        """The limits indexed by segment: which limit applies to a path, in O(segments)."""
+        return LimitIndex(self.limits.values())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Config):

@@ -6,8 +6,9 @@ specific one, where an exact segment beats ``*`` and segments weigh from the lef
 the concrete path (``shop/login/*`` -> ``shop/login/10.0.0.7``).
 
 The project and service levels depend only on (project, service) and are resolved once
-per pair and cached; the caller level depends on the request and is picked from a short
-pre-sorted candidate list.
+per pair and cached, through the configuration's :class:`~gatekeeper_wsgi.limitindex.LimitIndex`
+(a never-seen pair costs O(segments), not O(limits)); the caller level depends on the request
+and is picked from a short pre-sorted candidate list.
 """
 
 from __future__ import annotations
@@ -57,22 +58,6 @@ def key_segment(value: str | None) -> str:
         return value
     digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8)
     return "~" + digest.hexdigest()
-
-
-def _specificity(limit: Limit) -> tuple[bool, ...]:
-    return tuple(segment != "*" for segment in limit.segments)
-
-
-def _matches(limit: Limit, values: tuple[str, ...]) -> bool:
-    return all(
-        seg == "*" or seg == value for seg, value in zip(limit.segments, values, strict=False)
-    )
-
-
-def _most_specific(candidates: list[Limit]) -> Limit | None:
-    if not candidates:
-        return None
-    return max(candidates, key=lambda limit: (_specificity(limit), limit.path))
 
 
 class _CallerCandidate:
@@ -132,23 +117,19 @@ class Route:
         self.project = project
         self.service = service
         self.mode = config.mode
-        limits = config.limits.values()
+        # The index looks at only the limits that can match: O(segments), not O(limits).
+        index = config.limit_index
         chosen: list[Limit] = []
         slots: list[Slot] = []
-        for level, values in ((1, (project,)), (2, (project, service))):
-            limit = _most_specific(
-                [lim for lim in limits if len(lim.segments) == level and _matches(lim, values)]
-            )
+        for values in ((project,), (project, service)):
+            limit = index.most_specific(values)
             if limit is None:
                 continue
             chosen.append(limit)
             if limit.concurrency is not None or limit.rate is not None:
                 slots.append(Slot("/".join(values), limit, self.enforces(limit)))
         self.slots = tuple(slots)
-        callers = [
-            lim for lim in limits if len(lim.segments) == 3 and _matches(lim, (project, service))
-        ]
-        callers.sort(key=lambda limit: (_specificity(limit), limit.path), reverse=True)
+        callers = index.callers(project, service)
         prefix = f"{project}/{service}/"
         self.caller_candidates = tuple(
             _CallerCandidate(limit, prefix, self.enforces(limit)) for limit in callers
