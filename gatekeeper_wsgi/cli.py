@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from gatekeeper_wsgi.backends import backend_from_url
 from gatekeeper_wsgi.config import DEFAULT_MAX_KEYS, Config, Limit, load_config
 from gatekeeper_wsgi.errors import ConfigError
-from gatekeeper_wsgi.rejectlog import REDACTED
+from gatekeeper_wsgi.redact import REDACTED, mask_text
 from gatekeeper_wsgi.status import limit_of, public_backend_url
 
 __all__ = ["add_commands", "main", "run_check", "run_command", "run_replay", "run_status"]
@@ -170,7 +170,7 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
     try:
         config = load_config(source)
     except ConfigError as exc:
-        print(f"error: {exc}", file=errors)
+        print(f"error: {mask_text(str(exc))}", file=errors)
         return 1
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "settings"
     print(f"{name}: OK", file=out)
@@ -235,12 +235,12 @@ def run_status(
                 )
         backend = backend_from_url(url, loaded)
     except ConfigError as exc:
-        return _status_error(out, as_json, None, str(exc), 2)
+        return _status_error(out, as_json, None, mask_text(str(exc)), 2)
     try:
         inflight = backend.inflight(time.monotonic())
         delayed = backend.delayed_pending()
     except Exception as exc:
-        return _status_error(out, as_json, shown_url, f"backend failed: {exc}", 1)
+        return _status_error(out, as_json, shown_url, f"backend failed: {mask_text(str(exc))}", 1)
     finally:
         with contextlib.suppress(Exception):
             backend.close()
@@ -300,6 +300,14 @@ def _status_error(out: TextIO, as_json: bool, backend: str | None, message: str,
 
 
 # --- replay -----------------------------------------------------------------------------
+
+_REPLAY_EPILOG = (
+    "Secrets are never logged, so they are not replayed: a redacted header (Authorization, "
+    "Cookie, X-Api-Key, ...) is left out (supply it with --header), and a redacted form, "
+    "JSON or query field (password, token, api_key, ...) is sent with the literal value "
+    f"{REDACTED!r}, so such a request (a login, say) is not the original one; --dry-run "
+    "lists them."
+)
 
 # Headers that belong to the original connection, not to the request.
 _CONNECTION_HEADERS = frozenset(
@@ -406,6 +414,12 @@ def _prepare(
             body = str(record.get("body") or "").encode("utf-8")
     except (binascii.Error, ValueError):
         skip = "the logged body_b64 is not valid base64"
+    if REDACTED.encode() in body or REDACTED in query:
+        # The log never holds the secret, so the replay cannot send it either.
+        notes.append(
+            f"fields were redacted in the log: sent with {REDACTED!r} as their values "
+            "(supply credentials with --header; a form or JSON password cannot be restored)"
+        )
     if record.get("body_truncated"):
         if send_truncated:
             notes.append(f"body truncated in the log: sending its first {len(body)} bytes")
@@ -562,7 +576,12 @@ def add_commands(commands: Any, *, has_settings: bool = False) -> None:
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--all", action="store_true", help="also list paths at 0")
 
-    replay = commands.add_parser("replay", help="send logged rejected requests again")
+    replay = commands.add_parser(
+        "replay",
+        help="send logged rejected requests again",
+        description="Send the requests of a gatekeeper.rejected log again.",
+        epilog=_REPLAY_EPILOG,
+    )
     replay.add_argument("log", metavar="LOG", help="a gatekeeper.rejected log file (JSON lines)")
     replay.add_argument("--to", required=True, metavar="URL", help="base URL to send them to")
     replay.add_argument("--rate", type=_rate, metavar="N/s", help="at most N requests per second")

@@ -46,10 +46,43 @@ _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _UNITS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 _SHORT_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE_RE = re.compile(
-    r"\s*(\d+)\s*/\s*(?:(second|minute|hour|day)|(\d+(?:\.\d+)?)?\s*([smhd]))\s*", re.ASCII
+    r"\s*([0-9]{1,12})\s*/\s*"
+    r"(?:(second|minute|hour|day)|([0-9]{1,12}(?:\.[0-9]{1,12})?)?\s*([smhd]))\s*",
+    re.ASCII,
 )
 
 DEFAULT_MAX_KEYS = 100_000
+#: The largest integer any setting takes (counts, sizes): larger is a typo or an attack.
+MAX_INTEGER = 10**9
+#: The longest delay or queue wait, in seconds (a week): it becomes a Retry-After.
+MAX_SECONDS = 7 * 86400.0
+#: The longest reload interval, in seconds (effectively "never").
+MAX_RELOAD_SECONDS = 1e9
+#: The longest rate window, in seconds (a year).
+MAX_WINDOW = 366 * 86400.0
+#: The most request-body bytes one rejected-log record may carry (the record cap).
+MAX_LOGGED_BODY = 16 * 1024
+#: The longest the rejected-log queue may be configured.
+MAX_LOG_QUEUE = 1_000_000
+# ASCII digits only, and few of them (str.isdigit and \d accept "٣").
+_INTEGER_RE = re.compile(r"\s*[+-]?[0-9]{1,12}\s*", re.ASCII)
+_NUMBER_RE = re.compile(
+    r"\s*\+?(?:[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12})(?:[eE][+-]?[0-9]{1,3})?\s*", re.ASCII
+)
+# How much of a bad value an error message quotes.
+_SHOWN_CHARS = 100
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` fit for an error message: short, control characters escaped (repr
+    does that), and never failing (repr of a 5 000-digit int raises ValueError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +198,12 @@ class FaultConfig:
 class RejectedLogConfig:
     #: header names redacted besides Authorization, Cookie (and Proxy-Authorization)
     redact_headers: tuple[str, ...] = ()
+    #: form / JSON / query field names redacted besides SPEC §4.8's list
+    redact_fields: tuple[str, ...] = ()
     #: request body bytes captured per rejected request
     body_bytes: int = 2048
+    #: records waiting for the listener thread at most; more are dropped and counted
+    queue_size: int = 10_000
 
 
 @dataclass(frozen=True)
@@ -218,7 +255,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "caller": ("header", "required", "default", "resolver"),
     "fault": ("format", "renderer"),
     "reload": ("file", "every_seconds", "every_requests"),
-    "rejected_log": ("redact_headers", "body_bytes"),
+    "rejected_log": ("redact_headers", "redact_fields", "body_bytes", "queue_size"),
     "dashboard": ("token",),
 }
 TOP_LEVEL: tuple[str, ...] = (
@@ -289,12 +326,12 @@ class _Checker:
         return ConfigError(key, problem, file=file, line=line)
 
     def bad(self, key: str, value: object, expected: str) -> ConfigError:
-        return self.error(key, f"expected {expected}, got {value!r}")
+        return self.error(key, f"expected {expected}, got {shown(value)}")
 
     def unknown(self, key: str, name: str, allowed: tuple[str, ...]) -> ConfigError:
-        close = difflib.get_close_matches(name, allowed, n=1)
+        close = difflib.get_close_matches(name, allowed, n=1) if len(name) <= 64 else []
         hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(allowed)}"
-        return self.error(key, f"unknown key {name!r}{hint}")
+        return self.error(key, f"unknown key {shown(name)}{hint}")
 
     def mapping(self, key: str, value: object) -> Mapping[str, Any]:
         if not isinstance(value, Mapping):
@@ -321,29 +358,37 @@ class _Checker:
             return value.strip().lower() in ("true", "yes")
         raise self.bad(key, value, "true or false")
 
-    def integer(self, key: str, value: object, minimum: int) -> int:
+    def integer(self, key: str, value: object, minimum: int, maximum: int = MAX_INTEGER) -> int:
         number: int | None = None
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
-        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        elif isinstance(value, str) and _INTEGER_RE.fullmatch(value):
+            # At most 12 ASCII digits: int() of thousands of digits is slow, then refused.
             number = int(value)
         if number is None or number < minimum:
             raise self.bad(key, value, f"an integer >= {minimum}")
+        if number > maximum:
+            raise self.bad(key, value, f"an integer >= {minimum} and <= {maximum}")
         return number
 
-    def number(self, key: str, value: object, *, positive: bool = False) -> float:
+    def number(
+        self, key: str, value: object, *, positive: bool = False, maximum: float = MAX_SECONDS
+    ) -> float:
         number: float | None = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
+            # Compared as an int: float() of a huge int raises OverflowError.
+            number = float(value) if -maximum <= value <= maximum else math.inf
+        elif isinstance(value, float):
+            number = value
+        elif isinstance(value, str) and _NUMBER_RE.fullmatch(value):
+            # float() alone would take "٣", "1_0", "inf" and thousands of digits.
             number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
-        if number is None or number != number or number in (float("inf"), float("-inf")):
+        if number is None or number != number:
             raise self.bad(key, value, "a number of seconds")
         if number < 0 or (positive and number == 0):
             raise self.bad(key, value, "a number of seconds > 0" if positive else ">= 0 seconds")
+        if number > maximum:
+            raise self.bad(key, value, f"a number of seconds <= {maximum:g}")
         return number
 
     def items(self, key: str, value: object) -> list[object]:
@@ -378,6 +423,14 @@ class _Checker:
             return re.compile(text)
         except re.error as exc:
             raise self.bad(key, value, f"a valid regular expression ({exc})") from None
+
+    def field_name(self, key: str, value: object) -> str:
+        name = self.string(key, value)
+        if len(name) > 128 or not name.isprintable():
+            raise self.bad(
+                key, value, "a form / JSON field name of at most 128 printable characters"
+            )
+        return name
 
     def header_name(self, key: str, value: object) -> str:
         name = self.string(key, value)
@@ -506,7 +559,10 @@ class _Checker:
         return ReloadConfig(
             file=self.optional_string("reload.file", section.get("file")),
             every_seconds=self.number(
-                "reload.every_seconds", section.get("every_seconds", 5.0), positive=True
+                "reload.every_seconds",
+                section.get("every_seconds", 5.0),
+                positive=True,
+                maximum=MAX_RELOAD_SECONDS,
             ),
             every_requests=self.integer(
                 "reload.every_requests", section.get("every_requests", 1000), 1
@@ -519,9 +575,25 @@ class _Checker:
             self.header_name("rejected_log.redact_headers", name)
             for name in self.items("rejected_log.redact_headers", section.get("redact_headers", []))
         )
+        fields = tuple(
+            self.field_name("rejected_log.redact_fields", name)
+            for name in self.items("rejected_log.redact_fields", section.get("redact_fields", []))
+        )
         return RejectedLogConfig(
             redact_headers=names,
-            body_bytes=self.integer("rejected_log.body_bytes", section.get("body_bytes", 2048), 0),
+            redact_fields=fields,
+            body_bytes=self.integer(
+                "rejected_log.body_bytes",
+                section.get("body_bytes", 2048),
+                0,
+                maximum=MAX_LOGGED_BODY,
+            ),
+            queue_size=self.integer(
+                "rejected_log.queue_size",
+                section.get("queue_size", 10_000),
+                1,
+                maximum=MAX_LOG_QUEUE,
+            ),
         )
 
     def dashboard(self, value: object) -> DashboardConfig:
@@ -556,21 +628,21 @@ class _Checker:
             raise self.error(
                 base,
                 "a limit needs 'concurrency' or 'rate' (or sets delay/markers), "
-                f"got {dict(spec)!r}",
+                f"got {shown(dict(spec))}",
             )
         if "key" in spec:
             if level != "caller":
                 raise self.error(
                     f"{base}.key",
                     f"'key' is only valid on the caller level (3 segments), "
-                    f"not on the {level} level; got {spec['key']!r}",
+                    f"not on the {level} level; got {shown(spec['key'])}",
                 )
             fields["key"] = self.key(f"{base}.key", spec["key"])
         if "count" in spec:
             if "rate" not in spec:
                 raise self.error(
                     f"{base}.count",
-                    f"'count' needs a 'rate' on the same limit; got {spec['count']!r}",
+                    f"'count' needs a 'rate' on the same limit; got {shown(spec['count'])}",
                 )
             count = spec["count"]
             if not (isinstance(count, str) and count.strip() == "all"):
@@ -585,7 +657,7 @@ class _Checker:
             raise self.error(
                 f"{base}.{marker}",
                 "timeout markers are settable on the project and service levels only; "
-                f"got {spec[marker]!r}",
+                f"got {shown(spec[marker])}",
             )
         if "timeout_status" in spec:
             fields["timeout_status"] = self.statuses(
@@ -610,8 +682,12 @@ class _Checker:
             raise self.bad(key, value, "a rate like '5/minute', '100/10s' or '2/h'")
         count, word, multiple, unit = match.groups()
         seconds = _UNITS[word] if word else float(multiple or 1) * _SHORT_UNITS[unit]
-        if int(count) < 1 or seconds <= 0:
-            raise self.bad(key, value, "a rate of at least 1 per a window longer than 0")
+        if not 1 <= int(count) <= MAX_INTEGER or not 0 < seconds <= MAX_WINDOW:
+            raise self.bad(
+                key,
+                value,
+                f"a rate of 1..{MAX_INTEGER} per a window longer than 0 and at most a year",
+            )
         assert isinstance(value, str)
         return Rate(limit=int(count), seconds=seconds, text=value.strip())
 
@@ -674,7 +750,7 @@ def load_config(
     elif isinstance(source, Mapping):
         settings = source
     else:
-        raise ConfigError("", f"expected a settings dict or a file path, got {source!r}")
+        raise ConfigError("", f"expected a settings dict or a file path, got {shown(source)}")
     if code_limits:
         limits = settings.get("limits")
         limits = limits if isinstance(limits, Mapping) else {}

@@ -24,6 +24,7 @@ from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, Limi
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
 from gatekeeper_wsgi.errors import BackendError, ConfigError, RateInfo, Rejected
 from gatekeeper_wsgi.monitor import Monitor
+from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
 
 __all__ = ["Admission", "ConfigSource", "GateKeeper"]
@@ -166,9 +167,9 @@ class GateKeeper:
             logger.warning(
                 "gatekeeper: the backend cannot change while running (%r -> %r); "
                 "keeping %r until restart",
-                self.config.backend,
-                config.backend,
-                self.config.backend,
+                mask_url(self.config.backend),
+                mask_url(config.backend),
+                mask_url(self.config.backend),
             )
         self.config = config
         # Admissions under the old config keep their own Route; new requests re-resolve.
@@ -412,8 +413,8 @@ class GateKeeper:
             self._last_error_log = now
             logger.error(
                 "gatekeeper: backend %s failed (%s); on_backend_error=%s",
-                self.config.backend,
-                exc,
+                mask_url(self.config.backend),
+                mask_text(str(exc)),
                 self.config.on_backend_error,
             )
 

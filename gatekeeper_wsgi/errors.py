@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -18,6 +19,16 @@ __all__ = [
 
 class GateKeeperError(Exception):
     """Base class of every exception raised by gatekeeper-wsgi."""
+
+
+# Characters a message must not carry raw (a log line forged by a newline, a terminal
+# driven by escapes): C0/C1 controls, DEL, line/paragraph separators and bidi controls.
+_UNSAFE_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\x1b``, ``\\u2028``)."""
+    return _UNSAFE_CHARS.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class ConfigError(GateKeeperError, ValueError):
@@ -37,6 +48,9 @@ class ConfigError(GateKeeperError, ValueError):
         file: str | None = None,
         line: int | None = None,
     ) -> None:
+        # Keys, values and file names may come from a hostile file: escape what they carry.
+        key, problem = escape_controls(key), escape_controls(problem)
+        file = None if file is None else escape_controls(file)
         self.key = key
         self.problem = problem
         self.file = file

@@ -231,7 +231,10 @@ class Gate:
             request_id_header=config.request_id_header,
             renderer=config.fault.renderer,
         )
-        log_rejected(environ if log_environ is None else log_environ, rejected, request_id, config)
+        if not log_rejected(
+            environ if log_environ is None else log_environ, rejected, request_id, config
+        ):
+            self.keeper.monitor.rejected_log_dropped += 1
         self.keeper.monitor.stages["reject"].record(time.perf_counter() - started)
         return response
 

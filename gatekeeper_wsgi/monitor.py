@@ -108,6 +108,8 @@ class Monitor:
         self.backend_errors = 0
         # limit path -> the concrete keys it refused lately, oldest first (as dict keys)
         self._refused: dict[str, dict[str, None]] = {}
+        #: rejected-log records dropped because the listener fell behind (queue_size)
+        self.rejected_log_dropped = 0
         # Dict updates of two counters must not interleave with a concurrent snapshot.
         self._lock = threading.Lock()
 
@@ -191,6 +193,7 @@ class Monitor:
                 "reloads": self.reloads,
                 "reload_failed": self.reload_failed,
                 "backend_errors": self.backend_errors,
+                "rejected_log_dropped": self.rejected_log_dropped,
             }
         return {"counters": counters, "stages": self.stage_summaries()}
 

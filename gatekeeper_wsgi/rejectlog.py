@@ -12,11 +12,20 @@ path, query, headers, body up to ``rejected_log.body_bytes``) with secrets redac
 ``path`` is percent-encoded (exactly what goes on the request line); a body that is not
 UTF-8 is written as ``body_b64`` instead of ``body``.
 
+Secrets never reach the line (SPEC §4.8, rules in :mod:`gatekeeper_wsgi.redact`): the
+values of secret headers and of secret form / JSON / query fields are written as
+``"[redacted]"``. Nothing a request sends can make a line long: a header value is cut at
+1 KiB (``"headers_truncated": [names]``), path and query at 4 KiB each, and a record that
+is still over 16 KiB loses its body, then its last headers (``"truncated": true``).
+
 The request thread only builds the record and puts it on a queue (stdlib
 :class:`~logging.handlers.QueueHandler`); a :class:`~logging.handlers.QueueListener`
 thread hands it to the handlers of ``gatekeeper.rejected`` and its ancestors, with the
 usual propagation rules. So a slow handler (a remote syslog, a full disk) costs the
-request nothing. Configure the logger as usual; it logs at INFO::
+request nothing. At most ``rejected_log.queue_size`` records wait for it; beyond that a
+record is dropped (``log_rejected`` returns False and the caller counts
+``counters.rejected_log_dropped``), so a handler that falls behind grows no memory.
+Configure the logger as usual; it logs at INFO::
 
     logging.getLogger("gatekeeper.rejected").setLevel(logging.INFO)
     logging.getLogger("gatekeeper.rejected").addHandler(logging.FileHandler("rejected.log"))
@@ -39,15 +48,27 @@ from urllib.parse import quote
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.redact import (
+    REDACTED,
+    SECRET_FIELDS,
+    is_secret_header,
+    redact_body,
+    redact_query,
+)
 
 __all__ = ["REDACTED", "REJECTED_LOGGER", "flush", "log_rejected", "rejection_record"]
 
 REJECTED_LOGGER = "gatekeeper.rejected"
-ALWAYS_REDACTED = frozenset({"authorization", "cookie", "proxy-authorization"})
-#: the value written in place of a redacted header
-REDACTED = "[redacted]"
 # Characters left as they are in a logged path: RFC 3986 pchar plus "/".
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
+#: a logged header value is cut after this many characters
+HEADER_VALUE_CAP = 1024
+#: a logged path or query string is cut after this many characters
+URL_PART_CAP = 4096
+#: the longest JSON line one record makes
+RECORD_CAP = 16 * 1024
+# Headers whose value is a URL: its query string can carry secret fields too.
+_URL_HEADERS = frozenset({"referer", "origin", "location"})
 
 logger = logging.getLogger(REJECTED_LOGGER)
 
@@ -56,26 +77,50 @@ class _Dispatcher(logging.Handler):
     """Runs in the listener thread: delivers a record to the logger's handlers as
     ``Logger.handle`` would (propagation, handler levels), or completes a flush."""
 
+    def __init__(self, pipeline: _Pipeline) -> None:
+        super().__init__()
+        self.pipeline = pipeline
+
     def emit(self, record: logging.LogRecord) -> None:
         done = getattr(record, "gatekeeper_flush", None)
         if isinstance(done, threading.Event):
             done.set()
             return
-        logger.callHandlers(record)
+        try:
+            logger.callHandlers(record)
+        finally:
+            self.pipeline.taken()
 
 
 class _Pipeline:
-    """The queue, its handler and the listener thread of one process."""
+    """The queue, its handler and the listener thread of one process, and how many
+    records wait in it (the queue is shared by every configuration of the process, each
+    with its own ``queue_size``, so the bound is checked at ``offer``, not by the queue)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
         self.handler = logging.handlers.QueueHandler(self.records)
-        self.listener = logging.handlers.QueueListener(self.records, _Dispatcher())
+        self.pending = 0
+        self._count_lock = threading.Lock()
+        self.listener = logging.handlers.QueueListener(self.records, _Dispatcher(self))
         self.listener.start()
 
     def put(self, record: logging.LogRecord) -> None:
         self.handler.handle(record)
+
+    def offer(self, record: logging.LogRecord, limit: int) -> bool:
+        """Queue ``record`` unless ``limit`` records already wait; False when dropped."""
+        with self._count_lock:
+            if self.pending >= limit:
+                return False
+            self.pending += 1
+        self.put(record)
+        return True
+
+    def taken(self) -> None:
+        with self._count_lock:
+            self.pending -= 1
 
 
 _pipeline: _Pipeline | None = None
@@ -122,8 +167,16 @@ def flush(timeout: float | None = 10.0) -> bool:
 atexit.register(flush, 2.0)
 
 
-def _headers(environ: Mapping[str, Any], redact: frozenset[str]) -> dict[str, str]:
+def _cut(text: str, cap: int) -> tuple[str, bool]:
+    return (text, False) if len(text) <= cap else (text[:cap], True)
+
+
+def _headers(
+    environ: Mapping[str, Any], redact: frozenset[str], fields: frozenset[str]
+) -> tuple[dict[str, str], list[str]]:
+    """The request's headers as logged, and the names of those cut at the value cap."""
     headers = {}
+    cut = []
     for key, value in environ.items():
         if key.startswith("HTTP_"):
             name = key[5:].replace("_", "-").title()
@@ -131,14 +184,26 @@ def _headers(environ: Mapping[str, Any], redact: frozenset[str]) -> dict[str, st
             name = key.replace("_", "-").title()
         else:
             continue
-        headers[name] = REDACTED if name.lower() in redact else str(value)
-    return headers
+        if is_secret_header(name, redact):
+            headers[name] = REDACTED
+            continue
+        # Cut before redacting: a hostile value costs the cap, not its own length.
+        text, was_cut = _cut(str(value), HEADER_VALUE_CAP)
+        if name.lower() in _URL_HEADERS and "?" in text:
+            base, _, query = text.partition("?")
+            text = f"{base}?{redact_query(query, fields)}"
+        headers[name] = text
+        if was_cut:
+            cut.append(name)
+    return headers, cut
 
 
 def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool]:
     """Up to ``cap`` bytes of the request body, and whether there was more."""
+    raw_length = environ.get("CONTENT_LENGTH") or 0
     try:
-        length = int(environ.get("CONTENT_LENGTH") or 0)
+        # A hostile Content-Length of thousands of digits must not cost int() its time.
+        length = int(raw_length) if len(str(raw_length)) <= 20 else -1
     except ValueError:
         return b"", False
     stream = environ.get("wsgi.input")
@@ -171,10 +236,16 @@ def rejection_record(
     """The log record of one rejected request, as a JSON-ready dict (SPEC §7).
 
     Reads up to ``rejected_log.body_bytes`` of the request body (the request is refused,
-    so nobody else will read it).
+    so nobody else will read it). Secrets are redacted and long values cut (module doc).
     """
-    redact = ALWAYS_REDACTED | {name.lower() for name in config.rejected_log.redact_headers}
-    body, truncated = _body(environ, config.rejected_log.body_bytes)
+    settings = config.rejected_log
+    redact = frozenset(name.lower() for name in settings.redact_headers)
+    fields = SECRET_FIELDS | {name.lower() for name in settings.redact_fields}
+    body, truncated = _body(environ, settings.body_bytes)
+    body = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
+    path, path_cut = _cut(_request_path(environ), URL_PART_CAP)
+    query, query_cut = _cut(str(environ.get("QUERY_STRING", "")), URL_PART_CAP)
+    headers, headers_cut = _headers(environ, redact, fields)
     record: dict[str, Any] = {
         "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         "requestId": request_id,
@@ -182,11 +253,17 @@ def rejection_record(
         "code": rejected.code,
         "level": rejected.level,
         "limit": {"path": rejected.limit_path, "value": rejected.limit_value},
-        "method": str(environ.get("REQUEST_METHOD", "GET")),
-        "path": _request_path(environ),
-        "query": str(environ.get("QUERY_STRING", "")),
-        "headers": _headers(environ, redact),
+        "method": _cut(str(environ.get("REQUEST_METHOD", "GET")), 32)[0],
+        "path": path,
+        "query": redact_query(query, fields),
+        "headers": headers,
     }
+    if path_cut:
+        record["path_truncated"] = True
+    if query_cut:
+        record["query_truncated"] = True
+    if headers_cut:
+        record["headers_truncated"] = headers_cut
     try:
         record["body"] = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -195,16 +272,47 @@ def rejection_record(
     return record
 
 
+def _line(record: dict[str, Any]) -> str:
+    """The record as one JSON line of at most RECORD_CAP characters: over the cap, the
+    body goes first, then headers from the last one."""
+    line = json.dumps(record, ensure_ascii=True)
+    if len(line) <= RECORD_CAP:
+        return line
+    record.pop("body", None)
+    record.pop("body_b64", None)
+    record["body_truncated"] = True
+    record["truncated"] = True
+    line = json.dumps(record, ensure_ascii=True)
+    headers: dict[str, str] = record["headers"]
+    while len(line) > RECORD_CAP and headers:
+        # Each header costs at most ~6 KiB escaped, so this loop runs a few times.
+        excess = len(line) - RECORD_CAP
+        while excess > 0 and headers:
+            name, value = headers.popitem()
+            excess -= len(json.dumps(name)) + len(json.dumps(value)) + 2
+        line = json.dumps(record, ensure_ascii=True)
+    if len(line) > RECORD_CAP:
+        # Thousands of header names, or a path of characters that escape six-fold.
+        record.pop("headers_truncated", None)
+        record["path"] = record["path"][:1024]
+        record["query"] = record["query"][:1024]
+        line = json.dumps(record, ensure_ascii=True)
+    return line
+
+
 def log_rejected(
     environ: Mapping[str, Any], rejected: Rejected, request_id: str, config: Config
-) -> None:
+) -> bool:
     """Log one rejected request as a JSON line, through the queue (never blocks on I/O).
 
     Nothing from the request is written raw: the line is JSON with non-ASCII escaped.
+    Returns False when the record was dropped because ``rejected_log.queue_size`` records
+    already wait for the listener (the caller counts ``rejected_log_dropped``).
     """
     if not logger.isEnabledFor(logging.INFO):
-        return
-    line = json.dumps(rejection_record(environ, rejected, request_id, config), ensure_ascii=True)
+        return True
+    line = _line(rejection_record(environ, rejected, request_id, config))
     record = logger.makeRecord(REJECTED_LOGGER, logging.INFO, __file__, 0, line, (), None)
-    if logger.filter(record):
-        _current_pipeline().put(record)
+    if not logger.filter(record):
+        return True
+    return _current_pipeline().offer(record, config.rejected_log.queue_size)

@@ -30,10 +30,11 @@ from datetime import datetime, timezone
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs
 
 from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
 from gatekeeper_wsgi.config import Config, Limit
+from gatekeeper_wsgi.redact import mask_url
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -102,19 +103,8 @@ def inflight_by_limit(
 
 
 def public_backend_url(url: str) -> str:
-    """The backend URL with any password removed, fit to show."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url.split("://", 1)[0] + "://…" if "://" in url else url
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}" if user else f":***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """The backend URL with its credentials masked, fit to show (:func:`redact.mask_url`)."""
+    return mask_url(url)
 
 
 # --- the JSON payload -------------------------------------------------------------------

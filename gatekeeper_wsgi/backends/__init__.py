@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from gatekeeper_wsgi.backends.base import Backend
 from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.redact import mask_text, mask_url
 
 if TYPE_CHECKING:
     from gatekeeper_wsgi.config import Config
@@ -35,7 +36,7 @@ def backend_scheme(url: str) -> str:
     scheme = url.split(":", 1)[0].strip().lower() if ":" in url else url.strip().lower()
     if scheme not in BACKENDS:
         known = ", ".join(sorted(BACKENDS))
-        raise ConfigError("backend", f"unknown backend {url!r}; expected one of: {known}")
+        raise ConfigError("backend", f"unknown backend {mask_url(url)!r}; expected one of: {known}")
     if scheme == "memory" and url.strip().lower() not in ("memory", "memory://", "memory:"):
         raise ConfigError("backend", f"the memory backend takes no address, got {url!r}")
     return scheme
@@ -54,7 +55,9 @@ def backend_from_url(url: str, config: Config | None = None) -> Backend:
         module = import_module(module_name)
     except ImportError as exc:
         hint = " (pip install 'gatekeeper-wsgi[redis]')" if "redis" in module_name else ""
-        raise ConfigError("backend", f"backend {url!r} cannot be loaded: {exc}{hint}") from exc
+        raise ConfigError(
+            "backend", f"backend {mask_url(url)!r} cannot be loaded: {mask_text(str(exc))}{hint}"
+        ) from exc
     cls: type[Backend] = getattr(module, class_name)
     if scheme == "memory":
         return cls()

@@ -39,6 +39,7 @@ from redis.retry import Retry
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import BackendError, ConfigError
+from gatekeeper_wsgi.redact import mask_text, mask_url
 
 __all__ = ["RedisBackend"]
 
@@ -246,7 +247,9 @@ class RedisBackend(Backend):
         redis_url = urlunsplit((scheme, parts.netloc, parts.path, urlencode(passed), ""))
         cluster = options.get("cluster", "0").strip().lower()
         if cluster not in _TRUE + _FALSE:
-            raise ConfigError("backend", f"cluster: expected 1 or 0, got {cluster!r} in {url!r}")
+            raise ConfigError(
+                "backend", f"cluster: expected 1 or 0, got {cluster!r} in {mask_url(url)!r}"
+            )
         kwargs: dict[str, Any] = {
             "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT,
             "socket_timeout": DEFAULT_READ_TIMEOUT,
@@ -263,7 +266,9 @@ class RedisBackend(Backend):
             else:
                 client = redis.Redis.from_url(redis_url, **kwargs)
         except (ValueError, TypeError, redis.exceptions.RedisError) as exc:
-            raise ConfigError("backend", f"invalid redis URL {url!r}: {exc}") from exc
+            raise ConfigError(
+                "backend", f"invalid redis URL {mask_url(url)!r}: {mask_text(str(exc))}"
+            ) from exc
         location = parts.hostname or ""
         if parts.port:
             location = f"{location}:{parts.port}"
@@ -469,7 +474,9 @@ def _seconds(url: str, name: str, options: dict[str, str], default: float) -> fl
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise ConfigError("backend", f"{name}: expected seconds > 0, got {text!r} in {url!r}")
+        raise ConfigError(
+            "backend", f"{name}: expected seconds > 0, got {text!r} in {mask_url(url)!r}"
+        )
     return value
 
 

@@ -1,0 +1,344 @@
+"""No secret reaches a log (SPEC §4.8): the rejected-request log redacts secret headers and
+form / JSON / query fields, and backend URLs are masked in the engine's ERROR line, the
+status JSON and the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from werkzeug.test import Client, EnvironBuilder
+
+from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
+from gatekeeper_wsgi.backends.memory import MemoryBackend
+from gatekeeper_wsgi.cli import main, run_replay
+from gatekeeper_wsgi.config import build_config
+from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.redact import REDACTED, mask_text, mask_url
+from gatekeeper_wsgi.rejectlog import flush, rejection_record
+from gatekeeper_wsgi.status import StatusApp
+
+SECRET = "Hunter2-guess-5"
+
+
+def ok_app(environ: Any, start_response: Any) -> list[bytes]:
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+
+class Lines(logging.Handler):
+    """Collects every formatted line it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def rejected_lines() -> Iterator[Lines]:
+    """The lines the `gatekeeper.rejected` logger writes during the test."""
+    logger = logging.getLogger("gatekeeper.rejected")
+    level, propagate = logger.level, logger.propagate
+    handler = Lines()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        assert flush()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@pytest.fixture
+def event_lines() -> Iterator[Lines]:
+    """The lines the `gatekeeper` events logger writes during the test."""
+    logger = logging.getLogger("gatekeeper")
+    level = logger.level
+    handler = Lines()
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def record_of(config: dict[str, Any] | None = None, **builder: Any) -> dict[str, Any]:
+    env = EnvironBuilder(**{"path": "/login", **builder}).get_environ()
+    rejected = Rejected("GK-RATE-LIMIT", level="caller", limit_path="site/login/*")
+    return rejection_record(env, rejected, "rid", build_config(config or {}))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Authorization",
+        "Proxy-Authorization",
+        "Cookie",
+        "Set-Cookie",
+        "X-Api-Key",
+        "X-Apikey",
+        "X-Auth-Token",
+        "X-Csrf-Token",
+        "X-Client-Secret",
+        "X-Password",
+        "Authentication-Info",
+    ],
+)
+def test_secret_headers_are_redacted(header: str) -> None:
+    """Every header of the SPEC's list, and any name containing token/secret/auth/…, is redacted."""
+    record = record_of(headers={header: SECRET, "X-Caller-Id": "crm"})
+    assert SECRET not in json.dumps(record)
+    assert record["headers"][header.title()] == REDACTED
+    assert record["headers"]["X-Caller-Id"] == "crm"
+
+
+def test_configured_header_is_redacted_case_insensitively() -> None:
+    """A header listed in `redact_headers` is redacted whatever case it is sent in."""
+    record = record_of(
+        {"rejected_log": {"redact_headers": ["X-Customer-Pin"]}}, headers={"x-customer-pin": "1234"}
+    )
+    assert record["headers"]["X-Customer-Pin"] == REDACTED
+
+
+def test_login_form_password_is_redacted_and_the_rest_kept() -> None:
+    """The refused login's form body keeps the user and loses the password."""
+    record = record_of(
+        method="POST",
+        data=f"user=alice&password={SECRET}&csrfmiddlewaretoken=tok123&remember=1",
+        content_type="application/x-www-form-urlencoded",
+    )
+    assert SECRET not in record["body"] and "tok123" not in record["body"]
+    assert record["body"] == (
+        "user=alice&password=[redacted]&csrfmiddlewaretoken=[redacted]&remember=1"
+    )
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["password", "passwd", "secret", "token", "api_key", "apikey", "access_token", "Refresh_Token"],
+)
+def test_query_fields_are_redacted(field: str) -> None:
+    """`?api_key=…` and the other secret fields are redacted in the logged query string."""
+    record = record_of(query_string=f"page=2&{field}={SECRET}")
+    assert record["query"] == f"page=2&{field}=[redacted]"
+
+
+def test_configured_field_is_redacted_in_query_form_and_json() -> None:
+    """A name in `redact_fields` is redacted in the query, a form body and a JSON body."""
+    config = {"rejected_log": {"redact_fields": ["pin"]}}
+    assert record_of(config, query_string="pin=1234&a=1")["query"] == "pin=[redacted]&a=1"
+    form = record_of(
+        config, method="POST", data="PIN=1234", content_type="application/x-www-form-urlencoded"
+    )
+    assert form["body"] == "PIN=[redacted]"
+    body = record_of(config, method="POST", json={"pin": 1234, "card": {"pin": "9876"}})
+    assert "1234" not in body["body"] and "9876" not in body["body"]
+    assert json.loads(body["body"]) == {"pin": REDACTED, "card": {"pin": REDACTED}}
+
+
+def test_json_body_is_redacted_nested_and_when_cut_short() -> None:
+    """Secret JSON members are redacted at any depth, also in a body the cap cut in half."""
+    payload = json.dumps({"user": "alice", "auth": {"password": SECRET}, "items": [1, 2]})
+    whole = record_of(method="POST", data=payload, content_type="application/json")
+    assert json.loads(whole["body"]) == {
+        "user": "alice",
+        "auth": {"password": REDACTED},
+        "items": [1, 2],
+    }
+    cut_at = payload.index(SECRET) + 4
+    cut = record_of(
+        {"rejected_log": {"body_bytes": cut_at}},
+        method="POST",
+        data=payload,
+        content_type="application/json",
+    )
+    assert cut["body_truncated"] is True
+    assert SECRET[:4] not in cut["body"]
+    assert '"password": "[redacted]"' in cut["body"]
+
+
+def test_json_body_without_secrets_is_logged_as_sent() -> None:
+    """A JSON body with nothing to redact keeps its exact bytes (replay sends the same)."""
+    payload = '{"user":"alice",  "n":1.50}'
+    record = record_of(method="POST", data=payload, content_type="application/json")
+    assert record["body"] == payload
+
+
+def test_multipart_and_mislabelled_bodies_are_redacted() -> None:
+    """A multipart form field and a form sent as text/plain are redacted too."""
+    boundary = "XyZ"
+    multipart = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="user"\r\n\r\nalice\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="password"\r\n\r\n{SECRET}\r\n'
+        f"--{boundary}--\r\n"
+    )
+    record = record_of(
+        method="POST", data=multipart, content_type=f"multipart/form-data; boundary={boundary}"
+    )
+    assert SECRET not in record["body"] and "alice" in record["body"]
+    plain = record_of(method="POST", data=f"password={SECRET}", content_type="text/plain")
+    assert plain["body"] == "password=[redacted]"
+
+
+def test_referer_query_is_redacted() -> None:
+    """A token in the Referer's query string is redacted as in the request's own query."""
+    record = record_of(headers={"Referer": f"https://shop/reset?token={SECRET}&step=2"})
+    assert record["headers"]["Referer"] == "https://shop/reset?token=[redacted]&step=2"
+
+
+def test_refused_login_through_the_middleware_logs_no_password(rejected_lines: Lines) -> None:
+    """The example site's attack: refused logins log the user but never the password."""
+    app = GateKeeperMiddleware(
+        ok_app,
+        {"project": "site", "limits": {"site/login/*": {"rate": "1/minute", "key": "ip"}}},
+    )
+    client = Client(app)
+    for attempt in range(3):
+        client.post(
+            "/login",
+            data={"user": "alice", "password": f"{SECRET}-{attempt}"},
+            headers={"X-Api-Key": "k-" + SECRET, "X-Auth-Token": "t-" + SECRET},
+            query_string={"api_key": "q-" + SECRET},
+        )
+    assert flush()
+    assert len(rejected_lines.lines) == 2
+    for line in rejected_lines.lines:
+        assert SECRET not in line
+        record = json.loads(line)
+        assert "user=alice" in record["body"]
+        assert record["query"] == "api_key=[redacted]"
+
+
+def test_redact_fields_is_validated() -> None:
+    """`redact_fields` must be a list of names; anything else is a ConfigError naming it."""
+    assert build_config(
+        {"rejected_log": {"redact_fields": "pin, otp"}}
+    ).rejected_log.redact_fields == (
+        "pin",
+        "otp",
+    )
+    with pytest.raises(ConfigError, match=r"rejected_log\.redact_fields"):
+        build_config({"rejected_log": {"redact_fields": [{"not": "a name"}]}})
+    with pytest.raises(ConfigError, match=r"rejected_log\.redact_fields"):
+        build_config({"rejected_log": {"redact_fields": ["x" * 129]}})
+
+
+# --- backend URLs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@cache:6379/0", "redis://:***@cache:6379/0"),
+        ("redis://app:hunter2@cache/0?password=hunter3", "redis://app:***@cache/0?password=***"),
+        ("rediss://cache/0?password=hunter3&db=1", "rediss://cache/0?password=***&db=1"),
+        ("redis://[::1]:6379/0", "redis://[::1]:6379/0"),
+        ("shared:///run/gk.shm", "shared:///run/gk.shm"),
+        ("memory", "memory"),
+        ("redis://:hunter2@cache:notaport/0", "redis://…"),
+    ],
+)
+def test_mask_url(url: str, shown: str) -> None:
+    """Passwords in the user info and in secret query fields are masked; nothing else changes."""
+    assert mask_url(url) == shown
+
+
+def test_mask_text_masks_urls_inside_messages() -> None:
+    """A library's message quoting a URL with a password is masked before it is logged."""
+    text = mask_text("cannot connect to redis://u:hunter2@h:1/0 (password=hunter3)")
+    assert "hunter2" not in text and "hunter3" not in text
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_backend_error_log_line_masks_the_redis_password(event_lines: Lines) -> None:
+    """The ERROR for an unreachable Redis (a real refused connection) shows no password."""
+    pytest.importorskip("redis")
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0?password=hunter3"
+    gk = GateKeeper({"backend": url, "limits": {"default": {"concurrency": 1}}})
+    try:
+        gk.admit("default", "svc", "crm").release()
+    finally:
+        gk.close()
+    errors = [line for line in event_lines.lines if "failed" in line]
+    assert errors, event_lines.lines
+    assert all("hunter" not in line for line in event_lines.lines)
+    assert any("redis://:***@127.0.0.1" in line for line in errors)
+
+
+def test_status_json_masks_the_backend_url() -> None:
+    """The status JSON shows the configured backend URL with its passwords masked."""
+    url = "redis://:hunter2@cache:6379/0?password=hunter3"
+    gk = GateKeeper({"backend": url}, backend=MemoryBackend())
+    try:
+        response = Client(StatusApp(gk, token="t")).get(
+            "/status.json", headers={"Authorization": "Bearer t"}
+        )
+    finally:
+        gk.close()
+    assert response.status_code == 200
+    assert "hunter" not in response.get_data(as_text=True)
+    assert response.json is not None
+    assert response.json["config"]["backend"] == "redis://:***@cache:6379/0?password=***"
+
+
+def test_cli_check_masks_the_backend_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gatekeeper check` prints the backend URL masked, for a valid and an invalid file."""
+    good = tmp_path / "good.toml"
+    good.write_text('backend = "redis://:hunter2@cache/0?password=hunter3"\n', encoding="utf-8")
+    assert main(["check", str(good)]) == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text('backend = "redis://:hunter2@cache/0?cluster=maybe"\n', encoding="utf-8")
+    main(["check", str(bad)])
+    captured = capsys.readouterr()
+    assert "hunter" not in captured.out + captured.err
+    assert "redis://:***@cache/0" in captured.out
+
+
+def test_cli_status_masks_the_backend_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gatekeeper status` against an unreachable Redis reports it without the password."""
+    pytest.importorskip("redis")
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0?password=hunter3"
+    main(["status", "--json", "--backend", url])
+    captured = capsys.readouterr()
+    assert "hunter" not in captured.out + captured.err
+    assert json.loads(captured.out)["backend"].startswith("redis://:***@127.0.0.1:")
+
+
+def test_replay_says_what_a_redacted_body_means(tmp_path: Path) -> None:
+    """A dry-run replay of a record with redacted fields says they go out as [redacted]."""
+    log = tmp_path / "rejected.jsonl"
+    record = record_of(
+        method="POST",
+        data=f"user=alice&password={SECRET}",
+        content_type="application/x-www-form-urlencoded",
+    )
+    log.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, "http://127.0.0.1:9", dry_run=True, out=out) == 0
+    assert "redacted in the log" in out.getvalue()
+    help_text = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(help_text):
+        main(["replay", "--help"])
+    assert "[redacted]" in help_text.getvalue()
