@@ -1153,6 +1153,7 @@ def test_stats_shape(make: Make) -> None:
         "reloads",
         "reload_failed",
         "backend_errors",
+        "rejected_log_dropped",
     }
     assert set(STAGES) <= set(stats["stages"])
     for summary in stats["stages"].values():
