@@ -1,0 +1,287 @@
+"""Adaptive concurrency (``concurrency = "auto"``): controllers that find a limit by themselves.
+
+A :class:`Controller` belongs to one concrete limit path (one per key of a wildcard limit).
+It is fed one sample per admitted request when the request is released: its latency
+(admission to release), whether the response was faulty (an exception, a 5xx, a timeout
+marker) and how many requests of that path were in flight. Rejected requests are never
+samples: counting them would make the limit chase its own refusals down to ``min``.
+
+Samples are gathered into windows (at least ``WINDOW_SAMPLES`` samples and
+``WINDOW_SECONDS``, and at least two mean latencies long, so a window sees the effect of
+the previous change). When a window closes, the algorithm moves the limit:
+
+``gradient`` (after Netflix's Gradient2 and Envoy's gradient controller)
+    ``limit x clamp(min_latency / latency, 0.5, 1) + √limit``, smoothed. Settles a little
+    above the concurrency the backend serves without queueing; reacts in proportion.
+``vegas`` (after TCP Vegas / Netflix's VegasLimit)
+    estimates the queue ``limit x (1 - min_latency / latency)`` and steps the limit by
+    ``log10(limit)``-sized amounts to keep it between ``3·log10`` and ``6·log10`` requests.
+``aimd`` (additive increase, multiplicative decrease)
+    doubles per busy window until the first backoff (slow start), then ``+1`` per busy
+    window; ``x 0.9`` when a window saw a faulty response or a mean latency above 1.5 x the
+    minimum. Loss-driven: simple, settles higher, slower to recover.
+
+Gradient and vegas multiply their next limit by ``1 - share of faulty responses``, so a
+backend that starts failing sheds load in proportion, while a steady trickle of errors does
+not walk the limit down to ``min``.
+
+The minimum latency is the no-load baseline. It falls whenever a window is faster, and it
+is measured again, up or down, by a *probe* (as Envoy does): at the start and then about
+every ``PROBE_EVERY`` seconds (jittered per path) the limit is pinned to a few requests
+until ``PROBE_SAMPLES`` requests admitted under it have finished; their mean latency is the
+new baseline. Without it a baseline would never rise after a slower deploy and the limit
+would collapse; a window gathered at that low concurrency anyway also counts as a probe.
+
+A limit only grows when the window was busy (at least half the limit in flight), so an idle
+or lightly used path never drifts upwards for lack of a signal. Everything here is pure
+and deterministic: time comes in as ``now`` (seconds on the engine's clock)::
+
+    controller = Controller(AdaptiveSpec("gradient", min=1, max=200, initial=10), now=0.0)
+    controller.sample(latency=0.020, inflight=8, faulty=False, admitted=0.0, now=0.02)
+    controller.limit   # the current limit, an int in [min, max]
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+__all__ = [
+    "ALGORITHMS",
+    "PROBE_EVERY",
+    "PROBE_SAMPLES",
+    "WINDOW_SAMPLES",
+    "WINDOW_SECONDS",
+    "AdaptiveSpec",
+    "Algorithm",
+    "Controller",
+]
+
+Algorithm = Literal["gradient", "aimd", "vegas"]
+#: The known algorithms, in the order the docs list them.
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
+
+#: A window closes after at least this many samples ...
+WINDOW_SAMPLES = 10
+#: ... and at least this many seconds (and two mean latencies).
+WINDOW_SECONDS = 0.1
+#: Seconds between two probes of the no-load latency (± 15 % per path).
+PROBE_EVERY = 30.0
+#: Requests admitted under the pinned limit that a probe waits for.
+PROBE_SAMPLES = 10
+#: The concurrency a probe pins the limit to (raised to ``min`` when that is higher).
+PROBE_CONCURRENCY = 3
+
+# Gradient: how much slower than the baseline a window may be before the limit shrinks
+# (a little slack for latency noise), how far one window may shrink it, and how much of
+# each step is taken (smoothing against noise).
+_GRADIENT_TOLERANCE = 1.1
+_GRADIENT_FLOOR = 0.5
+_GRADIENT_SMOOTHING = 0.5
+# AIMD: the latency ratio it treats like a drop, and its multiplicative backoff.
+_AIMD_TOLERANCE = 1.5
+_AIMD_BACKOFF = 0.9
+# One window of faulty responses never cuts the limit by more than half.
+_DROP_FLOOR = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveSpec:
+    """The ``adaptive`` table of a ``concurrency = "auto"`` limit (SPEC §3)."""
+
+    algorithm: Algorithm = "gradient"
+    min: int = 1
+    max: int = 1000
+    initial: int = 10
+
+
+class Controller:
+    """The adaptive limit of one concrete path: feed it :meth:`sample`, read ``limit``.
+
+    Not thread-safe by itself: the backend that owns it feeds and reads it under the
+    lock that guards the path's in-flight count.
+    """
+
+    __slots__ = (
+        "_count",
+        "_drops",
+        "_next_probe",
+        "_peak",
+        "_probe_count",
+        "_probe_total",
+        "_probing",
+        "_seed",
+        "_slow_start",
+        "_started",
+        "_total",
+        "estimate",
+        "latency",
+        "limit",
+        "min_latency",
+        "spec",
+    )
+
+    _started: float
+    _count: int
+    _total: float
+    _drops: int
+    _peak: int
+
+    def __init__(self, spec: AdaptiveSpec, now: float, *, key: str = "") -> None:
+        self.spec = spec
+        #: the algorithm's value before rounding (steps smaller than one request add up)
+        self.estimate = float(spec.initial)
+        #: the enforced limit: requests in flight may not reach it
+        self.limit = spec.initial
+        #: mean latency of the last window (seconds; 0 before the first)
+        self.latency = 0.0
+        #: the no-load baseline (seconds; 0 before the first probe)
+        self.min_latency = 0.0
+        # Jitter from the path, so the keys (and hosts) of a deployment do not probe in
+        # step, yet the same path always behaves the same (deterministic tests).
+        self._seed = (zlib.crc32(key.encode("utf-8", "surrogatepass")) % 1000) / 1000.0
+        self._reset_window(now)
+        self._next_probe = now
+        self._probing: float | None = None
+        self._slow_start = True
+        self._probe_count = 0
+        self._probe_total = 0.0
+
+    def respec(self, spec: AdaptiveSpec) -> None:
+        """Take a reloaded ``adaptive`` table: keep what was learned, within the new bounds."""
+        if spec == self.spec:
+            self.spec = spec
+            return
+        self.spec = spec
+        self.estimate = min(max(self.estimate, spec.min), spec.max)
+        if self._probing is None:
+            self.limit = self._rounded()
+        else:
+            self.limit = self._probe_limit()
+
+    # --- samples --------------------------------------------------------------------------
+
+    def sample(
+        self, latency: float, inflight: int, faulty: bool, admitted: float, now: float
+    ) -> None:
+        """One released request: ``latency`` seconds from admission (at ``admitted``) to
+        release (at ``now``), ``inflight`` requests of this path in flight at release
+        (itself included), ``faulty`` if its response was."""
+        if self._probing is not None:
+            self._probe_sample(latency, admitted, now)
+            return
+        if now >= self._next_probe:
+            self._start_probe(now)
+            return
+        self._count += 1
+        self._total += latency
+        if faulty:
+            self._drops += 1
+        if inflight > self._peak:
+            self._peak = inflight
+        if self._count >= WINDOW_SAMPLES and now - self._started >= max(
+            WINDOW_SECONDS, 2.0 * self.latency
+        ):
+            self._close_window(now)
+
+    def _reset_window(self, now: float) -> None:
+        self._started = now
+        self._count = 0
+        self._total = 0.0
+        self._drops = 0
+        self._peak = 0
+
+    def _close_window(self, now: float) -> None:
+        latency = self._total / self._count
+        drop_share = self._drops / self._count
+        peak = self._peak
+        self._reset_window(now)
+        self.latency = latency
+        if peak <= PROBE_CONCURRENCY and not drop_share:
+            # As few requests in flight as a probe pins: this window measured no-load
+            # latency, whether it is higher (a slower deploy) or lower than the baseline.
+            self.min_latency = latency
+        elif latency < self.min_latency or not self.min_latency:
+            self.min_latency = latency
+        spec = self.spec
+        estimate = self._next(self.estimate, latency, self.min_latency, peak, drop_share)
+        self.estimate = min(max(estimate, float(spec.min)), float(spec.max))
+        self.limit = self._rounded()
+
+    def _next(
+        self, estimate: float, latency: float, baseline: float, peak: int, drop_share: float
+    ) -> float:
+        """The algorithm's next estimate after a window (mean ``latency``, the ``baseline``
+        no-load latency, ``peak`` requests in flight, ``drop_share`` of faulty responses)."""
+        algorithm = self.spec.algorithm
+        busy = 2 * peak >= estimate
+        if algorithm == "aimd":
+            if drop_share or latency > _AIMD_TOLERANCE * baseline:
+                self._slow_start = False
+                return estimate * _AIMD_BACKOFF
+            if not busy:
+                return estimate
+            # Slow start (as TCP): double until the first backoff, then add one.
+            return estimate * 2.0 if self._slow_start else estimate + 1.0
+        if algorithm == "vegas":
+            queue = estimate * (1.0 - baseline / latency)
+            step = max(1.0, math.log10(estimate))
+            if queue <= step:
+                target = estimate + 6.0 * step if busy else estimate
+            elif queue < 3.0 * step:
+                target = estimate + step if busy else estimate
+            elif queue > 6.0 * step:
+                # Far over: shed half the excess queue at once, not log10 per window.
+                target = estimate - max(step, (queue - 6.0 * step) / 2.0)
+            else:
+                target = estimate
+        else:
+            gradient = min(max(_GRADIENT_TOLERANCE * baseline / latency, _GRADIENT_FLOOR), 1.0)
+            wanted = estimate * gradient + math.sqrt(estimate)
+            if not busy:
+                wanted = min(wanted, estimate)
+            target = estimate + (wanted - estimate) * _GRADIENT_SMOOTHING
+        return target * max(_DROP_FLOOR, 1.0 - drop_share)
+
+    def _rounded(self) -> int:
+        spec = self.spec
+        return min(max(int(self.estimate), spec.min), spec.max)
+
+    # --- probing the no-load latency ------------------------------------------------------
+
+    def _probe_limit(self) -> int:
+        spec = self.spec
+        return min(max(PROBE_CONCURRENCY, spec.min), spec.max)
+
+    def _start_probe(self, now: float) -> None:
+        self._probing = now
+        self._probe_count = 0
+        self._probe_total = 0.0
+        self.limit = min(self._probe_limit(), self._rounded())
+
+    def _probe_sample(self, latency: float, admitted: float, now: float) -> None:
+        # Requests admitted before the probe began ran under the old, higher limit.
+        assert self._probing is not None
+        if admitted < self._probing:
+            return
+        self._probe_count += 1
+        self._probe_total += latency
+        if self._probe_count < PROBE_SAMPLES:
+            return
+        self.min_latency = self._probe_total / self._probe_count
+        self._probing = None
+        self._next_probe = now + PROBE_EVERY * (0.85 + 0.3 * self._seed)
+        self.limit = self._rounded()
+        self._reset_window(now)
+
+    # --- reports --------------------------------------------------------------------------
+
+    def report(self) -> dict[str, float | int]:
+        """``{"limit", "latency_ms", "min_latency_ms"}`` for ``gk.stats()["adaptive"]``."""
+        return {
+            "limit": self.limit,
+            "latency_ms": round(self.latency * 1000.0, 3),
+            "min_latency_ms": round(self.min_latency * 1000.0, 3),
+        }

@@ -1,0 +1,173 @@
+"""The adaptive controllers against a modelled backend: deterministic, synthetic latencies.
+
+The model: a backend of capacity C serves up to C requests at its base latency; beyond C
+they queue, so latency grows as ``base x in_flight / C``. Clients are many more than C, so
+the limiter alone decides the in-flight count. Time is simulated (no sleeps, no threads).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from gatekeeper_wsgi.adaptive import ALGORITHMS, PROBE_EVERY, AdaptiveSpec, Controller
+
+BASE = 0.020  # seconds: the modelled backend's unloaded latency
+
+
+@dataclass
+class ModelledBackend:
+    """Feeds a controller the samples a backend of ``capacity`` would produce."""
+
+    capacity: float
+    clients: int = 1000
+    base: float = BASE
+    faulty_share: float = 0.0
+    noise: float = 0.1  # ± share of each latency, uniformly
+    now: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+    trace: list[int] = field(default_factory=list)
+    _owed: float = 0.0
+
+    def run(self, controller: Controller, seconds: float, step: float = 0.005) -> None:
+        """Advance ``seconds``: in each step the in-flight count is the limit (or the
+        clients, if fewer), and requests complete at in_flight / latency per second."""
+        end = self.now + seconds
+        while self.now < end:
+            inflight = min(controller.limit, self.clients)
+            latency = self.base * max(1.0, inflight / self.capacity)
+            self._owed += inflight * step / latency
+            while self._owed >= 1.0:
+                self._owed -= 1.0
+                sampled = latency * (1.0 + self.noise * (2.0 * self.rng.random() - 1.0))
+                faulty = self.rng.random() < self.faulty_share
+                controller.sample(sampled, inflight, faulty, self.now - sampled, self.now)
+            self.now += step
+            self.trace.append(controller.limit)
+
+
+def settled(algorithm: str, capacity: float, **spec: int) -> tuple[Controller, ModelledBackend]:
+    """A controller that ran 20 s against a backend of ``capacity``."""
+    controller = Controller(AdaptiveSpec(algorithm, **spec), 0.0, key="shop")  # type: ignore[arg-type]
+    backend = ModelledBackend(capacity)
+    backend.run(controller, 20.0)
+    return controller, backend
+
+
+@pytest.mark.parametrize("capacity", [20, 100])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_converges_near_the_backends_capacity(algorithm: str, capacity: int) -> None:
+    """Each algorithm settles between 0.9 C and 1.5 C, so latency stays under 1.5 x base."""
+    controller, _ = settled(algorithm, capacity)
+    assert 0.9 * capacity <= controller.limit <= 1.5 * capacity
+    assert controller.latency <= 1.5 * BASE
+    assert controller.min_latency == pytest.approx(BASE, rel=0.1)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_follows_a_capacity_halving_within_5_s_and_recovers(algorithm: str) -> None:
+    """Capacity halves: within 5 s the limit is within 50 % of C/2; it regrows after."""
+    capacity = 40
+    controller, backend = settled(algorithm, capacity)
+    backend.capacity = capacity / 2
+    backend.run(controller, 5.0)
+    assert 0.5 * capacity / 2 <= controller.limit <= 1.5 * capacity / 2
+    backend.capacity = capacity
+    backend.run(controller, 10.0)
+    assert controller.limit >= 0.9 * capacity
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_stays_within_min_and_max(algorithm: str) -> None:
+    """A backend far bigger than max, then far smaller than min: the limit never leaves
+    [min, max] at any moment, probes included (they pin it to min when min > 3)."""
+    controller = Controller(AdaptiveSpec(algorithm, min=8, max=30, initial=10), 0.0)  # type: ignore[arg-type]
+    backend = ModelledBackend(capacity=500)
+    backend.run(controller, 20.0)
+    assert controller.limit == 30
+    backend.capacity = 1
+    backend.run(controller, 2 * PROBE_EVERY)
+    assert controller.limit < 30
+    assert 8 == min(backend.trace) <= max(backend.trace) == 30
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_faulty_responses_lower_the_limit(algorithm: str) -> None:
+    """Half the responses faulty (latency unchanged): within 2 s the limit is below half
+    of what it had settled at."""
+    controller, backend = settled(algorithm, 40)
+    before = controller.limit
+    backend.faulty_share = 0.5
+    backend.run(controller, 2.0)
+    assert controller.limit < before / 2
+
+
+@pytest.mark.parametrize("algorithm", ["gradient", "vegas"])
+def test_a_trickle_of_errors_does_not_walk_the_limit_down(algorithm: str) -> None:
+    """1 % faulty responses for a minute: gradient and vegas stay near capacity."""
+    controller, backend = settled(algorithm, 40)
+    backend.faulty_share = 0.01
+    backend.run(controller, 60.0)
+    assert controller.limit >= 0.8 * 40
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_no_growth_without_a_signal(algorithm: str) -> None:
+    """Five clients against a huge backend for two minutes: the limit does not climb
+    towards max just because nothing pushes back."""
+    controller = Controller(AdaptiveSpec(algorithm, max=1000), 0.0)  # type: ignore[arg-type]
+    backend = ModelledBackend(capacity=1000, clients=5)
+    backend.run(controller, 120.0)
+    assert controller.limit <= 20
+
+
+def test_no_samples_no_change() -> None:
+    """A path nobody calls keeps its initial limit."""
+    controller = Controller(AdaptiveSpec("gradient", initial=12), 0.0)
+    assert controller.limit == 12
+    assert controller.report() == {"limit": 12, "latency_ms": 0.0, "min_latency_ms": 0.0}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_slower_deploy_does_not_collapse_the_limit(algorithm: str) -> None:
+    """The base latency doubles for good (same capacity): the baseline is re-measured,
+    so after a probe period the limit is back near capacity instead of stuck at min."""
+    controller, backend = settled(algorithm, 40)
+    backend.base = 2 * BASE
+    backend.run(controller, 1.5 * PROBE_EVERY)
+    assert controller.limit >= 0.8 * 40
+    assert controller.min_latency == pytest.approx(2 * BASE, rel=0.15)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_deterministic(algorithm: str) -> None:
+    """The same samples give the same limits, step by step."""
+    traces = []
+    for _ in range(2):
+        _, backend = settled(algorithm, 30)
+        traces.append(backend.trace)
+    assert traces[0] == traces[1]
+
+
+def test_respec_keeps_what_was_learned_within_new_bounds() -> None:
+    """A reload that lowers max clamps the learned limit; raising it keeps the value."""
+    controller, _ = settled("gradient", 100)
+    learned = controller.limit
+    controller.respec(AdaptiveSpec("gradient", max=50))
+    assert controller.limit == 50
+    controller.respec(AdaptiveSpec("gradient", max=1000))
+    assert controller.limit == 50 < learned
+
+
+def test_requests_admitted_before_a_probe_do_not_count_as_probe_samples() -> None:
+    """Samples of requests admitted under the old limit are ignored by a probe: its
+    baseline comes only from requests admitted at the pinned concurrency."""
+    controller = Controller(AdaptiveSpec("gradient"), 0.0)
+    controller.sample(0.5, 50, False, -0.5, 0.0)  # starts the first probe at t=0
+    for index in range(20):  # slow ones admitted before it began
+        controller.sample(0.5, 50, False, -0.1, 0.01 * index)
+    for index in range(10):
+        controller.sample(0.02, 2, False, 0.2 + index * 0.02, 0.22 + index * 0.02)
+    assert controller.min_latency == pytest.approx(0.02)
