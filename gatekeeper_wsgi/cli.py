@@ -70,7 +70,13 @@ def _own(limit: Limit | None) -> list[str]:
     if limit is None or (limit.concurrency is None and limit.rate is None):
         return ["no limit of its own"]
     parts = []
-    if limit.concurrency is not None:
+    adaptive = limit.adaptive
+    if adaptive is not None:
+        parts.append(
+            f"concurrency auto ({adaptive.algorithm}, {adaptive.min}..{adaptive.max}, "
+            f"starting at {adaptive.initial})"
+        )
+    elif limit.concurrency is not None:
         parts.append(
             "concurrency 0 (blocked)"
             if limit.concurrency == 0

@@ -16,11 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from werkzeug.routing import Map, Rule
 from werkzeug.utils import import_string
 
+from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec, Algorithm
 from gatekeeper_wsgi.errors import LEVELS, ConfigError
 from gatekeeper_wsgi.limitindex import LimitIndex
 
@@ -117,6 +118,7 @@ class Limit:
 
     path: str
     segments: tuple[str, ...]
+    #: requests in flight; for ``concurrency = "auto"`` the upper bound ``adaptive.max``
     concurrency: int | None = None
     rate: Rate | None = None
     key: str = "caller"
@@ -130,12 +132,16 @@ class Limit:
     queue: QueueSpec | None = None
     #: "enforce" / "shadow"; None follows the global mode
     mode: str | None = None
+    #: set for ``concurrency = "auto"``: the backend enforces the limit its controller finds
+    adaptive: AdaptiveSpec | None = None
 
     #: ``"project"``, ``"service"`` or ``"caller"`` (derived from the path)
     level: str = field(init=False, compare=False)
     #: whether a segment is ``*`` (one counter per value; derived from the path)
     wildcard: bool = field(init=False, compare=False)
-    #: ``concurrency``, or no bound when None (derived; one comparison per admission)
+    #: ``concurrency``, or no bound when None (derived; one comparison per admission);
+    #: -inf for an adaptive limit, so that this one comparison sends every admission of it
+    #: to the current limit of its controller, and static limits pay nothing for that
     capacity: float = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +149,8 @@ class Limit:
         object.__setattr__(self, "level", LEVELS[len(self.segments) - 1])
         object.__setattr__(self, "wildcard", "*" in self.segments)
         capacity = math.inf if self.concurrency is None else self.concurrency
+        if self.adaptive is not None:
+            capacity = -math.inf
         object.__setattr__(self, "capacity", capacity)
 
     def _identity(self) -> tuple[Any, ...]:
@@ -160,6 +168,7 @@ class Limit:
             None if self.timeout_body is None else self.timeout_body.pattern,
             self.queue,
             self.mode,
+            self.adaptive,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -284,7 +293,13 @@ LIMIT_FIELDS: tuple[str, ...] = (
     "timeout_body",
     "queue",
     "mode",
+    "adaptive",
 )
+#: The keys of a limit's ``adaptive`` table.
+ADAPTIVE_FIELDS: tuple[str, ...] = ("algorithm", "min", "max", "initial")
+# An adaptive limit's max beyond this is surely a typo, not a concurrency.
+_ADAPTIVE_MAX = 1_000_000
+_DEFAULT_ADAPTIVE = AdaptiveSpec()
 
 
 def merge_settings(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
@@ -617,7 +632,21 @@ class _Checker:
         level = LEVELS[len(segments) - 1]
         fields: dict[str, Any] = {}
         if "concurrency" in spec:
-            fields["concurrency"] = self.integer(f"{base}.concurrency", spec["concurrency"], 0)
+            concurrency = spec["concurrency"]
+            if isinstance(concurrency, str) and concurrency.strip() == "auto":
+                adaptive = self.adaptive(f"{base}.adaptive", spec.get("adaptive", {}))
+                fields["adaptive"] = adaptive
+                fields["concurrency"] = adaptive.max
+            elif not isinstance(concurrency, str) or concurrency.strip().lstrip("+-").isdigit():
+                fields["concurrency"] = self.integer(f"{base}.concurrency", concurrency, 0)
+            else:
+                raise self.bad(f"{base}.concurrency", concurrency, 'an integer >= 0 or "auto"')
+        if "adaptive" in spec and "adaptive" not in fields:
+            raise self.error(
+                f"{base}.adaptive",
+                "'adaptive' needs concurrency = \"auto\" on the same limit; "
+                f"got concurrency {spec.get('concurrency')!r}",
+            )
         if "rate" in spec:
             fields["rate"] = self.rate(f"{base}.rate", spec["rate"])
         if (
@@ -675,6 +704,45 @@ class _Checker:
         if "mode" in spec:
             fields["mode"] = self.choice(f"{base}.mode", spec["mode"], ("enforce", "shadow"))
         return Limit(path=path, segments=segments, **fields)
+
+    def adaptive(self, key: str, value: object) -> AdaptiveSpec:
+        """The ``adaptive`` table; in .properties files ``vegas, min=2, max=50``."""
+        if isinstance(value, str):
+            table: dict[str, object] = {}
+            for item in self.items(key, value):
+                assert isinstance(item, str)
+                name, sep, text = item.partition("=")
+                if not sep:
+                    name, text = "algorithm", item
+                table[name.strip()] = text.strip()
+            value = table
+        spec = self.mapping(key, value)
+        for name in spec:
+            if name not in ADAPTIVE_FIELDS:
+                raise self.unknown(f"{key}.{name}", name, ADAPTIVE_FIELDS)
+        default = _DEFAULT_ADAPTIVE
+        algorithm = self.choice(
+            f"{key}.algorithm", spec.get("algorithm", default.algorithm), ALGORITHMS
+        )
+        low = self.integer(f"{key}.min", spec.get("min", default.min), 1)
+        high = self.integer(f"{key}.max", spec.get("max", max(low, default.max)), 1)
+        if high > _ADAPTIVE_MAX:
+            # Not quoted: a 5000-digit number cannot even be printed.
+            raise self.error(
+                f"{key}.max", f"expected an integer <= {_ADAPTIVE_MAX}, got a larger one"
+            )
+        if high < low:
+            raise self.bad(f"{key}.max", spec["max"], f"an integer >= min ({low})")
+        if "initial" in spec:
+            initial = self.integer(f"{key}.initial", spec["initial"], 1)
+            if not low <= initial <= high:
+                raise self.bad(
+                    f"{key}.initial", spec["initial"], f"min <= initial <= max ({low}..{high})"
+                )
+        else:
+            # The default start (10) moved into the bounds the user gave.
+            initial = min(max(default.initial, low), high)
+        return AdaptiveSpec(cast("Algorithm", algorithm), low, high, initial)
 
     def rate(self, key: str, value: object) -> Rate:
         match = _RATE_RE.fullmatch(value) if isinstance(value, str) else None
