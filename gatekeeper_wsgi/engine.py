@@ -77,6 +77,8 @@ class Admission:
         if grant is not None:
             try:
                 now = started if keeper._perf_clock else keeper._clock()
+                if grant.adaptive:
+                    keeper.backend.observe(grant, faulty, now)
                 keeper.backend.release(grant, status, delay, now)
             except BackendError as exc:
                 # The backend's own expiry (lease) gives these slots back; never fail a
@@ -392,10 +394,17 @@ class GateKeeper:
                 "GK-CONCURRENCY-LIMIT",
                 level=limit.level,
                 limit_path=limit.path,
-                limit_value=str(limit.concurrency),
+                limit_value=self._concurrency_value(slot),
                 retry_after=denial.retry_after,
             )
         return self._counted(rejected, slot.key) if counted else rejected
+
+    def _concurrency_value(self, slot: Slot) -> str:
+        """A concurrency limit's value in faults: an adaptive one's current limit."""
+        limit = slot.limit
+        if limit.adaptive is not None:
+            return str(self.backend.adaptive_limit(slot.key, limit))
+        return str(limit.concurrency)
 
     def _counted(self, rejected: Rejected, key: str | None = None) -> Rejected:
         self.monitor.count_rejection(rejected.code, rejected.limit_path, key)
@@ -474,7 +483,7 @@ class GateKeeper:
 
     def _queue_fault(self, code: str, slot: Slot, wait: float) -> Rejected:
         limit = slot.limit
-        value = str(limit.concurrency) if limit.concurrency is not None else None
+        value = self._concurrency_value(slot) if limit.concurrency is not None else None
         if value is None and limit.rate is not None:
             value = limit.rate.text
         return self._counted(
@@ -503,8 +512,10 @@ class GateKeeper:
         return self.backend.totals(limits, self._clock(), top=top, watch=watch)
 
     def stats(self) -> dict[str, Any]:
-        """Counters and stage timings (SPEC §7)."""
-        return self.monitor.snapshot(self.backend.delayed_pending())
+        """Counters, stage timings and adaptive limits (SPEC §7, §4.9)."""
+        stats = self.monitor.snapshot(self.backend.delayed_pending())
+        stats["adaptive"] = self.backend.adaptive()
+        return stats
 
     def close(self) -> None:
         """Release backend resources."""

@@ -1143,7 +1143,7 @@ def test_stats_shape(make: Make) -> None:
     """stats() has the documented counters and a timing summary for every stage."""
     gk = make({"shop": {"concurrency": 1}})
     stats = gk.stats()
-    assert set(stats) == {"counters", "stages"}
+    assert set(stats) == {"counters", "stages", "adaptive"}
     assert set(stats["counters"]) == {
         "admitted",
         "rejected",

@@ -70,15 +70,18 @@ class LimitTotals(NamedTuple):
 class Grant:
     """What a backend returns for an admission; release it exactly once.
 
-    ``shadowed`` lists the indexes of shadow slots that were over their limit.
-    Backends subclass it to carry their lease.
+    ``shadowed`` lists the indexes of shadow slots that were over their limit;
+    ``adaptive`` is True when a slot's limit is adaptive, so the engine reports the
+    request's latency through :meth:`Backend.observe`. Backends subclass it to carry their
+    lease.
     """
 
-    __slots__ = ("shadowed", "slots")
+    __slots__ = ("adaptive", "shadowed", "slots")
 
     def __init__(self, slots: Sequence[Slot], shadowed: tuple[int, ...] = ()) -> None:
         self.slots = slots
         self.shadowed = shadowed
+        self.adaptive = False
 
 
 class Backend(ABC):
@@ -151,6 +154,21 @@ class Backend(ABC):
         caller then derives what it can from :meth:`inflight` (O(tracked keys)).
         """
         return None
+
+    def observe(self, grant: Grant, faulty: bool, now: float) -> None:  # noqa: B027
+        """Feed the adaptive limits of a grant (``grant.adaptive``) the request's latency,
+        just before its :meth:`release`. Only backends that set ``adaptive`` are asked."""
+
+    def adaptive(self) -> dict[str, dict[str, float | int]]:
+        """``{concrete path: {"limit", "latency_ms", "min_latency_ms"}}`` of the adaptive
+        limits in use (``gk.stats()["adaptive"]``)."""
+        return {}
+
+    def adaptive_limit(self, key: str, limit: Limit) -> int:
+        """The current value of an adaptive ``limit`` at concrete path ``key`` (the value
+        in its faults); ``initial`` until the backend has learned one."""
+        assert limit.adaptive is not None
+        return limit.adaptive.initial
 
     def next_due(self) -> float | None:
         """When the next delayed release matures (engine clock), if known."""

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gatekeeper_wsgi.adaptive import Controller
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.errors import BackendError
@@ -44,16 +45,18 @@ _EVICTION_SAMPLE = 64
 
 
 class _Counter:
-    """State of one concrete path: requests in flight and the admission times of its
-    rolling window (a sliding log: exact, O(N) per key)."""
+    """State of one concrete path: requests in flight, the admission times of its
+    rolling window (a sliding log: exact, O(N) per key) and, for an adaptive limit, the
+    controller that sets its current limit."""
 
-    __slots__ = ("inflight", "used", "window")
+    __slots__ = ("gauge", "inflight", "used", "window")
 
     def __init__(self) -> None:
         self.inflight = 0
         self.window: deque[float] = deque()
         #: the admission (a count) that last used it, for eviction
         self.used = 0
+        self.gauge: Controller | None = None
 
 
 class _MemoryGrant(Grant):
@@ -66,10 +69,12 @@ class _MemoryGrant(Grant):
         counters: list[_Counter],
         stamp: float,
         reserved: list[tuple[deque[float], frozenset[int]]],
+        adaptive: bool,
     ) -> None:
         # Grant.__init__ inlined: a super() call per admission is measurable.
         self.slots = slots
         self.shadowed = shadowed
+        self.adaptive = adaptive
         self.counters = counters
         #: the admission time, entered in the window of every rate slot that recorded it
         self.stamp = stamp
@@ -115,6 +120,7 @@ class MemoryBackend(Backend):
             recording: list[deque[float]] = []
             reserved: list[tuple[deque[float], frozenset[int]]] = []
             shadowed: tuple[int, ...] = ()
+            adaptive = False
             get = self._counters.get
             self._tick = tick = self._tick + 1
             # Counted as it goes; a refusal takes back what was counted before it. The
@@ -128,12 +134,18 @@ class MemoryBackend(Backend):
                         self._undo(counters)
                         raise
                 counter.used = tick
+                # An adaptive limit's capacity is -inf: its admissions all come here.
                 if counter.inflight >= limit.capacity:
-                    if enforce:
-                        self._undo(counters)
-                        wait = self._soonest(counter, now)
-                        return Denial(len(counters), "concurrency", wait, 0)
-                    shadowed += (len(counters),)
+                    full = True
+                    if limit.adaptive is not None:
+                        adaptive = True
+                        full = counter.inflight >= self._gauge(key, counter, limit, now).limit
+                    if full:
+                        if enforce:
+                            self._undo(counters)
+                            wait = self._soonest(counter, now)
+                            return Denial(len(counters), "concurrency", wait, 0)
+                        shadowed += (len(counters),)
                 rate = limit.rate
                 if rate is not None:
                     window = counter.window
@@ -155,7 +167,7 @@ class MemoryBackend(Backend):
                 counters.append(counter)
             for window in recording:
                 window.append(now)
-            return _MemoryGrant(slots, shadowed, counters, now, reserved)
+            return _MemoryGrant(slots, shadowed, counters, now, reserved, adaptive)
 
     @staticmethod
     def _undo(counters: list[_Counter]) -> None:
@@ -172,7 +184,10 @@ class MemoryBackend(Backend):
                 counter = self._counters.get(key)
                 if counter is None or not enforce:
                     continue
-                if limit.concurrency is not None and counter.inflight >= limit.concurrency:
+                concurrency = limit.concurrency
+                if limit.adaptive is not None:
+                    concurrency = self._gauge(key, counter, limit, now).limit
+                if concurrency is not None and counter.inflight >= concurrency:
                     return Denial(index, "concurrency", self._soonest(counter, now), 0)
                 if limit.rate is not None:
                     cutoff = now - limit.rate.seconds
@@ -180,6 +195,43 @@ class MemoryBackend(Backend):
                     if len(live) >= limit.rate.limit:
                         return Denial(index, "rate", live[0] - cutoff, 0)
         return None
+
+    @staticmethod
+    def _gauge(key: str, counter: _Counter, limit: Limit, now: float) -> Controller:
+        """The controller of an adaptive limit's counter, made on first use and kept in
+        step with a reloaded ``adaptive`` table."""
+        spec = limit.adaptive
+        assert spec is not None
+        gauge = counter.gauge
+        if gauge is None:
+            gauge = counter.gauge = Controller(spec, now, key=key)
+        elif gauge.spec is not spec:
+            gauge.respec(spec)
+        return gauge
+
+    def observe(self, grant: Grant, faulty: bool, now: float) -> None:
+        if TYPE_CHECKING:
+            assert isinstance(grant, _MemoryGrant)
+        stamp = grant.stamp
+        with self._lock:
+            for counter in grant.counters:
+                gauge = counter.gauge
+                if gauge is not None:
+                    gauge.sample(now - stamp, counter.inflight, faulty, stamp, now)
+
+    def adaptive(self) -> dict[str, dict[str, float | int]]:
+        with self._lock:
+            return {
+                key: counter.gauge.report()
+                for key, counter in self._counters.items()
+                if counter.gauge is not None
+            }
+
+    def adaptive_limit(self, key: str, limit: Limit) -> int:
+        counter = self._counters.get(key)
+        if counter is None or counter.gauge is None:
+            return super().adaptive_limit(key, limit)
+        return counter.gauge.limit
 
     def _create(self, key: str, limit: Limit, now: float) -> _Counter:
         counter = _Counter()
