@@ -19,7 +19,7 @@ def limit_of(spec: dict[str, Any], path: str = "shop") -> Any:
 
 @pytest.mark.parametrize("path", ["shop", "shop/checkout", "shop/checkout/crm", "*/*/*"])
 def test_auto_on_every_level_and_wildcards(path: str) -> None:
-    """"auto" is accepted on all three levels and on wildcard paths, with the defaults."""
+    """The value "auto" is accepted on all three levels and on wildcard paths, with the defaults."""
     limit = limit_of({"concurrency": "auto"}, path)
     assert limit.adaptive == AdaptiveSpec("gradient", 1, 1000, 10)
     assert limit.concurrency == 1000  # the bound any static reader sees
