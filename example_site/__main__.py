@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from example_site.common import BACKEND_ENV, dashboard_token, index
+from example_site.common import BACKEND_ENV, banner, dashboard_token
 
 
 def serve(argv: Sequence[str] | None = None) -> int:
@@ -41,7 +41,7 @@ def serve(argv: Sequence[str] | None = None) -> int:
         from django.core.management import call_command
 
         django.setup()
-        print(index("Django", args.port), flush=True)
+        print(banner("Django", args.port), flush=True)
         call_command("runserver", f"127.0.0.1:{args.port}", use_reloader=False, use_threading=True)
         return 0
 
@@ -55,7 +55,7 @@ def serve(argv: Sequence[str] | None = None) -> int:
         from example_site.flask_app import create_app
 
         app, server = create_app(), "Flask"  # type: ignore[assignment]
-    print(index(server, args.port), flush=True)
+    print(banner(server, args.port), flush=True)
     run_simple("127.0.0.1", args.port, app, threaded=True)
     return 0
 

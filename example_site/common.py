@@ -38,8 +38,9 @@ INDEX = """gatekeeper-wsgi example site ({server}, backend {backend})
   GET  /flaky      answers with the timeout marker X-Fault-Code: TIMEOUT: its slot is held 5 s
   POST /login      password=secret; 5 failed logins (401) per minute per client address
   GET  /partner    one request in flight per X-Caller-Id; each call takes 1 s
-  GET  /gatekeeper/?token={token}
-                   the live dashboard (JSON: /gatekeeper/status.json?token=...)
+  GET  /gatekeeper/
+                   the live dashboard (JSON: /gatekeeper/status.json), for the token
+                   printed in the terminal at start-up (${token_env})
 
 Try, in another terminal:
 
@@ -90,9 +91,24 @@ def gatekeeper_settings() -> dict[str, Any]:
     }
 
 
+TOKEN_HELP = """Dashboard token: {token}
+  scrapers send it as a header:
+    curl -s -H "Authorization: Bearer ${token_env}" localhost:{port}/gatekeeper/status.json
+  a browser opens /gatekeeper/?token=<the token> once: the server answers with a redirect
+  to /gatekeeper/ and a cookie, so the token does not stay in the address bar or history.
+"""
+
+
 def index(server: str, port: int) -> str:
-    """The start page, also printed at start-up."""
-    return INDEX.format(server=server, backend=backend_url(), token=dashboard_token(), port=port)
+    """The start page (served to anyone: it names the dashboard, never its token)."""
+    return INDEX.format(server=server, backend=backend_url(), token_env=TOKEN_ENV, port=port)
+
+
+def banner(server: str, port: int) -> str:
+    """What start-up prints on the terminal: the start page and how to use the token. No
+    URL carrying the token, which would end up in access logs when followed."""
+    token_help = TOKEN_HELP.format(token=dashboard_token(), token_env=TOKEN_ENV, port=port)
+    return index(server, port) + "\n" + token_help
 
 
 class Work:

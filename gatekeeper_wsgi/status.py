@@ -5,10 +5,11 @@ are inlined) that shows in-flight bars per limit against their limits, rejection
 time and the stage-timing table, refreshed by fetching ``status.json`` without reloading
 the page. ``/status.json`` serves :func:`status_payload`.
 
-Access: a bearer token (``Authorization: Bearer <token>`` or ``?token=<token>``; the page
-passes it on to its fetches), or an ``allow(environ) -> bool`` callable with which the
-Django and Flask plugins plug in their own authentication (staff users, login). With
-neither, everyone is denied::
+Access: the token (``Authorization: Bearer <token>`` for scrapers; a ``?token=<token>``
+link for browsers, exchanged by a redirect for an ``HttpOnly``, ``SameSite=Strict`` cookie
+so the token leaves the URL at once, see :func:`~gatekeeper_wsgi.access.check_token`), or an
+``allow(environ) -> bool`` callable with which the Django and Flask plugins plug in their
+own authentication (staff users, login). With neither, everyone is denied::
 
     from werkzeug.middleware.dispatcher import DispatcherMiddleware
     from gatekeeper_wsgi.status import StatusApp
@@ -19,7 +20,6 @@ neither, everyone is denied::
 
 from __future__ import annotations
 
-import hmac
 import html
 import json
 import logging
@@ -30,8 +30,8 @@ from datetime import datetime, timezone
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
 
+from gatekeeper_wsgi.access import check_token
 from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
 from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.redact import mask_url
@@ -281,7 +281,8 @@ class StatusApp:
     """A WSGI app serving the dashboard (``/``, ``/dashboard``) and ``/status.json``.
 
     ``token`` (default: the ``dashboard.token`` setting) is accepted as
-    ``Authorization: Bearer <token>`` or ``?token=<token>``. ``allow(environ) -> bool``
+    ``Authorization: Bearer <token>``, or from a ``?token=<token>`` link exchanged for a
+    cookie (:func:`~gatekeeper_wsgi.access.check_token`). ``allow(environ) -> bool``
     admits requests the hosting framework has authenticated (Django staff, Flask login).
     With neither, every request gets 403::
 
@@ -352,27 +353,7 @@ class StatusApp:
                     return None
             except Exception:
                 logger.exception("gatekeeper: the status endpoint's allow() raised; denied")
-        token = self.token
-        presented = _presented_token(environ)
-        if token is None:
-            return "403 Forbidden", "forbidden: the status endpoint needs a token", []
-        if presented is None:
-            challenge = [("WWW-Authenticate", 'Bearer realm="gatekeeper"')]
-            return "401 Unauthorized", "a bearer token is required", challenge
-        if not hmac.compare_digest(presented.encode("utf-8"), token.encode("utf-8")):
-            return "403 Forbidden", "forbidden: wrong token", []
-        return None
-
-
-def _presented_token(environ: Mapping[str, Any]) -> str | None:
-    header = environ.get("HTTP_AUTHORIZATION", "")
-    if isinstance(header, str):
-        scheme, _, value = header.strip().partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=False)
-    values = query.get("token")
-    return values[-1] if values else None
+        return check_token(environ, self.token)
 
 
 def _respond(

@@ -150,6 +150,8 @@ def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) ->
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             url = f"http://127.0.0.1:{site.port}/gatekeeper/?token={TOKEN}"
             page.goto(url)
+            # The link's token was exchanged for a cookie: it left the address bar.
+            assert page.url == f"http://127.0.0.1:{site.port}/gatekeeper/"
             expect.set_options(timeout=20_000)
             checkout = page.locator('[data-limit="shop/checkout"]')
             expect(checkout.locator(".count")).to_have_text("2 / 2")

@@ -96,3 +96,22 @@ def test_dashboard_token_admits_a_scraper(settings: Any) -> None:
     assert "counters" in good.json()["stats"]
     wrong = Client().get(url, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 403
+
+
+@pytest.mark.django_db
+def test_token_link_is_exchanged_for_a_cookie(settings: Any) -> None:
+    """A ?token= link to the dashboard redirects to it without the token, setting an
+    HttpOnly, SameSite=Strict cookie that then opens the page and the JSON."""
+    gatekeeper(settings)
+    client = Client()
+    url = reverse("gatekeeper:dashboard")
+    response = client.get(url + "?token=" + TOKEN)
+    assert response.status_code == 303
+    assert response["Location"] == url
+    set_cookie = response["Set-Cookie"]
+    assert "HttpOnly" in set_cookie and "SameSite=Strict" in set_cookie
+    assert TOKEN not in set_cookie
+    cookie = set_cookie.split(";")[0]
+    assert client.get(url, HTTP_COOKIE=cookie).status_code == 200
+    status = client.get(reverse("gatekeeper:status"), HTTP_COOKIE=cookie)
+    assert status.status_code == 200

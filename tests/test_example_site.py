@@ -161,11 +161,13 @@ def site(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 
 def test_example_apps_import_and_describe_themselves(site: Site) -> None:
-    """Each app serves its start page (exempt from limits) naming the endpoints and token."""
+    """Each app serves its start page (exempt from limits) naming the endpoints and the
+    dashboard, never the dashboard's token (anyone can read that page)."""
     answer = site.request("GET", "/")
     assert answer.status == 200
-    for endpoint in (b"/slow", b"/flaky", b"/login", b"/partner", TOKEN.encode()):
+    for endpoint in (b"/slow", b"/flaky", b"/login", b"/partner", b"/gatekeeper/"):
         assert endpoint in answer.body
+    assert TOKEN.encode() not in answer.body
 
 
 def test_slow_endpoint_runs_two_and_its_queue_answers_503(site: Site) -> None:
@@ -317,3 +319,15 @@ def test_load_command_counts_admitted_queued_and_rejected(
     assert "503 GK-QUEUE-FULL" in printed
     rejected = [line.split()[:2] for line in printed.splitlines() if line.startswith("    ")]
     assert all(code in ("GK-QUEUE-FULL", "GK-QUEUE-TIMEOUT") for _, code in rejected)
+
+
+def test_banner_names_the_token_but_prints_no_url_carrying_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start-up banner tells the token and how to send it, but no URL with the token
+    in it (a URL followed once lands in access logs)."""
+    monkeypatch.setenv(common.TOKEN_ENV, TOKEN)
+    text = common.banner("Flask", 8000)
+    assert TOKEN in text
+    assert "token=" + TOKEN not in text
+    assert "Authorization: Bearer" in text

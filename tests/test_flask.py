@@ -577,18 +577,20 @@ def status_app(**status_options: Any) -> tuple[Flask, GateKeeper]:
 
 
 def test_status_json_needs_the_token() -> None:
-    """status.json answers with the token (header or query), 403 without; never limited."""
+    """status.json answers with the token (header, or a link exchanged for a cookie), 401
+    without; never limited."""
     app, _ = status_app()
     with app.test_client() as client:
         bearer = {"Authorization": "Bearer s3cret"}
         with client.get("/gatekeeper/status.json", headers=bearer) as response:
             assert response.status_code == 200
             assert response.get_json()["config"]["project"] == "shop"
-        with client.get("/gatekeeper/?token=s3cret") as response:
+        with client.get("/gatekeeper/?token=s3cret", follow_redirects=True) as response:
             assert response.status_code == 200
             assert b"/gatekeeper/status.json" in response.data
+    with app.test_client() as client:
         with client.get("/gatekeeper/status.json") as response:
-            assert response.status_code == 403
+            assert response.status_code == 401
         with client.get("/gatekeeper/status.json?token=wrong") as response:
             assert response.status_code == 403
 

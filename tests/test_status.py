@@ -36,7 +36,8 @@ def keeper() -> Iterator[GateKeeper]:
 
 
 def get(app: Any, url: str, **headers: str) -> Any:
-    return Client(app).get(url, headers=headers)
+    # A ?token= link answers with a redirect setting the cookie: follow it, as a browser.
+    return Client(app).get(url, headers=headers, follow_redirects=True)
 
 
 @pytest.mark.parametrize("url", ["/", "/dashboard", "/status.json"])
@@ -49,7 +50,8 @@ def test_without_a_token_everyone_is_denied(keeper: GateKeeper, url: str) -> Non
 
 
 def test_token_in_header_or_query_grants_access(keeper: GateKeeper) -> None:
-    """The right bearer token (header or ?token=) opens the page and the JSON."""
+    """The right bearer token (header, or a ?token= link exchanged for a cookie) opens the
+    page and the JSON."""
     app = StatusApp(keeper, token="s3cret")
     assert get(app, "/status.json", Authorization="Bearer s3cret").status_code == 200
     assert get(app, "/status.json?token=s3cret").status_code == 200
@@ -155,7 +157,9 @@ def test_page_escapes_the_mount_point_and_sets_a_strict_csp(keeper: GateKeeper) 
     """The page quotes SCRIPT_NAME safely, inlines its assets and pins them by nonce."""
     app = StatusApp(keeper, token="t")
     response = Client(app).get(
-        "/?token=t", environ_overrides={"SCRIPT_NAME": '/gk"><script>alert(1)</script>'}
+        "/",
+        headers={"Authorization": "Bearer t"},
+        environ_overrides={"SCRIPT_NAME": '/gk"><script>alert(1)</script>'},
     )
     assert response.status_code == 200
     page = response.get_data(as_text=True)
@@ -188,7 +192,7 @@ def test_other_paths_and_methods_are_refused(keeper: GateKeeper) -> None:
     post = Client(app).post("/status.json?token=t")
     assert post.status_code == 405
     assert post.headers["Allow"] == "GET, HEAD"
-    head = Client(app).head("/status.json?token=t")
+    head = Client(app).head("/status.json?token=t", follow_redirects=True)
     assert head.status_code == 200
     assert head.data == b""
 

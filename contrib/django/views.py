@@ -2,8 +2,9 @@
 :class:`~gatekeeper_wsgi.status.StatusApp` after a Django-side access check.
 
 Access: active staff users (``user.is_staff``; needs ``AuthenticationMiddleware``), or the
-``dashboard.token`` setting presented as ``Authorization: Bearer <token>`` or
-``?token=<token>`` (for monitoring scrapers). Anonymous browsers are sent to
+``dashboard.token`` setting presented as ``Authorization: Bearer <token>`` (for monitoring
+scrapers) or by a ``?token=<token>`` link, exchanged for a cookie by a redirect that drops
+it from the URL (:func:`gatekeeper_wsgi.access.check_token`). Anonymous browsers are sent to
 ``LOGIN_URL`` for the dashboard, logged-in non-staff users get 403, anonymous clients of
 ``status.json`` 401 (403 when no token is configured). Pass ``allow`` in a
 pattern's kwargs to use another rule::
@@ -65,14 +66,11 @@ def _status_app_for(keeper: GateKeeper) -> Any:
     return app
 
 
-def _presents_token(request: Any) -> bool:
-    scheme = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")[0]
-    return scheme.lower() == "bearer" or "token" in request.GET
-
-
 def _serve(request: Any, sub_path: str, allow: Allow) -> HttpResponse:
+    from gatekeeper_wsgi.access import presents_token
+
     allowed = allow(request)
-    if not allowed and not _presents_token(request):
+    if not allowed and not presents_token(request.META):
         user = getattr(request, "user", None)
         if user is not None and user.is_authenticated:
             return HttpResponseForbidden("forbidden: staff only\n", content_type="text/plain")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,16 +15,12 @@ if TYPE_CHECKING:
 __all__ = ["status_blueprint"]
 
 
-def _allow_all(environ: Any) -> bool:
-    # The blueprint has already checked access; StatusApp only serves.
-    return True
+#: environ key telling the StatusApp that the blueprint's auth hook allowed the request
+_ALLOWED_KEY = "gatekeeper.flask.allowed"
 
 
-def _presented_token() -> str | None:
-    scheme, _, value = request.headers.get("Authorization", "").strip().partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return request.args.get("token") or None
+def _allowed_by_hook(environ: Any) -> bool:
+    return environ.get(_ALLOWED_KEY) is True
 
 
 def status_blueprint(
@@ -38,25 +33,19 @@ def status_blueprint(
     """Build the blueprint behind :meth:`GateKeeper.status_blueprint`."""
     blueprint = Blueprint(name, __name__, url_prefix=url_prefix)
 
-    def allowed() -> bool:
-        if auth is not None:
-            return bool(auth())
-        token = extension.gatekeeper.config.dashboard.token
-        presented = _presented_token()
-        if token is None or presented is None:
-            return False
-        return hmac.compare_digest(presented.encode("utf-8"), token.encode("utf-8"))
-
     def serve(sub_path: str) -> Response:
-        if not allowed():
+        # With an auth hook, it alone decides; without, the core StatusApp checks the
+        # dashboard token (one check for every integration: bearer, or link -> cookie).
+        if auth is not None and not auth():
             abort(403)
         from gatekeeper_wsgi.status import StatusApp
 
         state = extension.state()
         status_app = state.status_app
         if status_app is None:
-            status_app = state.status_app = StatusApp(state.gatekeeper, allow=_allow_all)
+            status_app = state.status_app = StatusApp(state.gatekeeper, allow=_allowed_by_hook)
         environ = dict(request.environ)
+        environ[_ALLOWED_KEY] = auth is not None
         path = request.path
         environ["SCRIPT_NAME"] = request.script_root + path[: len(path) - len(sub_path)]
         environ["PATH_INFO"] = sub_path

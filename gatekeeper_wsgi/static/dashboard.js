@@ -4,7 +4,6 @@
   var body = document.body;
   var jsonUrl = body.dataset.jsonUrl;
   var refreshMs = parseInt(body.dataset.refreshMs, 10) || 2000;
-  var token = new URLSearchParams(window.location.search).get("token");
   var HISTORY = 60;
   var COLORS = {
     "GK-CONCURRENCY-LIMIT": "#d64545", "GK-RATE-LIMIT": "#e0a100", "GK-QUEUE-FULL": "#8e5bd6",
@@ -324,8 +323,9 @@
   }
 
   function refresh() {
+    // The token link was exchanged for an HttpOnly cookie (or the framework's own login
+    // session): same-origin credentials carry it; the token itself is never in the page.
     var headers = { "Accept": "application/json" };
-    if (token) { headers.Authorization = "Bearer " + token; }
     return fetch(jsonUrl, { headers: headers, credentials: "same-origin", cache: "no-store" })
       .then(function (response) {
         if (!response.ok) {

@@ -1,0 +1,136 @@
+"""Token access to the operations endpoints: one check for the status app, Flask's status
+blueprint and Django's status views (:func:`check_token`), and the bearer parsing the
+frequency service shares (:func:`bearer_token`).
+
+Scrapers send ``Authorization: Bearer <token>``. Browsers open a ``?token=<token>`` link
+once; it is answered with a redirect to the same URL without the token and a cookie
+derived from it, so the token does not stay in the address bar, history, or the access
+logs of later requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode
+
+from werkzeug.http import parse_cookie
+
+__all__ = ["COOKIE_NAME", "bearer_token", "check_token", "presents_token", "same_token"]
+
+#: The cookie a ``?token=`` link is exchanged for (its value is derived from the token).
+COOKIE_NAME = "gatekeeper_dashboard"
+# Request values longer than this are not parsed for credentials: a token is short, and a
+# megabyte of cookies or query must cost nothing.
+_MAX_CREDENTIAL_INPUT = 8192
+
+Denied = tuple[str, str, list[tuple[str, str]]]
+
+
+def _cookie_value(token: str) -> str:
+    # An HMAC of the token, not the token: the cookie proves a visit with the token, and
+    # cannot be turned back into it (e.g. from a browser profile or a proxy's log).
+    return hmac.new(
+        token.encode("utf-8"), b"gatekeeper-wsgi dashboard cookie 1", hashlib.sha256
+    ).hexdigest()
+
+
+def bearer_token(environ: Mapping[str, Any]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, if any."""
+    header = environ.get("HTTP_AUTHORIZATION", "")
+    if not isinstance(header, str) or len(header) > _MAX_CREDENTIAL_INPUT:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return None
+
+
+def _cookie(environ: Mapping[str, Any]) -> str | None:
+    header = environ.get("HTTP_COOKIE", "")
+    if not isinstance(header, str) or COOKIE_NAME not in header:
+        return None
+    if len(header) > _MAX_CREDENTIAL_INPUT:
+        return None
+    # werkzeug's parser, not http.cookies: SimpleCookie drops every cookie after one it
+    # finds malformed, and other apps of the same site may set such cookies.
+    return parse_cookie(header).get(COOKIE_NAME) or None
+
+
+def _linked_token(environ: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The ``token`` of the query string (the last one), and all its pairs."""
+    query = environ.get("QUERY_STRING", "")
+    if not isinstance(query, str) or "token" not in query:
+        return None, []
+    if len(query) > _MAX_CREDENTIAL_INPUT:
+        return None, []
+    pairs = parse_qsl(query, keep_blank_values=True)
+    linked = [value for name, value in pairs if name == "token"]
+    return (linked[-1] if linked else None), pairs
+
+
+def same_token(presented: str, expected: str) -> bool:
+    """Whether two tokens are equal, in constant time."""
+    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
+
+
+def presents_token(environ: Mapping[str, Any]) -> bool:
+    """Whether a request carries a dashboard credential at all (a bearer token, the
+    exchanged cookie or a ``?token=``), right or wrong: Django sends anonymous browsers
+    without one to its login page instead."""
+    return (
+        bearer_token(environ) is not None
+        or _cookie(environ) is not None
+        or _linked_token(environ)[0] is not None
+    )
+
+
+def check_token(environ: Mapping[str, Any], token: str | None) -> Denied | None:
+    """The dashboard token check: None when ``environ`` presents ``token``, else the
+    response to send as (status, message, headers).
+
+    Accepted: ``Authorization: Bearer <token>``, or the ``gatekeeper_dashboard`` cookie.
+    A right ``?token=<token>`` is answered with a redirect (303) to the same URL without
+    it, setting that cookie (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over HTTPS,
+    scoped to the mount point), so the token never stays in URLs, history or access logs.
+    No credential (or the cookie of a replaced token): 401 with a Bearer challenge; a
+    wrong token, or none configured: 403.
+    """
+    if token is None:
+        return "403 Forbidden", "forbidden: the status endpoint needs a token", []
+    wrong: Denied = ("403 Forbidden", "forbidden: wrong token", [])
+    bearer = bearer_token(environ)
+    if bearer is not None:
+        return None if same_token(bearer, token) else wrong
+    linked, pairs = _linked_token(environ)
+    if linked is not None:
+        if not same_token(linked, token):
+            return wrong
+        return "303 See Other", "see this page without the token", _exchange(environ, pairs, token)
+    cookie = _cookie(environ)
+    if cookie is not None and same_token(cookie, _cookie_value(token)):
+        return None
+    challenge = [("WWW-Authenticate", 'Bearer realm="gatekeeper"')]
+    return "401 Unauthorized", "a bearer token is required", challenge
+
+
+def _exchange(
+    environ: Mapping[str, Any], pairs: list[tuple[str, str]], token: str
+) -> list[tuple[str, str]]:
+    """Location (this URL without ``token``) and Set-Cookie of a token link's redirect."""
+    script_name = str(environ.get("SCRIPT_NAME", "")).rstrip("/")
+    path = str(environ.get("PATH_INFO") or "/")
+    # PEP 3333 strings are bytes as latin-1; a leading "//" would name another host.
+    location = "/" + quote((script_name + path).encode("latin-1", "replace"), safe="/").lstrip("/")
+    rest = urlencode([(name, value) for name, value in pairs if name != "token"])
+    if rest:
+        location += "?" + rest
+    cookie_path = quote(script_name.encode("latin-1", "replace"), safe="/") or "/"
+    secure = "; Secure" if environ.get("wsgi.url_scheme") == "https" else ""
+    cookie = (
+        f"{COOKIE_NAME}={_cookie_value(token)}; Path={cookie_path}; HttpOnly; "
+        f"SameSite=Strict{secure}"
+    )
+    return [("Location", location), ("Set-Cookie", cookie)]

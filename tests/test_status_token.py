@@ -1,0 +1,157 @@
+"""Dashboard access by token (SPEC §7): a bearer header for scrapers, a ``?token=`` link
+exchanged by a redirect for an HttpOnly, SameSite=Strict cookie, so the token never stays
+in a URL; one check shared by the core app, Flask's blueprint and Django's views."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from werkzeug.test import Client
+
+from gatekeeper_wsgi import GateKeeper
+from gatekeeper_wsgi.access import COOKIE_NAME
+from gatekeeper_wsgi.status import StatusApp
+
+TOKEN = "s3cret-token"
+SETTINGS: dict[str, Any] = {"project": "shop", "limits": {"shop": {"concurrency": 5}}}
+
+
+@pytest.fixture
+def app() -> Iterator[StatusApp]:
+    """A StatusApp with a token over a memory-backed GateKeeper."""
+    gk = GateKeeper(SETTINGS)
+    yield StatusApp(gk, token=TOKEN)
+    gk.close()
+
+
+def cookie_attributes(set_cookie: str) -> dict[str, str]:
+    parts = [part.strip() for part in set_cookie.split(";")]
+    attributes = {}
+    for part in parts[1:]:
+        name, _, value = part.partition("=")
+        attributes[name.lower()] = value
+    return attributes
+
+
+def test_token_link_is_exchanged_for_a_strict_httponly_cookie(app: StatusApp) -> None:
+    """A right ?token= gets a 303 to the same URL without it and a cookie that is HttpOnly,
+    SameSite=Strict, scoped to the mount point and not the token itself."""
+    client = Client(app)
+    response = client.get(
+        "/dashboard?token=" + TOKEN + "&theme=dark",
+        environ_overrides={"SCRIPT_NAME": "/ops/gk"},
+    )
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/ops/gk/dashboard?theme=dark"
+    set_cookie = response.headers["Set-Cookie"]
+    assert set_cookie.startswith(COOKIE_NAME + "=")
+    assert TOKEN not in set_cookie and TOKEN not in response.get_data(as_text=True)
+    attributes = cookie_attributes(set_cookie)
+    assert attributes["path"] == "/ops/gk"
+    assert "httponly" in attributes
+    assert attributes["samesite"] == "Strict"
+    assert "secure" not in attributes
+    cookie = set_cookie.split(";")[0]
+    browser = Client(app, use_cookies=False)
+    page = browser.get("/dashboard", headers={"Cookie": cookie})
+    assert page.status_code == 200
+    data = browser.get("/status.json", headers={"Cookie": "other=1; " + cookie})
+    assert data.status_code == 200 and data.json["config"]["project"] == "shop"
+
+
+def test_cookie_is_secure_over_https(app: StatusApp) -> None:
+    """Over HTTPS the exchanged cookie carries Secure."""
+    response = Client(app).get("/?token=" + TOKEN, base_url="https://ops.example/")
+    assert response.status_code == 303
+    assert "secure" in cookie_attributes(response.headers["Set-Cookie"])
+
+
+def test_a_browser_ends_on_a_url_without_the_token(app: StatusApp) -> None:
+    """Following the redirect, a browser lands on the page with no token in its URL and
+    stays signed in for the JSON it polls."""
+    client = Client(app)
+    response = client.get("/?token=" + TOKEN, follow_redirects=True)
+    assert response.status_code == 200
+    assert [r.headers["Location"] for r in response.history] == ["/"]
+    assert TOKEN not in response.request.url
+    assert client.get("/status.json").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({}, 401),
+        ({"Cookie": f"{COOKIE_NAME}=forged"}, 401),
+        ({"Cookie": f"{COOKIE_NAME}={TOKEN}"}, 401),  # the token is not the cookie value
+        ({"Authorization": "Bearer wrong"}, 403),
+        ({"Cookie": "x=" + "a" * 1_000_000}, 401),
+        ({"Authorization": "Bearer " + "t" * 1_000_000}, 401),
+    ],
+)
+def test_requests_without_the_token_are_refused(
+    app: StatusApp, headers: dict[str, str], status: int
+) -> None:
+    """No credential, a forged cookie, the raw token as cookie, a 1 MB cookie or header:
+    refused, never a 500, and no cookie is handed out."""
+    response = Client(app).get("/status.json", headers=headers)
+    assert response.status_code == status
+    assert "Set-Cookie" not in response.headers
+    if status == 401:
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_a_wrong_token_link_is_forbidden_without_a_cookie(app: StatusApp) -> None:
+    """A wrong ?token= gets 403: no redirect, no cookie."""
+    response = Client(app).get("/?token=guess")
+    assert response.status_code == 403
+    assert "Set-Cookie" not in response.headers and "Location" not in response.headers
+
+
+def test_the_cookie_of_a_replaced_token_no_longer_opens(app: StatusApp) -> None:
+    """After the token changes, a cookie obtained with the old one is refused."""
+    client = Client(app)
+    cookie = client.get("/?token=" + TOKEN).headers["Set-Cookie"].split(";")[0]
+    rotated = StatusApp(app.gatekeeper, token="new-token")
+    response = Client(rotated, use_cookies=False).get("/status.json", headers={"Cookie": cookie})
+    assert response.status_code == 401
+
+
+def test_the_redirect_never_points_at_another_host(app: StatusApp) -> None:
+    """A mount point of '//evil.example' cannot turn the exchange into an open redirect."""
+    response = Client(app).get(
+        "/?token=" + TOKEN, environ_overrides={"SCRIPT_NAME": "//evil.example"}
+    )
+    assert response.status_code == 303
+    location = response.headers["Location"]
+    assert location.startswith("/") and not location.startswith("//")
+
+
+def test_malformed_cookies_of_other_apps_do_not_hide_ours(app: StatusApp) -> None:
+    """Other cookies of the site, however malformed, do not hide the dashboard cookie."""
+    client = Client(app)
+    cookie = client.get("/?token=" + TOKEN).headers["Set-Cookie"].split(";")[0]
+    messy = 'prefs="{\\"a\\": 1; broken; ' + cookie + "; tail=1"
+    response = Client(app, use_cookies=False).get("/status.json", headers={"Cookie": messy})
+    assert response.status_code == 200
+
+
+def test_flask_blueprint_uses_the_same_exchange() -> None:
+    """Flask's status blueprint exchanges a token link for the cookie, then serves."""
+    from flask import Flask
+    from gatekeeper_wsgi.contrib.flask import GateKeeper as FlaskGateKeeper
+
+    flask_app = Flask(__name__)
+    flask_app.config["GATEKEEPER"] = {**SETTINGS, "dashboard": {"token": TOKEN}}
+    extension = FlaskGateKeeper(flask_app)
+    flask_app.register_blueprint(extension.status_blueprint())
+    with flask_app.test_client() as client:
+        with client.get("/gatekeeper/?token=" + TOKEN) as response:
+            assert response.status_code == 303
+            assert response.headers["Location"] == "/gatekeeper/"
+            assert cookie_attributes(response.headers["Set-Cookie"])["samesite"] == "Strict"
+        with client.get("/gatekeeper/status.json") as response:
+            assert response.status_code == 200
+    with flask_app.test_client() as stranger, stranger.get("/gatekeeper/status.json") as response:
+        assert response.status_code == 401
