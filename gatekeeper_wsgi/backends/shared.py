@@ -2,20 +2,23 @@
 one host in one memory-mapped file, guarded by an open-file-description lock.
 
 ``backend = "shared:///run/gatekeeper/shop.shm"``. Linux only (``F_OFD_SETLKW``). The
-table is sized from the configuration when the file is created; ``?size=``, ``?leases=``
-and ``?procs=`` in the URL override the derived sizes.
+table is sized from the configuration when the file is created; ``?size=``, ``?leases=``,
+``?procs=`` and ``?windows=`` in the URL override the derived sizes, ``?mode=0660`` lets the
+processes of one group share it.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -26,7 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Config, Limit, Rate
-from gatekeeper_wsgi.errors import BackendError, ConfigError
+from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
 
 __all__ = ["LayoutMismatch", "SharedBackend", "TableFullError"]
 
@@ -40,6 +43,27 @@ class TableFullError(BackendError):
 
 class LayoutMismatch(BackendError):
     """The file holds a table of another layout that live leases still use."""
+
+
+class _NoRoom(Exception):
+    """The table has no room for what a request needs (a key, a lease, a window entry);
+    :meth:`SharedBackend._admit` turns it into a :class:`CapacityError` for the slot it was
+    working on. ``retry_after``: seconds until room is expected, None if unknown."""
+
+    def __init__(self, what: str, retry_after: float | None = None) -> None:
+        super().__init__(what)
+        self.what = what
+        self.retry_after = retry_after
+
+
+class _Recreated(BackendError):
+    """An operation found the table damaged and re-created it; the operation may be run
+    again on the new table."""
+
+
+class _Damaged(Exception):
+    """The table holds values no correct process writes (garbage, a corrupt journal, a
+    truncated file): it is re-created."""
 
 
 # --- the byte layout (documented in SharedBackend's docstring) ----------------------------
@@ -61,10 +85,20 @@ MAX_REFS = 5  #: slots per lease
 LRU_SCAN = 64
 #: how often (seconds) the rejection path reads /proc for zombies and reused pids
 DEEP_CHECK_EVERY = 0.01
+#: keys reserved by default at most (a wildcard limit asks for its ``max_keys``); ``?size=``
+#: overrides. 2^20 keys of 64 key bytes: 100 MiB of sparse file, 1.5 M nodes.
+DEFAULT_KEYS_CAP = 1 << 20
+#: leases reserved by default at most (160 MiB with the delay heap); ``?leases=`` overrides
+DEFAULT_LEASES_CAP = 1 << 22
+#: leases reserved at least: requests in flight on a host beyond any concurrency limit
+MIN_LEASES = 16384
+#: the file's mode when created; ``?mode=`` may add group read/write, nothing else
+DEFAULT_MODE = 0o600
+_MODES_ALLOWED = 0o660
 
 _U32 = struct.Struct("<I")
+_STATE = struct.Struct("<8s4xIQ")  # at 0: magic, journal bytes, epoch
 _F64 = struct.Struct("<d")
-_JLEN_EPOCH = struct.Struct("<IQ")  # at 12
 _MAGIC_VERSION = struct.Struct("<8sI")  # at 0
 _GEOMETRY = struct.Struct("<8I")  # at 272
 _NODE = struct.Struct("<IHBxIIIIIId")
@@ -77,6 +111,7 @@ _TAGS = struct.Struct(f"<{CHAIN}I")
 _CHUNK = struct.Struct(f"<I4x{CHUNK_STAMPS}d")
 _CHUNK_STAMPS = struct.Struct(f"<{CHUNK_STAMPS}d")
 _JENTRY = struct.Struct("<QI")
+_NO_ENTRY = bytes(_JENTRY.size)  # offset 0 is never journaled: an invalid entry
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
 _FLOCK = struct.Struct("hhxxxxqqixxxx")
 _LOCK = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
@@ -159,6 +194,81 @@ def _dead(pid: int, start: int, *, deep: bool) -> bool:
 
 def _align(value: int, to: int) -> int:
     return (value + to - 1) // to * to
+
+
+# O_NOFOLLOW: a symlink planted at the path is refused, not followed to its target;
+# O_NONBLOCK: opening a FIFO planted there does not wait for a writer.
+_OPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def _open_private(path: str, mode: int) -> int:
+    """Open (creating it with ``mode``) the table file, refusing anything another user
+    could have planted or could write: see :func:`_unfit`. ConfigError says why."""
+    for _ in range(3):  # the file may vanish or appear between the two opens
+        try:
+            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ConfigError(
+                "backend", f"cannot open the shared table {path!r}: {exc.strerror}"
+            ) from exc
+        else:
+            os.fchmod(fd, mode)  # the umask may have taken group bits ?mode= asked for
+            return fd
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            reason = (
+                "it is a symbolic link (never followed)"
+                if exc.errno == errno.ELOOP
+                else exc.strerror
+            )
+            raise ConfigError(
+                "backend", f"cannot open the shared table {path!r}: {reason}"
+            ) from exc
+        problem = _unfit(os.fstat(fd), mode)
+        if problem is None:
+            return fd
+        os.close(fd)
+        raise ConfigError("backend", f"refusing the shared table {path!r}: {problem}")
+    raise ConfigError("backend", f"cannot open the shared table {path!r}: it keeps changing")
+
+
+def _unfit(info: os.stat_result, mode: int) -> str | None:
+    """Why an existing file must not be used as the table, None if it may: it must be a
+    regular file owned by this process's user (or, when ``mode`` shares it with the group,
+    by the group), writable by nobody else. Checked on the open descriptor (``fstat``), so
+    the file cannot be swapped between the check and the use."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(info.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(info.st_mode)
+            else "a directory"
+            if stat.S_ISDIR(info.st_mode)
+            else "a device"
+        )
+        return f"it is {kind}, not a regular file"
+    euid = os.geteuid()
+    group_shared = bool(mode & 0o060)
+    if info.st_uid != euid and not (
+        group_shared and info.st_gid in (os.getegid(), *os.getgroups())
+    ):
+        return f"it is owned by uid {info.st_uid}, not by this process's user (uid {euid})" + (
+            "" if group_shared else "; ?mode=0660 shares a table within a group"
+        )
+    writable = info.st_mode & 0o022 & ~mode
+    if writable:
+        who = "group and others" if writable == 0o022 else "group" if writable & 0o020 else "others"
+        return (
+            f"it is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}, this table "
+            f"allows {mode:04o}; ?mode=0660 shares it within a group)"
+        )
+    return None
 
 
 class _Layout:
@@ -349,6 +459,30 @@ class _Layout:
         )
 
 
+def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
+    """What in a header of a valid magic no correct process writes, None if nothing."""
+    if size < layout.total:
+        return f"it was cut to {size} bytes (its table needs {layout.total})"
+    if struct.unpack_from("<Q", head, H_FILE_BYTES)[0] != layout.total:
+        return "its size field disagrees with its geometry"
+    jlen = _U32.unpack_from(head, H_JLEN)[0]
+    live, lease_free, lease_high, heap_len, _, procs_high, nodes_used, _, chunk_free, chunk_high = (
+        struct.unpack_from("<10I", head, H_LIVE)
+    )
+    if jlen > layout.journal:
+        return f"its journal length {jlen} exceeds the journal ({layout.journal} bytes)"
+    if (
+        max(live, lease_high, heap_len) > layout.leases
+        or (lease_free != NIL and lease_free >= lease_high)
+        or procs_high > layout.procs
+        or nodes_used > layout.nodes
+        or chunk_high > layout.chunks
+        or (chunk_free != NIL and chunk_free >= chunk_high)
+    ):
+        return "its counters are out of range"
+    return None
+
+
 class _SharedGrant(Grant):
     __slots__ = ("epoch", "lease", "nodes", "pid", "serial", "stamps")
 
@@ -397,8 +531,9 @@ class SharedBackend(Backend):
         gk = GateKeeper({"backend": "shared:///run/gatekeeper/shop.shm",
                          "limits": {"shop": {"concurrency": 100}}})
 
-    Put the file on a tmpfs (``/dev/shm``, ``/run``): it is scratch state, and on a disk
-    filesystem the kernel would keep writing its pages back. Every process must count time
+    Put the file on a tmpfs, in a directory only the application's user may write
+    (``/run/<app>/``, ``$XDG_RUNTIME_DIR``): it is scratch state, and on a disk filesystem
+    the kernel would keep writing its pages back. Every process must count time
     by the same clock (the engine's default, ``time.monotonic``, is system-wide on Linux).
     Call :meth:`close` when done (``GateKeeper.close()`` does).
 
@@ -415,6 +550,17 @@ class SharedBackend(Backend):
     kernel drops an OFD lock when its last descriptor closes, so a killed process cannot
     leave it held; each process opens the file itself (the descriptor inherited across
     ``fork`` is closed in the child at once).
+
+    **The file is private.** It is created ``0600`` (``?mode=0660``: group too) with
+    ``O_CREAT|O_EXCL|O_NOFOLLOW``; an existing file is used only when ``fstat`` on the opened
+    descriptor shows a regular file of this user (or of the group, with ``?mode=0660``) that
+    nobody else may write; anything else is a ConfigError naming the path and why.
+
+    **Damage.** Each lock acquisition checks the file size (one ``lseek``: the map is never
+    touched past the end of a truncated file, which would be SIGBUS), the magic and the
+    epoch; rolling a journal back checks every entry first; counters out of range are caught
+    where they are used. A damaged table is re-created with one ERROR and the operation runs
+    again on it; anything else that goes wrong leaves as a BackendError.
 
     **Crash safety.** Each update is a transaction: before a byte range is changed, its old
     bytes go to the undo journal; the journal is emptied when the update is complete. The
@@ -488,7 +634,8 @@ class SharedBackend(Backend):
         registry, R x 24 bytes, one per wildcard limit path: u64 blake2b of the path
           (0: free), u32 keys, u32 least recently used node, u32 most recently used node,
           4 pad
-        journal, J bytes: entries of u64 offset, u32 length, the old bytes
+        journal, J bytes: entries of u64 offset, u32 length, the old bytes; a commit or a
+          rollback zeroes the first entry (offset 0 is never journaled: an invalid entry)
         window chunks, W x 64 bytes: u32 next chunk of the same window (0xFFFFFFFF:
           last), 4 pad, 7 x f64 admission times. A rate key's sliding log is a chain of
           chunks, oldest entry first: appending and expiring are O(1), memory follows the
@@ -510,8 +657,16 @@ class SharedBackend(Backend):
         leases: int | None = None,
         procs: int | None = None,
         windows: int | None = None,
+        mode: int = DEFAULT_MODE,
     ) -> None:
         self.path = os.fspath(path)
+        if mode & ~_MODES_ALLOWED or mode & 0o600 != 0o600:
+            raise ConfigError(
+                "backend",
+                f"mode {mode:04o} for the shared table {self.path!r}: expected 0600 plus at "
+                f"most group read/write (e.g. 0660); others never get access",
+            )
+        self._mode = mode
         self._wanted = _Layout.derive(
             config, size=size, leases=leases, procs=procs, windows=windows
         )
@@ -522,6 +677,11 @@ class SharedBackend(Backend):
         self._fd = -1
         self._mm: mmap.mmap | None = None
         self._closed = False
+        #: (device, inode) of the file last mapped as a valid table: garbage found there
+        #: later is damage to re-create, not a foreign file to leave alone
+        self._ours: tuple[int, int] | None = None
+        self._last_layout: _Layout | None = None
+        self._total = 0
         self._reset_state()
         self._open()
         _INSTANCES.add(self)
@@ -541,7 +701,8 @@ class SharedBackend(Backend):
     def from_url(cls, url: str, config: Config | None = None) -> SharedBackend:
         """``shared:///absolute/path/file`` (or ``shared://relative/path``), with optional
         ``?size=<keys>&leases=<n>&procs=<n>&windows=<chunks>`` overriding the sizes derived
-        from ``config`` (a chunk holds 7 rate window entries)."""
+        from ``config`` (a chunk holds 7 rate window entries), and ``?mode=0660`` (octal)
+        for a table shared by the processes of one group."""
         parts = urlsplit(url)
         path = parts.netloc + parts.path
         if not path:
@@ -550,18 +711,20 @@ class SharedBackend(Backend):
             )
         options: dict[str, int] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
-            if name not in ("size", "leases", "procs", "windows"):
+            if name not in ("size", "leases", "procs", "windows", "mode"):
                 raise ConfigError(
                     "backend",
-                    f"unknown option {name!r} in {url!r}; expected size, leases, procs, windows",
+                    f"unknown option {name!r} in {url!r}; expected size, leases, procs, "
+                    f"windows, mode",
                 )
             try:
-                number = int(value)
+                number = int(value, 8 if name == "mode" else 10) if len(value) < 12 else 0
             except ValueError:
                 number = 0
             if number < 1 or number >= 1 << 31:
+                expected = "an octal mode such as 0660" if name == "mode" else "a positive integer"
                 raise ConfigError(
-                    "backend", f"option {name}={value!r} in {url!r}: expected a positive integer"
+                    "backend", f"option {name}={value[:40]!r} in {url[:200]!r}: expected {expected}"
                 )
             options[name] = number
         return cls(path, config, **options)
@@ -581,12 +744,7 @@ class SharedBackend(Backend):
         self._last_deep_check = -1.0
 
     def _open(self) -> None:
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise ConfigError(
-                "backend", f"cannot open the shared table {self.path!r}: {exc.strerror}"
-            ) from exc
+        self._fd = _open_private(self.path, self._mode)
 
     def _unmap(self) -> None:
         if self._mm is not None:
@@ -628,24 +786,28 @@ class SharedBackend(Backend):
             self._tlock.release()
             raise BackendError(f"cannot lock the shared table {self.path!r}: {exc}") from exc
         try:
-            mm = self._mm
-            if mm is None:
-                self._attach()
+            try:
                 mm = self._mm
-                assert mm is not None
-            else:
-                jlen, epoch = _JLEN_EPOCH.unpack_from(mm, H_JLEN)
-                if epoch != self._epoch:
+                # Touching the map of a file cut shorter than it is SIGBUS: check the size
+                # first (one lseek, ~0.3 µs). This catches a truncation between two updates;
+                # a writer ignoring the lock can still cut the file inside one.
+                if mm is None or os.lseek(self._fd, 0, os.SEEK_END) < self._total:
                     self._attach()
-                    mm = self._mm
-                    assert mm is not None
-                elif jlen:
-                    self._recover(jlen)
+                else:
+                    magic, jlen, epoch = _STATE.unpack_from(mm, 0)
+                    if epoch != self._epoch or magic != MAGIC:
+                        self._attach()
+                    elif jlen:
+                        self._recover(jlen)
+            except _Damaged as exc:
+                self._recreate(str(exc))
+            mm = self._mm
+            assert mm is not None
             return mm
         except BaseException as exc:
             self._leave()
-            if isinstance(exc, OSError):
-                raise BackendError(f"shared table {self.path!r}: {exc}") from exc
+            if isinstance(exc, Exception) and not isinstance(exc, BackendError):
+                raise BackendError(f"shared table {self.path!r}: {exc!r}") from exc
             raise
 
     def _leave(self) -> None:
@@ -656,20 +818,26 @@ class SharedBackend(Backend):
             self._tlock.release()
 
     def _attach(self) -> None:
-        """Map the table the file holds, or (re)initialise it. Under the file lock."""
+        """Map the table the file holds, or (re)initialise it. Under the file lock. Reads
+        the header with ``pread``, never through a map that could reach past the end."""
         self._unmap()
         fd = self._fd
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        size = info.st_size
+        ours = (info.st_dev, info.st_ino) == self._ours
         head = os.pread(fd, HEADER, 0) if size else b""
         head = head.ljust(HEADER, b"\0")
         magic, version = _MAGIC_VERSION.unpack_from(head, 0)
         wanted = self._wanted
         if magic == MAGIC and version == VERSION:
             layout = _Layout.read(head)
-            if layout is None or size < layout.total:
-                logger.warning("gatekeeper: shared table %s is damaged; re-creating it", self.path)
-                self._initialise(wanted, size)
+            problem = (
+                "its geometry is invalid" if layout is None else _header_problem(layout, head, size)
+            )
+            if problem is not None:
+                self._recreate(problem)
                 return
+            assert layout is not None
             if head[H_BOOT : H_BOOT + 16] != _BOOT_ID:
                 # Written before a reboot: its processes are gone and its clock is void.
                 self._initialise(layout.merged(wanted), size)
@@ -694,8 +862,13 @@ class SharedBackend(Backend):
                 wanted.describe(),
             )
             self._initialise(layout.merged(wanted), size)
-        elif magic == MAGIC_INIT or not head.strip(b"\0"):
-            self._initialise(wanted, size)
+        elif magic == MAGIC_INIT:
+            self._initialise(wanted, size)  # a process died initialising it
+        elif not head.strip(b"\0"):
+            if ours:
+                self._recreate(f"it was zeroed or cut to {size} bytes")
+            else:
+                self._initialise(wanted, size)  # new, or created empty by an operator
         elif magic == MAGIC:
             live = _U32.unpack_from(head, H_LIVE)[0]
             if live:
@@ -710,15 +883,36 @@ class SharedBackend(Backend):
                 VERSION,
             )
             self._initialise(wanted, size)
+        elif ours:
+            # The file this process has used as its table: garbage over its header.
+            self._recreate(f"its header was overwritten (magic {magic!r})")
         else:
             raise BackendError(
                 f"{self.path!r} is not a gatekeeper shared table (magic {magic!r}); "
                 f"refusing to overwrite it"
             )
 
+    def _recreate(self, reason: str) -> None:
+        """Initialise a damaged table afresh, with one ERROR. Under the file lock. Requests
+        in flight in the old table are not counted in the new one (their releases are
+        ignored); every request from now on is."""
+        logger.error(
+            "gatekeeper: shared table %s is damaged: %s; re-creating it (requests in flight "
+            "now are not counted in the new table)",
+            self.path,
+            reason,
+        )
+        last = self._last_layout
+        self._unmap()
+        layout = self._wanted if last is None else last.merged(self._wanted)
+        self._initialise(layout, os.fstat(self._fd).st_size)
+
     def _map(self, layout: _Layout, head: bytes) -> None:
         self._mm = mmap.mmap(self._fd, layout.total)
-        self._layout = layout
+        self._layout = self._last_layout = layout
+        self._total = layout.total
+        info = os.fstat(self._fd)
+        self._ours = (info.st_dev, info.st_ino)
         self._epoch = struct.unpack_from("<Q", head, H_EPOCH)[0]
         self._jlen = 0
         self._saved = {}
@@ -809,7 +1003,13 @@ class SharedBackend(Backend):
 
     def _commit(self) -> None:
         if self._jlen:
-            _U32.pack_into(self._mm, H_JLEN, 0)  # type: ignore[arg-type]
+            mm = self._mm
+            assert mm is not None
+            _U32.pack_into(mm, H_JLEN, 0)  # the commit point
+            # The entries stay behind: void the first, so that a journal length corrupted
+            # later is found invalid instead of undoing this committed update.
+            at = self._journal_off
+            mm[at : at + JENTRY_SIZE] = _NO_ENTRY
             self._jlen = 0
             self._saved = {}
 
@@ -820,27 +1020,43 @@ class SharedBackend(Backend):
         self._saved = {}
 
     def _recover(self, jlen: int) -> None:
+        self._undo(jlen)
         logger.warning(
             "gatekeeper: a process died while updating shared table %s; its unfinished "
             "update was rolled back",
             self.path,
         )
-        self._undo(jlen)
 
     def _undo(self, jlen: int) -> None:
         mm = self._mm
         assert mm is not None
         base = self._journal_off
+        if jlen > self._journal_cap:
+            raise _Damaged(f"its journal length {jlen} exceeds the journal")
+        # Every entry is checked before any is applied: a corrupt journal must not write
+        # anywhere (the journal and the header's first fields are never journaled).
+        journal_end = base + self._journal_cap
         entries = []
         position = 0
         while position < jlen:
+            if position + JENTRY_SIZE > jlen:
+                raise _Damaged("its journal ends inside an entry")
             offset, length = _JENTRY.unpack_from(mm, base + position)
-            start = base + position + _JENTRY.size
+            start = base + position + JENTRY_SIZE
+            position += JENTRY_SIZE + length
+            end = offset + length
+            if (
+                position > jlen
+                or offset < MUT_START
+                or end > self._total
+                or (offset < journal_end and end > base)
+            ):
+                raise _Damaged(f"its journal holds an entry for bytes {offset}..{end}")
             entries.append((offset, mm[start : start + length]))
-            position += _JENTRY.size + length
         for offset, old in reversed(entries):
             mm[offset : offset + len(old)] = old
         _U32.pack_into(mm, H_JLEN, 0)
+        mm[base : base + JENTRY_SIZE] = _NO_ENTRY
         self._jlen = 0
         self._saved = {}
 
@@ -850,7 +1066,10 @@ class SharedBackend(Backend):
     # --- public operations ----------------------------------------------------------------
 
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
-        result, owners = self._locked(slots, now, keep=True)
+        try:
+            result, owners = self._locked(slots, now, keep=True)
+        except _Recreated:  # decided again on the new table
+            result, owners = self._locked(slots, now, keep=True)
         if owners and isinstance(result, Denial) and self._reap(owners):
             result, _ = self._locked(slots, now, keep=True)
         return result
@@ -858,7 +1077,10 @@ class SharedBackend(Backend):
     def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
         """Whether ``acquire`` would admit now, read atomically: the admission is worked
         out under the lock and rolled back."""
-        result, owners = self._locked(slots, now, keep=False)
+        try:
+            result, owners = self._locked(slots, now, keep=False)
+        except _Recreated:
+            result, owners = self._locked(slots, now, keep=False)
         if owners and isinstance(result, Denial) and self._reap(owners):
             result, _ = self._locked(slots, now, keep=False)
         return result if isinstance(result, Denial) else None
@@ -880,18 +1102,40 @@ class SharedBackend(Backend):
                 self._rollback()
             return result, owners
         except BaseException as exc:
-            self._rollback()
-            self._reraise(exc)
+            self._fail(exc)
         finally:
             self._leave()
 
-    def _reraise(self, exc: BaseException) -> NoReturn:
-        if isinstance(exc, (OSError, ValueError, IndexError, struct.error)):
-            raise BackendError(f"shared table {self.path!r}: {exc!r}") from exc
-        raise exc
+    def _fail(self, exc: BaseException) -> NoReturn:
+        """Roll the unfinished update back and raise what may leave a backend: the
+        exception itself when it is a CapacityError or BackendError (or not an Exception),
+        else a BackendError wrapping it. Values no correct process writes (an index out of
+        range, a corrupt journal) mean a damaged table: it is re-created first. Under the
+        lock."""
+        try:
+            self._rollback()
+        except Exception as undo_error:
+            exc = _Damaged(f"its journal cannot be rolled back ({undo_error})")
+        if isinstance(exc, (CapacityError, BackendError)) or not isinstance(exc, Exception):
+            raise exc
+        if isinstance(exc, (_Damaged, IndexError, ValueError, OverflowError, struct.error)):
+            try:
+                self._recreate(str(exc) or repr(exc))
+            except Exception as again:
+                raise BackendError(f"shared table {self.path!r}: {again!r}") from exc
+            raise _Recreated(
+                f"shared table {self.path!r} was damaged ({exc}); it was re-created"
+            ) from exc
+        raise BackendError(f"shared table {self.path!r}: {exc!r}") from exc
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _SharedGrant)
+        with contextlib.suppress(_Recreated):  # the new table does not hold the grant
+            self._release_locked(grant, status, delay, now)
+
+    def _release_locked(
+        self, grant: _SharedGrant, status: int | None, delay: float, now: float
+    ) -> None:
         self._enter()
         try:
             if grant.epoch == self._epoch:
@@ -899,19 +1143,23 @@ class SharedBackend(Backend):
                 self._commit()
             self._mature(now)
         except BaseException as exc:
-            self._rollback()
-            self._reraise(exc)
+            self._fail(exc)
         finally:
             self._leave()
 
     def inflight(self, now: float) -> dict[str, int]:
+        try:
+            return self._inflight(now)
+        except _Recreated:
+            return self._inflight(now)
+
+    def _inflight(self, now: float) -> dict[str, int]:
         self._enter()
         try:
             self._mature(now)
             owners = self._owners()
         except BaseException as exc:
-            self._rollback()
-            self._reraise(exc)
+            self._fail(exc)
         finally:
             self._leave()
         self._reap(owners, deep=True)
@@ -919,7 +1167,7 @@ class SharedBackend(Backend):
         try:
             return self._read_inflight()
         except BaseException as exc:
-            self._reraise(exc)
+            self._fail(exc)
         finally:
             self._leave()
 
@@ -953,9 +1201,10 @@ class SharedBackend(Backend):
         try:
             layout = self._layout
             assert layout is not None
-            live, _, _, heap_len, _, procs_high, nodes_used = struct.unpack_from("<7I", mm, H_LIVE)
+            live, _, _, heap_len, _, _, nodes_used = struct.unpack_from("<7I", mm, H_LIVE)
             pids = [
-                _PROC.unpack_from(mm, self._procs_off + PROC_SIZE * i)[0] for i in range(procs_high)
+                _PROC.unpack_from(mm, self._procs_off + PROC_SIZE * i)[0]
+                for i in range(self._procs_high())
             ]
             return {
                 "path": self.path,
@@ -967,6 +1216,8 @@ class SharedBackend(Backend):
                 "processes": sorted(pid for pid in pids if pid),
                 "bytes": layout.total,
             }
+        except BaseException as exc:
+            self._fail(exc)
         finally:
             self._leave()
 
@@ -1029,7 +1280,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         soonest = None
-        for position in range(_U32.unpack_from(mm, H_HEAP_LEN)[0]):
+        for position in range(min(_U32.unpack_from(mm, H_HEAP_LEN)[0], self._layout.leases)):  # type: ignore[union-attr]
             due, lease, serial = _HEAP.unpack_from(mm, self._heap_off + position * HEAP_SIZE)
             fields = _LEASE.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)
             if fields[1] == serial and node in fields[4 : 4 + fields[3]]:
@@ -1415,6 +1666,8 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         free, high = struct.unpack_from("<II", mm, H_CHUNK_FREE)
+        if high > self._chunks or (free != NIL and free >= high):
+            raise _Damaged("its window chunk counters are out of range")
         self._save_header()
         chunk: int
         if free != NIL:
@@ -1447,6 +1700,8 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         live, free, high, _, serial = struct.unpack_from("<5I", mm, H_LIVE)
+        if high > self._layout.leases or (free != NIL and free >= high):  # type: ignore[union-attr]
+            raise _Damaged("its lease counters are out of range")
         self._save_header()
         if free != NIL:
             lease = free
@@ -1516,6 +1771,8 @@ class SharedBackend(Backend):
         assert mm is not None
         base = self._heap_off
         size = _U32.unpack_from(mm, H_HEAP_LEN)[0]
+        if size >= self._layout.leases:  # type: ignore[union-attr]
+            raise _Damaged("its delay heap is longer than its leases")
         position = size
         while position:
             parent = (position - 1) >> 1
@@ -1536,6 +1793,8 @@ class SharedBackend(Backend):
         base = self._heap_off
         size = _U32.unpack_from(mm, H_HEAP_LEN)[0] - 1
         top: tuple[float, int, int] = _HEAP.unpack_from(mm, base)
+        if size >= self._layout.leases or top[1] >= self._layout.leases:  # type: ignore[union-attr]
+            raise _Damaged("its delay heap is out of range")
         self._save_header()
         _U32.pack_into(mm, H_HEAP_LEN, size)
         if size:
@@ -1596,7 +1855,7 @@ class SharedBackend(Backend):
         if index >= 0 and _U32.unpack_from(mm, base + index * PROC_SIZE)[0] == pid:
             return
         start = self._own_start()
-        high = _U32.unpack_from(mm, H_PROCS_HIGH)[0]
+        high = self._procs_high()
         free = -1
         for index in range(high):
             entry_pid, _, entry_start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
@@ -1629,13 +1888,19 @@ class SharedBackend(Backend):
         _PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
         self._proc_index = free
 
+    def _procs_high(self) -> int:
+        high: int = _U32.unpack_from(self._mm, H_PROCS_HIGH)[0]  # type: ignore[arg-type]
+        if high > self._layout.procs:  # type: ignore[union-attr]
+            raise _Damaged("its process counter is out of range")
+        return high
+
     def _owners(self) -> list[tuple[int, int, int]]:
         """(slot, pid, start time) of the other processes in the table."""
         mm = self._mm
         assert mm is not None
         base = self._procs_off
         owners = []
-        for index in range(_U32.unpack_from(mm, H_PROCS_HIGH)[0]):
+        for index in range(self._procs_high()):
             pid, _, start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
             if pid and pid != self._pid:
                 owners.append((index, pid, start))
@@ -1658,8 +1923,7 @@ class SharedBackend(Backend):
                 self._drop_process(index, pid, start)
             return True
         except BaseException as exc:
-            self._rollback()
-            self._reraise(exc)
+            self._fail(exc)
         finally:
             self._leave()
 
@@ -1685,7 +1949,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         base = self._leases_off
-        high = _U32.unpack_from(mm, H_LEASE_HIGH)[0]
+        high = min(_U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
         owned = [
             lease
             for lease, (owner, serial) in enumerate(

@@ -1,0 +1,376 @@
+"""The shared table file as an attacker or an accident meets it: planted files, symlinks,
+FIFOs, loose modes, and a live table truncated, zeroed, overwritten or given a corrupt
+journal under running worker processes. Real files and real forked processes, no mocks.
+
+What must hold (SPEC §4.6, §4.10): an unfit file is a ``ConfigError`` naming the path and
+the reason, and is left untouched; a broken table is never a crash (no SIGBUS, no
+``struct.error``, no 500): it is re-created with one ERROR log and counts exactly again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import random
+import stat
+import struct
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from werkzeug.test import Client
+
+from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
+from gatekeeper_wsgi.backends.shared import HEADER, SharedBackend
+from gatekeeper_wsgi.errors import ConfigError
+
+DEADLINE = 20.0
+H_JLEN = 12
+LIMITS: dict[str, Any] = {"shop": {"concurrency": 3}, "shop/login/*": {"rate": "2/hour"}}
+
+
+def settings_for(path: Path, query: str = "", **options: Any) -> dict[str, Any]:
+    return {"project": "shop", **options, "backend": f"shared://{path}{query}", "limits": LIMITS}
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    """The path of a table file that does not exist yet."""
+    return tmp_path / "gatekeeper.shm"
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def refusal(path: Path, query: str = "") -> str:
+    """The ConfigError message a GateKeeper on ``path`` gives."""
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(settings_for(path, query))
+    message = str(info.value)
+    assert str(path) in message
+    return message
+
+
+# --- who may own, write and be the file ---------------------------------------------------
+
+
+def test_created_private_whatever_the_umask(table: Path) -> None:
+    """A new table is mode 0600 even under umask 000."""
+    with umask(0):
+        GateKeeper(settings_for(table)).close()
+    assert stat.S_IMODE(table.stat().st_mode) == 0o600
+
+
+def test_mode_option_shares_with_the_group_whatever_the_umask(table: Path) -> None:
+    """?mode=0660 creates the table group read/write even under umask 077."""
+    with umask(0o077):
+        GateKeeper(settings_for(table, "?mode=0660")).close()
+    assert stat.S_IMODE(table.stat().st_mode) == 0o660
+    GateKeeper(settings_for(table, "?mode=0660")).close()  # and reuses it
+
+
+@pytest.mark.parametrize("mode", ["0666", "0777", "0644", "0400", "0", "9", "x", "1" * 5000])
+def test_mode_option_never_opens_the_table_to_others(table: Path, mode: str) -> None:
+    """?mode= refuses anything but 0600 plus group read/write, and numbers of any length."""
+    with pytest.raises(ConfigError, match="mode"):
+        SharedBackend.from_url(f"shared://{table}?mode={mode}")
+    assert not table.exists()
+
+
+@pytest.mark.parametrize(("mode", "who"), [(0o666, "group and others"), (0o602, "others")])
+def test_planted_writable_table_is_refused_untouched(table: Path, mode: int, who: str) -> None:
+    """A table file others may write (as a planted 0666 one) is refused, not adopted."""
+    GateKeeper(settings_for(table)).close()
+    table.chmod(mode)
+    content = table.read_bytes()
+    message = refusal(table)
+    assert f"writable by {who}" in message
+    assert table.read_bytes() == content
+
+
+def test_group_writable_table_needs_the_mode_option(table: Path) -> None:
+    """A 0660 table is refused by default and accepted with ?mode=0660."""
+    GateKeeper(settings_for(table)).close()
+    table.chmod(0o660)
+    assert "writable by group" in refusal(table)
+    gk = GateKeeper(settings_for(table, "?mode=0660"))
+    gk.admit("shop", "api", "c").release(200)
+    gk.close()
+
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file away")
+
+
+@root_only
+def test_table_of_another_user_is_refused(table: Path) -> None:
+    """A table owned by another user, even 0600 and full of their leases, is refused."""
+    gk = GateKeeper(settings_for(table))
+    held = [gk.admit("shop", "api", "c") for _ in range(3)]
+    os.chown(table, 12345, 12345)
+    message = refusal(table)
+    assert "owned by uid 12345" in message
+    del held
+    gk.close()
+
+
+@root_only
+def test_group_shared_table_of_another_user_is_used_with_the_mode_option(table: Path) -> None:
+    """With ?mode=0660 a table owned by another user of our group is used."""
+    GateKeeper(settings_for(table, "?mode=0660")).close()
+    os.chown(table, 12345, os.getegid())
+    assert "owned by uid 12345" in refusal(table)
+    gk = GateKeeper(settings_for(table, "?mode=0660"))
+    gk.admit("shop", "api", "c").release(200)
+    gk.close()
+
+
+def test_symlink_at_the_path_is_never_followed(tmp_path: Path, table: Path) -> None:
+    """A symlink at the path, to a file or dangling, is refused; its target is untouched."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"precious")
+    target.chmod(0o600)
+    table.symlink_to(target)
+    assert "symbolic link" in refusal(table)
+    assert target.read_bytes() == b"precious"
+    table.unlink()
+    table.symlink_to(tmp_path / "nowhere")
+    assert "symbolic link" in refusal(table)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_fifo_directory_and_device_are_refused_without_blocking(tmp_path: Path) -> None:
+    """A FIFO, a directory or a device at the path: ConfigError at once, nothing opened."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    assert "a FIFO, not a regular file" in refusal(fifo)
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    assert "Is a directory" in refusal(directory)
+    assert "a device, not a regular file" in refusal(Path("/dev/null"))
+
+
+# --- a broken table under a running worker -------------------------------------------------
+
+
+def _worker(path: str, conn: Connection) -> None:
+    """A worker process: runs the commands the test sends, answers each, and reports the
+    ERROR records it logged."""
+    errors: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    logging.getLogger("gatekeeper").addHandler(Collect())
+    gk = GateKeeper(settings_for(Path(path)))
+    held = []
+    while True:
+        command, *args = conn.recv()
+        if command == "admit":
+            try:
+                held.append(gk.admit("shop", *args))
+            except Rejected as rejection:
+                conn.send(rejection.code)
+            else:
+                conn.send("admitted")
+        elif command == "release":
+            for admission in held:
+                admission.release(200)
+            held.clear()
+            conn.send("released")
+        elif command == "errors":
+            conn.send(errors)
+        elif command == "busy":
+            conn.send({key: count for key, count in gk.inflight().items() if count})
+
+
+class Worker:
+    """A forked worker process driven through a pipe."""
+
+    def __init__(self, path: Path) -> None:
+        context = multiprocessing.get_context("fork")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker, args=(str(path), child), daemon=True)
+        self.process.start()
+
+    def __call__(self, *command: str) -> Any:
+        self.conn.send(command)
+        if not self.conn.poll(DEADLINE):
+            self.process.join(1.0)
+            pytest.fail(f"the worker did not answer {command} (exit code {self.process.exitcode})")
+        return self.conn.recv()
+
+    def admit_all(self, count: int) -> list[str]:
+        return [self("admit", "api", "c") for _ in range(count)]
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join(DEADLINE)
+
+
+@pytest.fixture
+def worker(table: Path) -> Iterator[Worker]:
+    """A running worker holding 2 of the project's 3 slots."""
+    running = Worker(table)
+    assert running.admit_all(2) == ["admitted"] * 2
+    yield running
+    running.stop()
+
+
+def _damage_then_check(table: Path, worker: Worker, damage: Any) -> None:
+    """Damage the table under the worker; then the worker still serves, logged one ERROR,
+    and the new table counts exactly: 3 admitted, the 4th refused, a parent keeper agrees."""
+    damage()
+    assert worker.admit_all(3) == ["admitted"] * 3
+    assert worker("admit", "api", "c") == "GK-CONCURRENCY-LIMIT"
+    errors = worker("errors")
+    assert len(errors) == 1, errors
+    assert "is damaged" in errors[0]
+    parent = GateKeeper(settings_for(table))
+    assert {k: v for k, v in parent.inflight().items() if v} == {"shop": 3}
+    with pytest.raises(Rejected):
+        parent.admit("shop", "api", "c")
+    assert worker("release") == "released"
+    parent.admit("shop", "api", "c").release(200)
+    parent.close()
+    assert worker.process.exitcode is None  # alive: no SIGBUS
+
+
+@pytest.mark.parametrize("size", [0, 100, HEADER, "half"])
+def test_table_truncated_under_a_running_worker(table: Path, worker: Worker, size: Any) -> None:
+    """Truncating the file under a worker (to nothing, mid-header, mid-table) costs it
+    nothing but its old counts: no SIGBUS, one ERROR, exact limits at once."""
+    length = table.stat().st_size // 2 if size == "half" else size
+    _damage_then_check(table, worker, lambda: os.truncate(table, length))
+
+
+def test_garbage_over_the_header_of_a_live_table(table: Path, worker: Worker) -> None:
+    """Random bytes over the whole header of a live table: re-created, limits hold again
+    (not 'every request admitted with no limit, permanently')."""
+    noise = random.Random(14).randbytes(HEADER)
+    _damage_then_check(table, worker, lambda: _write(table, 0, noise))
+
+
+def test_garbage_over_the_counters_of_a_live_table(table: Path, worker: Worker) -> None:
+    """Garbage over the lease, heap and chunk counters only (magic and epoch intact)."""
+    _damage_then_check(table, worker, lambda: _write(table, 24, b"\xa5" * 40))
+
+
+def test_zeroed_live_table(table: Path, worker: Worker) -> None:
+    """A live table overwritten with zeros is re-created, with an ERROR."""
+    _damage_then_check(table, worker, lambda: _write(table, 0, bytes(table.stat().st_size)))
+
+
+@pytest.mark.parametrize(
+    "journal",
+    [
+        struct.pack("<I", 0xFFFFFFF0),  # longer than the journal
+        struct.pack("<I", 7),  # ends inside an entry
+        struct.pack("<I", 12 + 8),  # an entry whose bytes are not all there
+        struct.pack("<I", 52),  # over the entries a committed update left behind
+    ],
+    ids=["huge", "cut-entry", "short-bytes", "stale-entries"],
+)
+def test_corrupt_journal_length(table: Path, worker: Worker, journal: bytes) -> None:
+    """A corrupt journal length is detected before anything is rolled back: no
+    struct.error, no 500; the table is re-created."""
+    _damage_then_check(table, worker, lambda: _write(table, H_JLEN, journal))
+
+
+def test_journal_entry_aimed_at_the_header(table: Path, worker: Worker) -> None:
+    """A journal entry that would write over the magic (or outside the table) is not
+    applied: the table is re-created instead."""
+    backend = SharedBackend(table)
+    journal_off = backend._journal_off
+    backend.close()
+
+    def damage() -> None:
+        _write(table, journal_off, struct.pack("<QI", 0, 8) + b"EVILEVIL")
+        _write(table, H_JLEN, struct.pack("<I", 20))
+
+    _damage_then_check(table, worker, damage)
+    assert table.read_bytes()[:8] == b"GKSHARED"
+
+
+def _write(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def test_middleware_answers_on_a_corrupt_journal(table: Path) -> None:
+    """Through the middleware a corrupt journal is no 500: the request is served."""
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    middleware = GateKeeperMiddleware(app, settings_for(table))
+    client = Client(middleware)
+    assert client.get("/", headers={"X-Caller-Id": "c"}).status_code == 200
+    _write(table, H_JLEN, struct.pack("<I", 0xFFFFFFF0))
+    assert [client.get("/").status_code for _ in range(3)] == [200] * 3
+    middleware.gatekeeper.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    writes=st.lists(
+        st.tuples(st.integers(0, HEADER - 1), st.binary(min_size=1, max_size=64)),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_garbage_in_the_header_is_never_a_crash(
+    tmp_path_factory: pytest.TempPathFactory, writes: list[tuple[int, bytes]]
+) -> None:
+    """Whatever bytes land in the header of a live table, admitting, releasing and reading
+    raise nothing but a refusal (no struct.error, no IndexError), and afterwards a keeper
+    on the file counts exactly."""
+    table = tmp_path_factory.mktemp("garbage") / "t.shm"
+    gk = GateKeeper(settings_for(table))
+    held = [gk.admit("shop", "api", "c") for _ in range(2)]
+    for offset, data in writes:
+        _write(table, offset, data)
+    with logging_disabled():
+        with contextlib.suppress(Rejected):
+            held.append(gk.admit("shop", "api", "c"))
+        gk.inflight()
+        gk.backend.usage()  # type: ignore[attr-defined]
+        for admission in held:
+            admission.release(200)
+    assert {k: v for k, v in gk.inflight().items() if v} == {}
+    fresh = GateKeeper(settings_for(table))
+    admissions = [fresh.admit("shop", "api", "c") for _ in range(3)]
+    with pytest.raises(Rejected):
+        fresh.admit("shop", "api", "c")
+    for admission in admissions:
+        admission.release(200)
+    fresh.close()
+    gk.close()
+
+
+@contextlib.contextmanager
+def logging_disabled() -> Iterator[None]:
+    logger = logging.getLogger("gatekeeper")
+    old = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = old
