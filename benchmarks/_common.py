@@ -70,6 +70,14 @@ POLICIES = {
         "shop/orders": {"concurrency": 10_000},
         "shop/orders/*": {"concurrency": 10_000, "rate": HIGH_RATE, "key": "ip"},
     },
+    "1 conc": {"shop/orders": {"concurrency": 10_000}},
+    # min 100: even its latency probes leave room for every thread of the run.
+    "1 auto conc": {
+        "shop/orders": {
+            "concurrency": "auto",
+            "adaptive": {"min": 100, "max": 10_000, "initial": 100},
+        }
+    },
 }
 DEFAULT_POLICY = "3 conc + 1 rate"
 

@@ -3,7 +3,8 @@
 Run ``python benchmarks/engine.py`` (``--help`` for options). Measures, on the memory
 backend unless ``--backend`` names another:
 
-- admit + release of one request under 1 concurrency limit;
+- admit + release of one request under 1 concurrency limit, static and ``"auto"``
+  (adaptive: its samples, windows and controller; target <= 1.5 x the static cost);
 - admit + release under concurrency limits on all 3 levels plus 1 rate limit;
   both single-threaded and with 8 threads (wall time / total operations, so it shows
   what the GIL and the backend's lock leave of parallelism);
@@ -32,6 +33,13 @@ from _common import threaded
 from gatekeeper_wsgi.engine import GateKeeper
 
 ONE_LEVEL = {"shop": {"concurrency": 1_000_000}}
+# An adaptive limit whose min leaves room for every thread, even while it probes latency.
+ONE_LEVEL_AUTO = {
+    "shop": {
+        "concurrency": "auto",
+        "adaptive": {"min": 100, "max": 1_000_000, "initial": 100},
+    }
+}
 THREE_LEVELS_AND_RATE = {
     "shop": {"concurrency": 1_000_000},
     "shop/checkout": {"concurrency": 1_000_000},
@@ -112,6 +120,21 @@ def reload_ms(limits: int, rounds: int) -> tuple[float, float]:
         return statistics.median(timings), first
 
 
+def auto_over_static(backend: str, rounds: int, operations: int) -> float:
+    """The adaptive limit's admit+release cost as a share of the static one's, measured in
+    alternating rounds (so a loaded machine's noise hits both alike), medians."""
+    static, auto = keeper(ONE_LEVEL, backend), keeper(ONE_LEVEL_AUTO, backend)
+    times: dict[GateKeeper, list[float]] = {static: [], auto: []}
+    for gk in times:
+        admit_release(gk, 10_000)
+    for _ in range(rounds):
+        for gk, samples in times.items():
+            samples.append(single_threaded(gk, operations))
+    static.close()
+    auto.close()
+    return statistics.median(times[auto]) / statistics.median(times[static])
+
+
 def median_of(rounds: int, measure: Callable[[], float]) -> float:
     gc.collect()
     return statistics.median(measure() for _ in range(rounds))
@@ -131,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.machine()}, backend {args.backend}, median of {args.rounds} rounds"
     )
     rows: list[tuple[str, str, str]] = []
-    for name, limits in (("1 level", ONE_LEVEL), ("3 levels + 1 rate", THREE_LEVELS_AND_RATE)):
+    cases = (
+        ("1 level", ONE_LEVEL),
+        ("1 level, auto", ONE_LEVEL_AUTO),
+        ("3 levels + 1 rate", THREE_LEVELS_AND_RATE),
+    )
+    for name, limits in cases:
         gk = keeper(limits, args.backend)
         admit_release(gk, 10_000)  # warm up caches and the route table
         single = median_of(args.rounds, lambda gk=gk: single_threaded(gk, args.operations))
@@ -142,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"admit+release, {name}", str(args.threads), f"{threaded:8.2f} µs/op"))
         assert not any(gk.inflight().values()), "every slot must be back"
         gk.close()
+    ratio = auto_over_static(args.backend, 3 * args.rounds, args.operations // 5)
+    rows.append(("admit+release, 1 level: auto ÷ static, alternating", "1", f"{ratio:8.2f} x"))
     reload, first = reload_ms(args.limits, max(args.rounds, 11))
     rows.append((f"reload(), changed {args.limits}-limit .properties", "1", f"{reload:8.2f} ms"))
     rows.append((f"first load, {args.limits}-limit .properties", "1", f"{first:8.2f} ms"))

@@ -8,7 +8,9 @@ One app, several ways, measured interleaved in one run (so machine noise hits al
 
 - Flask: bare; the core GateKeeperMiddleware (one rate limit per client address, as the
   peer; and concurrency limits on all three levels plus that rate); the gatekeeper Flask
-  extension (3 levels + rate); Flask-Limiter (one moving-window limit per address).
+  extension (3 levels + rate); Flask-Limiter (one moving-window limit per address); the
+  middleware with one static concurrency limit and with one adaptive (``"auto"``) one,
+  whose costs over bare are compared (``auto ÷ static``).
 - Django: bare; the gatekeeper Django middleware (3 levels + rate); django-ratelimit
   (one limit per address, on the Django cache: local memory, or Redis with ``redis``).
 
@@ -44,6 +46,11 @@ def apps(framework: str, backend: str, url: Callable[[], str]) -> dict[str, WSGI
             "gatekeeper middleware (3 conc + 1 rate)": _common.flask_gatekeeper_middleware(url()),
             "gatekeeper Flask extension (3 conc + 1 rate)": _common.flask_gatekeeper_extension(
                 url()
+            ),
+            "gatekeeper middleware (1 conc)": _common.flask_gatekeeper_middleware(url(), "1 conc"),
+            # The adaptive limit's cost is judged against the static one just above.
+            "gatekeeper middleware (1 auto conc)": _common.flask_gatekeeper_middleware(
+                url(), "1 auto conc"
             ),
         }
         if backend != "shared":
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             cost = value - base
             versus = f"{cost / peer_cost:18.2f}" if peer_cost and name != bare else f"{'—':>18}"
             print(f"{name:48}{threads:>8}{value:12.2f}{cost:11.2f}{value / base:8.2f}{versus}")
+        static, auto = "gatekeeper middleware (1 conc)", "gatekeeper middleware (1 auto conc)"
+        if static in medians and auto in medians:
+            ratio = (medians[auto] - base) / (medians[static] - base)
+            print(f"{'  adaptive limit: cost over bare, auto ÷ static':56}{ratio:12.2f}")
     if args.json is not None:
         args.json.write_text(
             json.dumps(

@@ -107,6 +107,7 @@ class Controller:
     __slots__ = (
         "_count",
         "_drops",
+        "_due",
         "_next_probe",
         "_peak",
         "_probe_count",
@@ -114,7 +115,6 @@ class Controller:
         "_probing",
         "_seed",
         "_slow_start",
-        "_started",
         "_total",
         "estimate",
         "latency",
@@ -123,7 +123,7 @@ class Controller:
         "spec",
     )
 
-    _started: float
+    _due: float
     _count: int
     _total: float
     _drops: int
@@ -142,8 +142,8 @@ class Controller:
         # Jitter from the path, so the keys (and hosts) of a deployment do not probe in
         # step, yet the same path always behaves the same (deterministic tests).
         self._seed = (zlib.crc32(key.encode("utf-8", "surrogatepass")) % 1000) / 1000.0
-        self._reset_window(now)
         self._next_probe = now
+        self._reset_window(now)
         self._probing: float | None = None
         self._slow_start = True
         self._probe_count = 0
@@ -169,36 +169,40 @@ class Controller:
         """One released request: ``latency`` seconds from admission (at ``admitted``) to
         release (at ``now``), ``inflight`` requests of this path in flight at release
         (itself included), ``faulty`` if its response was."""
-        if self._probing is not None:
-            self._probe_sample(latency, admitted, now)
-            return
-        if now >= self._next_probe:
-            self._start_probe(now)
-            return
+        # Runs on every release under the backend's lock: four updates and one
+        # comparison; everything else waits until something is due.
         self._count += 1
         self._total += latency
         if faulty:
             self._drops += 1
         if inflight > self._peak:
             self._peak = inflight
-        if self._count >= WINDOW_SAMPLES and now - self._started >= max(
-            WINDOW_SECONDS, 2.0 * self.latency
-        ):
+        if now >= self._due:
+            self._due_now(latency, admitted, now)
+
+    def _due_now(self, latency: float, admitted: float, now: float) -> None:
+        if self._probing is not None:
+            self._probe_sample(latency, admitted, now)
+        elif now >= self._next_probe:
+            self._start_probe(now)
+        elif self._count >= WINDOW_SAMPLES:
             self._close_window(now)
+        # else: the window is long enough but has too few samples; the next one checks
 
     def _reset_window(self, now: float) -> None:
-        self._started = now
         self._count = 0
         self._total = 0.0
         self._drops = 0
         self._peak = 0
+        # A window lasts WINDOW_SECONDS and two mean latencies, or until the next probe.
+        self._due = min(now + max(WINDOW_SECONDS, 2.0 * self.latency), self._next_probe)
 
     def _close_window(self, now: float) -> None:
         latency = self._total / self._count
         drop_share = self._drops / self._count
         peak = self._peak
-        self._reset_window(now)
         self.latency = latency
+        self._reset_window(now)
         if peak <= PROBE_CONCURRENCY and not drop_share:
             # As few requests in flight as a probe pins: this window measured no-load
             # latency, whether it is higher (a slower deploy) or lower than the baseline.
@@ -257,6 +261,7 @@ class Controller:
 
     def _start_probe(self, now: float) -> None:
         self._probing = now
+        self._due = -math.inf  # every sample of a probe is looked at
         self._probe_count = 0
         self._probe_total = 0.0
         self.limit = min(self._probe_limit(), self._rounded())

@@ -151,6 +151,24 @@ class _Observation:
                 keys[limit.path] = 0 if found is None else found.busy
         return config, inflight, keys, up, delayed
 
+    def adaptive(self) -> dict[str, int]:
+        """The current value of each adaptive limit without ``*`` (one series per limit:
+        a wildcard's keys are in ``gk.stats()["adaptive"]``, not in the scrape)."""
+        keeper = self.gatekeeper
+        limits = keeper.config.limits
+        try:
+            reports = keeper.backend.adaptive()
+        except Exception:
+            return {}
+        return {
+            path: int(report["limit"])
+            for path, report in reports.items()
+            if path in limits and limits[path].adaptive is not None
+        }
+
+
+_ADAPTIVE_HELP = "Current value of an adaptive (concurrency = auto) limit"
+
 
 class GateKeeperCollector:
     """A prometheus_client collector reading one GateKeeper when scraped (one process).
@@ -241,6 +259,9 @@ class GateKeeperCollector:
         delayed = core.GaugeMetricFamily(
             "gatekeeper_delayed_pending", "Delayed releases not yet due"
         )
+        adaptive = core.GaugeMetricFamily(
+            "gatekeeper_adaptive_limit", _ADAPTIVE_HELP, labels=["limit"]
+        )
         up = core.GaugeMetricFamily("gatekeeper_backend_up", "1 when the backend answered")
         stages = core.HistogramMetricFamily(
             "gatekeeper_stage_duration_seconds", "Self-monitoring stage timings", labels=["stage"]
@@ -256,6 +277,8 @@ class GateKeeperCollector:
                     capacity.add_metric([path, limit.level], limit.concurrency)
             for path, count in sorted(key_counts.items()):
                 keys.add_metric([path], count)
+            for path, value in sorted(observation.adaptive().items()):
+                adaptive.add_metric([path], value)
             delayed.add_metric([], pending)
             up.add_metric([], 1 if backend_up else 0)
             with self._lock:
@@ -267,7 +290,7 @@ class GateKeeperCollector:
                     cumulative += count
                     buckets.append((_le(bound), cumulative))
                 stages.add_metric([name], buckets, seconds)
-        yield from (rejected, inflight, keys, capacity, delayed, up, stages)
+        yield from (rejected, inflight, keys, capacity, adaptive, delayed, up, stages)
 
 
 def _le(bound: float) -> str:
@@ -337,6 +360,13 @@ class MultiProcessExporter:
             "gatekeeper_limit_concurrency",
             "Configured concurrency per limit",
             ["limit", "level"],
+            registry=None,
+            multiprocess_mode="livemostrecent",
+        )
+        self._adaptive = client.Gauge(
+            "gatekeeper_adaptive_limit",
+            _ADAPTIVE_HELP,
+            ["limit"],
             registry=None,
             multiprocess_mode="livemostrecent",
         )
@@ -434,6 +464,9 @@ class MultiProcessExporter:
                 if path in key_counts:
                     self._keys.labels(path).set(key_counts[path])
                 labelled.add((path, limit.level))
+            adaptive = self._observation.adaptive()
+            for path, value in adaptive.items():
+                self._adaptive.labels(path).set(value)
             # Limits removed by a reload stop being reported.
             for path, level in self._labelled - labelled:
                 with contextlib.suppress(KeyError):
@@ -442,6 +475,10 @@ class MultiProcessExporter:
                     self._capacity.remove(path, level)
                 with contextlib.suppress(KeyError):
                     self._keys.remove(path)
+            for path, _ in self._labelled:
+                if path not in adaptive:
+                    with contextlib.suppress(KeyError):
+                        self._adaptive.remove(path)
             self._labelled = labelled
             self._delayed.set(pending)
             self._up.set(1 if up else 0)

@@ -259,3 +259,21 @@ def test_fault_json_carries_the_current_limit_as_a_number(clock: FakeClock) -> N
     assert response.status_code == 503
     assert body["limit"] == {"path": "shop", "value": 1}
     held.release(200)
+
+
+def test_prometheus_shows_the_current_limit(clock: FakeClock) -> None:
+    """`gatekeeper_adaptive_limit{limit="shop"}` follows the limit; wildcard keys add no
+    series (their values are in stats)."""
+    from prometheus_client import CollectorRegistry
+
+    from gatekeeper_wsgi.prometheus import register
+
+    gk = keeper(clock, {"shop": AUTO, "shop/a/*": AUTO})
+    registry = CollectorRegistry()
+    register(gk, registry, multiprocess=False)
+    value = registry.get_sample_value
+    simulate(gk, clock, capacity=20, seconds=5.0)
+    current = gk.stats()["adaptive"]["shop"]["limit"]
+    assert value("gatekeeper_adaptive_limit", {"limit": "shop"}) == current
+    assert value("gatekeeper_adaptive_limit", {"limit": "shop/a/c"}) is None
+    assert "shop/a/c" in gk.stats()["adaptive"]

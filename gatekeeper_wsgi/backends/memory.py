@@ -139,7 +139,10 @@ class MemoryBackend(Backend):
                     full = True
                     if limit.adaptive is not None:
                         adaptive = True
-                        full = counter.inflight >= self._gauge(key, counter, limit, now).limit
+                        gauge = counter.gauge
+                        if gauge is None or gauge.spec is not limit.adaptive:
+                            gauge = self._gauge(key, counter, limit, now)
+                        full = counter.inflight >= gauge.limit
                     if full:
                         if enforce:
                             self._undo(counters)
