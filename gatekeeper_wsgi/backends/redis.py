@@ -22,11 +22,12 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 import redis.exceptions
@@ -52,10 +53,16 @@ DEFAULT_CONNECT_TIMEOUT = 0.25
 DEFAULT_READ_TIMEOUT = 0.5
 #: After a failure every call fails fast for this long; then one probe goes through.
 DEFAULT_BREAKER_COOLDOWN = 1.0
-#: Releases that failed during an outage, kept to be replayed once Redis answers again.
+#: The release sender gathers releases this long before it sends them (those an admission
+#: of the process takes along first never wait for it).
+DEFAULT_FLUSH_INTERVAL = 0.001
+#: A release must not wait longer than this to be sent.
+MAX_FLUSH_INTERVAL = 0.005
+#: After a concurrency refusal, releases are sent at once (not left waiting) this long.
+_CONTENDED_FOR = 1.0
+#: Releases waiting to be sent (or sent again, after an outage); past this the oldest are
+#: dropped and end by lease expiry.
 _PENDING_RELEASES = 10_000
-#: Replayed per successful release, so no single response pays for a whole backlog.
-_FLUSH_BATCH = 32
 _KEY_CACHE_SIZE = 10_000
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 _TRUE = ("1", "true", "yes", "on")
@@ -71,41 +78,81 @@ def _load_script(name: str) -> str:
 # Lease ids: a random token per process (renewed in forked children, so workers forked
 # from one master never share it) plus a counter.
 _token = os.urandom(8).hex()
+#: Counts forks in this process's ancestry: a connection or sender thread made under an
+#: older generation belongs to the parent.
+_generation = 0
+# Every Redis backend of this process, for the fork hook below.
+_BACKENDS: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
 
 
-def _new_token() -> None:
-    global _token
+def _after_fork_in_child() -> None:
+    # A fork hook rather than a getpid() per request, as in the memory backend.
+    global _token, _generation
     _token = os.urandom(8).hex()
+    _generation += 1
+    for backend in list(_BACKENDS):
+        backend._after_fork()
 
 
-os.register_at_fork(after_in_child=_new_token)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _sequence = itertools.count()
 
 
+def _bulk(data: bytes) -> bytes:
+    """``data`` as a RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
+class _Input(NamedTuple):
+    """What gate.lua needs about the slots of one route, packed once (redis-py would encode
+    every argument anew on every call, which costs more than the round trip)."""
+
+    keys: list[str]  #: the sorted set of every slot
+    key_bulks: list[bytes]  #: the same, packed
+    spec_words: list[str]  #: every slot's spec (see gate.lua)
+    specs: list[bytes]  #: the same, packed
+    #: every key's release code, in words (window in ms * 2)
+    codes: str
+    #: (slot index, statuses that confirm it) of the rate reservations a release decides
+    reserved: list[tuple[int, frozenset[int]]]
+    #: window in ms * 2 per slot, for a release that gives reservations back
+    code_values: list[int]
+
+
 class _RedisGrant(Grant):
-    __slots__ = ("lease", "lease_keys", "reserved")
+    __slots__ = ("input", "lease", "reserved")
 
     def __init__(
         self,
         slots: Sequence[Slot],
         shadowed: tuple[int, ...],
         lease: str,
-        lease_keys: list[str],
-        reserved: list[tuple[frozenset[int], str]],
+        input: _Input,
+        reserved: list[tuple[int, frozenset[int]]],
     ) -> None:
         super().__init__(slots, shadowed)
         self.lease = lease
-        self.lease_keys = lease_keys
-        #: window logs holding a reservation that only listed statuses confirm
+        self.input = input
+        #: the reservations actually taken (a full shadow window takes none)
         self.reserved = reserved
 
 
-class _PendingRelease(NamedTuple):
+class _Release(NamedTuple):
+    """A release placed and not yet seen applied by Redis."""
+
     lease: str
-    lease_keys: list[str]
-    log_keys: list[str]
-    delay: float
-    failed_at: float  # time.monotonic()
+    input: _Input
+    codes: str  #: release codes of the keys, in words
+    delay: float  #: seconds, counted from ``placed``
+    placed: float  #: time.monotonic() when the response ended
+
+    def spec(self, now: float) -> str:
+        """This release's spec for gate.lua. The delay is what is left of it ``now``, so a
+        release sent late (a replay after an outage) frees its slots when they were due."""
+        delay = self.delay
+        if delay > 0:
+            delay = max(0.0, delay - (now - self.placed))
+        return f"{self.lease} {round(delay * 1_000_000)} {self.codes}"
 
 
 class CircuitOpen(BackendError):
@@ -167,12 +214,157 @@ class _Breaker:
 
 
 def _denial(result: list[Any]) -> Denial:
-    """The Denial of a refusing acquire.lua answer {0, slot, kind, retry after in us}."""
+    """The Denial of a refusing gate.lua answer {0, slot, kind, retry after in us}."""
     return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6, 0)
 
 
+class _Outbox:
+    """The releases of one backend in one process that Redis has not yet confirmed, and the
+    thread that sends them.
+
+    :meth:`put` costs the responding thread an append and a wake-up, no I/O. The sender
+    thread sends everything waiting in one script call (one round trip, however many
+    releases piled up while the previous call was out), keeps what failed and tries again
+    once the breaker lets it. An admission takes what is waiting along in its own script
+    call (:meth:`take`), so a process's releases are always applied before its next
+    decision. A release is idempotent, so one sent twice (by the sender and alongside an
+    admission) does nothing the second time.
+
+    The thread is started on the first release in each process (a thread does not survive
+    ``fork``: gunicorn ``--preload`` forks workers from a master that may have used the
+    backend).
+    """
+
+    def __init__(self, backend: RedisBackend) -> None:
+        self._backend = backend
+        self._waiting: deque[_Release] = deque(maxlen=_PENDING_RELEASES)
+        #: the batch the sender has out right now (an admission sends it again: idempotent)
+        self._sending: list[_Release] = []
+        # Taking the waiting releases and marking them as out is one step, so an admission
+        # never misses a release that is between the two.
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        #: the sender was woken and will drain; later releases need not wake it again
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._generation = -1
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._sending)
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent sends what was waiting; locks may be held."""
+        self._waiting = deque(maxlen=_PENDING_RELEASES)
+        self._sending = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._armed = False
+        self._thread = None
+
+    def put(self, release: _Release) -> None:
+        self._waiting.append(release)
+        if not self._armed:
+            self._armed = True
+            if self._generation != _generation:
+                self._start()
+            self._wake.set()
+
+    def take(self, tag: str | None = None) -> list[_Release]:
+        """Everything waiting, plus the batch the sender has out. With ``tag`` (a key's
+        start up to its hash tag), only the releases of that tag: a Cluster script
+        touches one slot."""
+        with self._lock:
+            taken = self._drain(tag)
+            return taken + self._sending if self._sending else taken
+
+    def _drain(self, tag: str | None) -> list[_Release]:
+        waiting = self._waiting
+        taken: list[_Release] = []
+        others: list[_Release] = []
+        while True:
+            try:
+                release = waiting.popleft()
+            except IndexError:
+                break
+            if tag is None or release.input.keys[0].startswith(tag):
+                taken.append(release)
+            else:
+                others.append(release)
+        if others:
+            waiting.extendleft(reversed(others))
+        return taken
+
+    def give_back(self, releases: list[_Release]) -> None:
+        """Releases whose call failed: first in line for the sender's next try."""
+        with self._lock:
+            sending = self._sending
+            mine = [release for release in releases if release not in sending]
+            self._waiting.extendleft(reversed(mine))
+        self._armed = True
+        if self._generation != _generation:
+            self._start()
+        self._wake.set()
+
+    def _start(self) -> None:
+        self._generation = _generation
+        if self._stop.is_set():
+            return
+        self._thread = threading.Thread(
+            target=self._run, name="gatekeeper-redis-release", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        backend = self._backend
+        generation = _generation
+        stop = self._stop
+        interval = backend.flush_interval
+        while generation == _generation:
+            self._wake.wait()
+            self._wake.clear()
+            if interval > 0:
+                # Gather what comes within the interval into one call, and leave the GIL to
+                # the request threads meanwhile: most releases ride along with an admission
+                # before the sender sends them.
+                stop.wait(interval)
+            self._armed = False
+            while self._waiting and not stop.is_set():
+                with self._lock:
+                    batch = self._sending = self._drain(None)
+                try:
+                    backend._send(batch)
+                except BackendError:
+                    with self._lock:
+                        self._sending = []
+                        self._waiting.extendleft(reversed(batch))
+                    # Until the breaker lets a probe through, every call would fail fast.
+                    stop.wait(backend._breaker.cooldown)
+                    continue
+                self._sending = []
+            if stop.is_set():
+                return
+
+    def flush(self) -> None:
+        """Send what is waiting from this thread, now (status reads, close)."""
+        batch = self.take()
+        if batch:
+            try:
+                self._backend._send(batch)
+            except BackendError:
+                self.give_back(batch)
+                raise
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
+
+
 class RedisBackend(Backend):
-    """Counters in Redis, exact across hosts; one round trip to admit, one to release.
+    """Counters in Redis, exact across hosts; one round trip a request waits for.
 
     URL: ``redis://[user:pass@]host:port/db``, ``rediss://…``, ``unix:///path.sock?db=0``
     or ``valkey://…``, with the redis-py query options (``socket_timeout``,
@@ -190,11 +382,19 @@ class RedisBackend(Backend):
       probes Redis; success recovers automatically.
     - ``cluster=1``: talk to a Redis Cluster (keys of one project share a hash tag).
 
-    ``max_keys`` is not counted here: idle keys expire instead (a lease set when its last
-    lease ends, a window log one window after its newest entry), so state is bounded by
-    the traffic of one ``max_hold`` / window rather than by a key count. Releases that
-    fail during an outage are replayed when Redis answers again; those lost (a restart
-    without persistence, more than 10 000 pending) end by lease expiry. Replication can
+    Admission is one script call (``lua/gate.lua``) the request waits for. A release is
+    handed to a sender thread and the response does not wait for it: the sender sends
+    all releases waiting in one call, and the next admission of the process carries the
+    ones still waiting in its own call, so a release is applied before any later decision
+    of its process, and within one round trip (plus a thread switch, at most
+    ``sys.getswitchinterval()``, 5 ms) for the other hosts. Releases that fail are kept and
+    sent again once Redis answers; those lost (a crashed process, a restart without
+    persistence, more than 10 000 waiting) end by lease expiry. Status reads
+    (:meth:`inflight`) send the waiting releases first, so they count exactly.
+
+    ``max_keys`` is not counted here: idle keys expire instead (a key when its last lease
+    ends, its last delayed release matures or its window empties), so state is bounded by
+    the traffic of one ``max_hold`` / window rather than by a key count. Replication can
     lose acknowledged writes on failover, so a limit may over-admit briefly then.
     Queued waiters poll (``local = False``), so the queue is FIFO per process only.
     """
@@ -210,6 +410,7 @@ class RedisBackend(Backend):
         prefix: str = DEFAULT_PREFIX,
         max_hold: float = DEFAULT_MAX_HOLD,
         breaker_cooldown: float = DEFAULT_BREAKER_COOLDOWN,
+        flush_interval: float = DEFAULT_FLUSH_INTERVAL,
         location: str = "redis",
     ) -> None:
         if not _PREFIX_RE.fullmatch(prefix):
@@ -218,18 +419,40 @@ class RedisBackend(Backend):
             )
         if not max_hold > 0:
             raise ConfigError("backend", f"max_hold: expected seconds > 0, got {max_hold!r}")
+        if not 0 <= flush_interval <= MAX_FLUSH_INTERVAL:
+            raise ConfigError(
+                "backend",
+                f"flush_interval: expected 0 to {MAX_FLUSH_INTERVAL} seconds, "
+                f"got {flush_interval!r}",
+            )
+        self.flush_interval = flush_interval
         self.client = client
         self.prefix = prefix
         self.max_hold = max_hold
         self._hold_us = round(max_hold * 1_000_000)
-        self._hold_ms = -(-self._hold_us // 1000)
-        self._acquire_script: Script = client.register_script(_load_script("acquire.lua"))
-        self._release_script: Script = client.register_script(_load_script("release.lua"))
+        self._cluster = isinstance(client, RedisCluster)
+        self._pool = None if isinstance(client, RedisCluster) else client.connection_pool
+        self._source = _load_script("gate.lua")
+        self._script: Script = client.register_script(self._source)
+        # "EVALSHA <sha>", packed: the start of every call.
+        self._evalsha_head = _bulk(b"EVALSHA") + _bulk(self._script.sha.encode())
+        self._hold_bulk = _bulk(b"%d" % self._hold_us)
         self._breaker = _Breaker(breaker_cooldown, location)
         self.location = location
-        self._keys: dict[str, tuple[str, str]] = {}
-        self._pending: deque[_PendingRelease] = deque(maxlen=_PENDING_RELEASES)
+        self._inputs: dict[tuple[Slot, ...], _Input] = {}
+        self._outbox = _Outbox(self)
+        #: until when (time.monotonic()) releases are sent at once, not left waiting
+        self._contended_until = 0.0
         self._delayed: list[float] = []
+        self._delayed_lock = threading.Lock()
+        # One connection per thread, used without the pool: the pool's bookkeeping costs
+        # more than the round trip it wraps.
+        self._local = threading.local()
+        self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+        _BACKENDS.add(self)
+
+    def _after_fork(self) -> None:
+        self._outbox.after_fork()
         self._delayed_lock = threading.Lock()
 
     @classmethod
@@ -241,10 +464,13 @@ class RedisBackend(Backend):
         if scheme == "valkey":
             scheme = "redis"
         query = parse_qsl(parts.query, keep_blank_values=True)
-        ours = {"prefix", "max_hold", "breaker_cooldown", "cluster"}
+        ours = {"prefix", "max_hold", "breaker_cooldown", "flush_interval", "cluster"}
         options = {name: value for name, value in query if name in ours}
         passed = [(name, value) for name, value in query if name not in ours]
-        redis_url = urlunsplit((scheme, parts.netloc, parts.path, urlencode(passed), ""))
+        # Not urlunsplit: it drops the "//" of a netloc-less "unix:///path.sock".
+        redis_url = f"{scheme}://{parts.netloc}{parts.path}"
+        if passed:
+            redis_url += f"?{urlencode(passed)}"
         cluster = options.get("cluster", "0").strip().lower()
         if cluster not in _TRUE + _FALSE:
             raise ConfigError(
@@ -279,136 +505,165 @@ class RedisBackend(Backend):
             prefix=options.get("prefix", DEFAULT_PREFIX),
             max_hold=_seconds(url, "max_hold", options, DEFAULT_MAX_HOLD),
             breaker_cooldown=_seconds(url, "breaker_cooldown", options, DEFAULT_BREAKER_COOLDOWN),
+            flush_interval=_seconds(
+                url, "flush_interval", options, DEFAULT_FLUSH_INTERVAL, zero=True
+            ),
             location=location or url.split("?", 1)[0].rsplit("@", 1)[-1],
         )
 
     # --- keys -----------------------------------------------------------------------------
 
-    def keys_of(self, path: str) -> tuple[str, str]:
-        """The lease set and window log keys of a concrete path."""
-        keys = self._keys.get(path)
-        if keys is None:
-            if len(self._keys) >= _KEY_CACHE_SIZE:
-                self._keys = {}
-            base = f"{self.prefix}:{{{path.split('/', 1)[0]}}}:"
-            keys = self._keys[path] = (f"{base}l:{path}", f"{base}w:{path}")
-        return keys
+    def key_of(self, path: str) -> str:
+        """The sorted set of a concrete path: its leases, delayed releases and window."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:z:{path}"
+
+    def _input(self, slots: Sequence[Slot]) -> _Input:
+        """The packed gate.lua input of ``slots``, memoized per route (bounded)."""
+        route = slots if type(slots) is tuple else tuple(slots)
+        found = self._inputs.get(route)
+        if found is not None:
+            return found
+        if len(self._inputs) >= _KEY_CACHE_SIZE:
+            self._inputs = {}
+        keys: list[str] = []
+        specs: list[str] = []
+        values: list[int] = []
+        reserved: list[tuple[int, frozenset[int]]] = []
+        for index, slot in enumerate(route):
+            limit = slot.limit
+            rate = limit.rate
+            window_us = 0 if rate is None else round(rate.seconds * 1_000_000)
+            concurrency = -1 if limit.concurrency is None else limit.concurrency
+            quota = 0 if rate is None else rate.limit
+            keys.append(self.key_of(slot.key))
+            specs.append(f"{concurrency} {quota} {window_us} {int(slot.enforce)}")
+            values.append(-(-window_us // 1000) * 2)
+            if limit.count is not None and rate is not None:
+                reserved.append((index, limit.count))
+        found = self._inputs[route] = _Input(
+            keys,
+            [_bulk(key.encode()) for key in keys],
+            specs,
+            [_bulk(spec.encode()) for spec in specs],
+            " ".join(map(str, values)),
+            reserved,
+            values,
+        )
+        return found
 
     # --- admission ------------------------------------------------------------------------
 
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
-        if self._pending:
-            # Slots whose release failed during an outage are given back first, so this
-            # decision sees them free.
-            self._flush()
         lease = f"{_token}{next(_sequence):x}"
-        keys, args, lease_keys = self._script_input(slots, lease)
+        input = self._input(slots)
         try:
-            result = self._call(self._acquire_script, keys, args)
+            result, retried = self._call_with_releases(input, lease)
         except BackendError as exc:
             if not isinstance(exc, CircuitOpen):
                 # The script may have run before the connection broke: give the lease back
                 # once Redis answers again instead of holding it for max_hold.
-                self._pending.append(_PendingRelease(lease, lease_keys, [], 0.0, 0.0))
+                self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0))
             raise
+        if result == 1:
+            return _RedisGrant(slots, (), lease, input, input.reserved)
         if result[0] != 1:
+            if result[2] == 1:
+                self._contended_until = time.monotonic() + _CONTENDED_FOR
+            if retried:
+                # The first try may have taken the slots (the retry then saw its own lease).
+                self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0))
             return _denial(result)
         shadowed = tuple(int(index) for index in result[1])
-        unrecorded = {int(index) for index in result[2]}
-        reserved = [
-            (slot.limit.count, self.keys_of(slot.key)[1])
-            for index, slot in enumerate(slots)
-            if slot.limit.count is not None
-            and slot.limit.rate is not None
-            and index not in unrecorded
-        ]
-        return _RedisGrant(slots, shadowed, lease, lease_keys, reserved)
+        reserved = input.reserved
+        if reserved and result[2]:
+            unrecorded = {int(index) for index in result[2]}
+            reserved = [entry for entry in reserved if entry[0] not in unrecorded]
+        return _RedisGrant(slots, shadowed, lease, input, reserved)
 
-    def _script_input(
-        self, slots: Sequence[Slot], lease: str
-    ) -> tuple[list[str], list[str | int], list[str]]:
-        """KEYS and ARGV of acquire.lua, and the lease sets among the KEYS."""
-        keys: list[str] = []
-        args: list[str | int] = [lease, self._hold_us, self._hold_ms]
-        lease_keys: list[str] = []
-        for slot in slots:
-            lease_key, log_key = self.keys_of(slot.key)
-            keys.append(lease_key)
-            lease_keys.append(lease_key)
-            limit = slot.limit
-            concurrency = -1 if limit.concurrency is None else limit.concurrency
-            rate = limit.rate
-            if rate is None:
-                args += (concurrency, 0, 0, int(slot.enforce))
-            else:
-                keys.append(log_key)
-                args += (
-                    concurrency,
-                    rate.limit,
-                    round(rate.seconds * 1_000_000),
-                    int(slot.enforce),
-                )
-        return keys, args, lease_keys
+    def _call_with_releases(self, input: _Input, lease: str) -> tuple[Any, bool]:
+        """An admission (or, without a lease, a peek) that first applies the releases this
+        process placed and Redis has not confirmed, so it decides as if they had arrived.
+        Also says whether the call was sent twice (see :meth:`_evalsha`)."""
+        outbox = self._outbox
+        if not len(outbox):
+            return self._run([], input, lease)
+        releases = outbox.take(self._tag(input.keys[0]))
+        try:
+            return self._run(releases, input, lease)
+        except BackendError:
+            outbox.give_back(releases)
+            raise
+
+    def _tag(self, key: str) -> str | None:
+        """``key`` up to its hash tag, which a Cluster routes it by (None off a Cluster:
+        one script may touch any keys)."""
+        if not self._cluster:
+            return None
+        return key[: key.index("}") + 1]
 
     def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
-        """Whether acquire would admit now: acquire.lua without a lease checks only (it
+        """Whether acquire would admit now: gate.lua without a lease checks only (it
         drops expired entries and records nothing)."""
-        keys, args, _ = self._script_input(slots, "")
-        result = self._call(self._acquire_script, keys, args)
-        return None if result[0] == 1 else _denial(result)
+        result, _ = self._call_with_releases(self._input(slots), "")
+        return None if result == 1 else _denial(result)
 
     # --- release --------------------------------------------------------------------------
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _RedisGrant)
-        log_keys = [key for counted, key in grant.reserved if status not in counted]
+        input = grant.input
+        codes = input.codes
+        if grant.reserved:
+            returned = {index for index, counted in grant.reserved if status not in counted}
+            if returned:
+                codes = " ".join(
+                    str(value + (index in returned))
+                    for index, value in enumerate(input.code_values)
+                )
+        placed = time.monotonic()
         if delay > 0:
-            due = time.monotonic() + delay
             with self._delayed_lock:
-                heapq.heappush(self._delayed, due)
+                heapq.heappush(self._delayed, placed + delay)
+        release = _Release(grant.lease, input, codes, delay, placed)
+        outbox = self._outbox
+        if placed >= self._contended_until:
+            outbox.put(release)
+            return
+        # A concurrency limit refused here lately: the slot is wanted, maybe by another
+        # host. Sent now, it is free for whoever asks first; left waiting, it would ride
+        # along with this process's next admission and never be free in between (a slot
+        # handed from request to request of one process while the others are refused).
+        batch = [*outbox.take(), release]
         try:
-            self._release(grant.lease, grant.lease_keys, log_keys, delay)
+            self._send(batch)
         except BackendError:
-            self._pending.append(
-                _PendingRelease(grant.lease, grant.lease_keys, log_keys, delay, time.monotonic())
-            )
-            raise
-        if self._pending:
-            self._flush()
+            outbox.give_back(batch)  # the sender tries again; no response fails for it
 
-    def _release(
-        self, lease: str, lease_keys: list[str], log_keys: list[str], delay: float
-    ) -> None:
-        delay_us = round(delay * 1_000_000)
-        self._call(
-            self._release_script,
-            lease_keys + log_keys,
-            [lease, len(lease_keys), delay_us, -(-delay_us // 1000)],
-        )
-
-    def _flush(self) -> None:
-        """Replay a batch of releases that failed while Redis was away."""
-        for _ in range(_FLUSH_BATCH):
-            try:
-                pending = self._pending.popleft()
-            except IndexError:
-                return
-            delay = pending.delay
-            if delay > 0:
-                delay = max(0.0, delay - (time.monotonic() - pending.failed_at))
-            try:
-                self._release(pending.lease, pending.lease_keys, pending.log_keys, delay)
-            except BackendError:
-                self._pending.appendleft(pending)
-                return
+    def _send(self, releases: list[_Release]) -> None:
+        """Apply releases: one script call (on a Cluster, one per hash tag)."""
+        if not self._cluster:
+            self._run(releases, None, "")
+            return
+        by_tag: dict[str, list[_Release]] = {}
+        for release in releases:
+            by_tag.setdefault(self._tag(release.input.keys[0]) or "", []).append(release)
+        for batch in by_tag.values():
+            self._run(batch, None, "")
 
     # --- the one way to Redis -------------------------------------------------------------
 
-    def _call(self, script: Script, keys: list[str], args: list[str | int]) -> list[Any]:
+    def _run(self, releases: list[_Release], input: _Input | None, lease: str) -> tuple[Any, bool]:
+        """One call of gate.lua: ``releases`` first, then the admission of ``input`` under
+        ``lease`` (a peek when ``lease`` is empty; none when ``input`` is None). Returns
+        the answer and whether the call was sent twice."""
         breaker = self._breaker
         breaker.before()
         try:
-            result = script(keys=keys, args=args)
+            if self._cluster:
+                keys, args = self._arguments(releases, input, lease)
+                answer: tuple[Any, bool] = (self._script(keys=keys, args=args), False)
+            else:
+                answer = self._evalsha(self._pack(releases, input, lease))
         except Exception as exc:  # redis-py's, or anything it let through: never a 500
             breaker.failure(exc)
             raise BackendError(f"redis at {self.location}: {exc}") from exc
@@ -416,15 +671,110 @@ class RedisBackend(Backend):
             breaker.abandon()
             raise
         breaker.success()
-        return result  # type: ignore[no-any-return]
+        return answer
+
+    def _pack(self, releases: list[_Release], input: _Input | None, lease: str) -> bytes:
+        """The EVALSHA command of :meth:`_run`, packed."""
+        keys = 0
+        parts = [b"", self._evalsha_head, b""]
+        for release in releases:
+            parts += release.input.key_bulks
+            keys += len(release.input.keys)
+        if input is not None:
+            parts += input.key_bulks
+            keys += len(input.keys)
+        parts.append(_bulk(b"%d" % len(releases)))
+        if releases:
+            now = time.monotonic()
+            parts += [_bulk(release.spec(now).encode()) for release in releases]
+        if input is not None:
+            parts += (_bulk(lease.encode()), self._hold_bulk, *input.specs)
+        parts[2] = _bulk(b"%d" % keys)
+        # EVALSHA and its SHA are two elements of the one head part.
+        parts[0] = b"*%d\r\n" % len(parts)
+        return b"".join(parts)
+
+    def _arguments(
+        self, releases: list[_Release], input: _Input | None, lease: str
+    ) -> tuple[list[str], list[str | int]]:
+        """KEYS and ARGV of :meth:`_run`, for redis-py's Script (a Cluster routes them)."""
+        keys: list[str] = []
+        args: list[str | int] = [len(releases)]
+        now = time.monotonic()
+        for release in releases:
+            keys += release.input.keys
+            args.append(release.spec(now))
+        if input is not None:
+            keys += input.keys
+            args += (
+                lease,
+                self._hold_us,
+                *(spec.split(b"\r\n")[1].decode() for spec in input.specs),
+            )
+        return keys, args
+
+    def _evalsha(self, command: bytes) -> tuple[Any, bool]:
+        """Send a packed EVALSHA on this thread's own connection and read the answer;
+        also say whether it was sent twice.
+
+        A connection that was idle may have been closed by the server (a restart): when it
+        fails, the call is sent once more on a new connection. That is safe: every write of
+        gate.lua is keyed by the lease id, so a call that ran twice holds one lease (the
+        caller gives back a lease whose second call was refused). A timeout is not retried:
+        the server is there but slow, and a second wait would double the request's.
+        """
+        local = self._local
+        connection = local.__dict__.get("connection")
+        if connection is None or local.generation != _generation:
+            connection = self._connect()
+        if connection.is_connected:
+            try:
+                return self._exchange(connection, command), False
+            except redis.exceptions.ConnectionError:
+                connection = self._connect()
+            return self._exchange(connection, command), True
+        return self._exchange(connection, command), False
+
+    def _connect(self) -> Any:
+        """A new connection for this thread (it connects on first use)."""
+        pool = self._pool
+        assert pool is not None  # a Cluster goes through its own client
+        local = self._local
+        old = local.__dict__.get("connection")
+        if old is not None and local.generation == _generation:
+            old.disconnect()
+        connection = local.connection = pool.connection_class(**pool.connection_kwargs)
+        local.generation = _generation
+        self._connections.add(connection)
+        return connection
+
+    def _exchange(self, connection: Any, command: bytes) -> Any:
+        """One command and its answer (loading the script first when Redis lost it)."""
+        try:
+            connection.send_packed_command((command,), check_health=False)
+            try:
+                return connection.read_response()
+            except redis.exceptions.NoScriptError:
+                # A restarted (or flushed) Redis lost the script: load it, call again.
+                connection.send_command("SCRIPT", "LOAD", self._source)
+                connection.read_response()
+                connection.send_packed_command((command,), check_health=False)
+                return connection.read_response()
+        except BaseException:
+            # A reply half read, or a script error: start the next call on a clean line.
+            connection.disconnect()
+            raise
 
     # --- observation ----------------------------------------------------------------------
 
     def inflight(self, now: float) -> dict[str, int]:
-        """Leases per concrete path, found by SCAN over the prefix (for status pages)."""
+        """Leases per concrete path, found by SCAN over the prefix (for status pages).
+        Releases not yet confirmed are sent first, so none is counted as held."""
+        if len(self._outbox):
+            self._outbox.flush()
         self._breaker.before()
         prefix = self.prefix
-        pattern = _glob_escape(prefix) + ":{*}:l:*"
+        pattern = _glob_escape(prefix) + ":{*}:z:*"
         counts: dict[str, int] = {}
         try:
             seconds, micros = self.client.time()
@@ -435,7 +785,7 @@ class RedisBackend(Backend):
                 for key in keys:
                     pipe.zcount(key, f"({now_us}", "+inf")
                 for key, held in zip(keys, pipe.execute(), strict=True):
-                    path = key.split("}:l:", 1)[1]
+                    path = key.split("}:z:", 1)[1]
                     if held:
                         counts[path] = int(held)
         except Exception as exc:
@@ -445,8 +795,6 @@ class RedisBackend(Backend):
             self._breaker.abandon()
             raise
         self._breaker.success()
-        if self._pending:
-            self._flush()
         return counts
 
     def delayed_pending(self) -> int:
@@ -461,11 +809,32 @@ class RedisBackend(Backend):
                 heapq.heappop(delayed)
             return len(delayed)
 
+    def pending_releases(self) -> int:
+        """Releases placed in this process that Redis has not confirmed yet."""
+        return len(self._outbox)
+
     def close(self) -> None:
+        """Send the releases still waiting (best effort), stop the sender, disconnect."""
+        outbox = self._outbox
+        try:
+            if len(outbox):
+                outbox.flush()
+        except BackendError:
+            logger.warning(
+                "gatekeeper: %d releases could not reach redis at %s before close; "
+                "their leases expire after max_hold",
+                len(outbox),
+                self.location,
+            )
+        outbox.close()
+        for connection in list(self._connections):
+            connection.disconnect()
         self.client.close()
 
 
-def _seconds(url: str, name: str, options: dict[str, str], default: float) -> float:
+def _seconds(
+    url: str, name: str, options: dict[str, str], default: float, *, zero: bool = False
+) -> float:
     text = options.get(name)
     if text is None:
         return default
@@ -473,9 +842,10 @@ def _seconds(url: str, name: str, options: dict[str, str], default: float) -> fl
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
+    if not (value >= 0 if zero else value > 0) or not value < float("inf"):
+        bound = ">= 0" if zero else "> 0"
         raise ConfigError(
-            "backend", f"{name}: expected seconds > 0, got {text!r} in {mask_url(url)!r}"
+            "backend", f"{name}: expected seconds {bound}, got {text!r} in {mask_url(url)!r}"
         )
     return value
 

@@ -1,0 +1,177 @@
+-- gatekeeper-wsgi: apply a batch of releases, then admit one request on all of its slots or
+-- on none (SPEC 4.1, 4.2). One script for both, so a request's thread waits for one round
+-- trip: the releases its process placed since its last call ride along with its admission,
+-- and the release sender flushes the others with this script and no admission.
+--
+-- One sorted set per concrete limit path. Members:
+--   <lease>     a request in flight; score = when its lease expires (us of Redis TIME)
+--   <lease>:d   a delayed release: the slot stays taken; score = when it matures
+--   <lease>:w   an entry of the rate window; score = MINUS the admission time
+-- Window entries score below zero and leases above, so one range tells them apart and one
+-- ZREMRANGEBYSCORE [window - now, now] drops both slid-out entries and ended leases. Scores
+-- are whole microseconds, passed as numbers (Lua's tostring would round them).
+--
+-- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
+--            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per key it
+--            owns in KEYS order: window in ms * 2, + 1 when its window entry is given back
+--            (a limit that counts only some statuses, and this response's was not one)
+-- then, when an admission follows:
+--   lease id (unique per admission; '' = only check and take nothing: a peek)
+--   max_hold in us (a lease not released by then expires)
+--   then one spec per slot: "<concurrency (-1: none)> <rate quota (0: none)>
+--   <rate window in us> <enforce (1/0)>"
+-- (Specs in words keep the command short: the client packs each argument anew.)
+-- KEYS: the keys of the releases in order, then one key per slot.
+--
+-- Returns 1 after releases alone, and for an admission admitted plainly; an admission
+-- admitted with shadow slots over their limits gets
+-- {1, {shadowed slot indexes}, {slot indexes whose full window was not extended}}
+-- (0-based); a refused one
+-- {0, refusing slot index (0-based), kind (1 concurrency, 2 rate), retry after (us)}.
+
+local now
+local function clock()
+  if not now then
+    local time = redis.call('TIME')
+    now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+  end
+  return now
+end
+
+-- --- releases (idempotent: a release applied twice, or after its lease ended, does nothing)
+local releases = tonumber(ARGV[1])
+local k = 1
+for r = 2, releases + 1 do
+  local lease, delay, codes = string.match(ARGV[r], '^(%S+) (%d+)(.*)$')
+  delay = tonumber(delay)
+  for word in string.gmatch(codes, '%d+') do
+    local key = KEYS[k]
+    local code = tonumber(word)
+    k = k + 1
+    if code % 2 == 1 then
+      redis.call('ZREM', key, lease .. ':w')
+    end
+    if delay > 0 then
+      if redis.call('ZSCORE', key, lease) then
+        local t = clock()
+        -- Matured delays and ended leases go first, so a busy key holds only the
+        -- delayed releases still pending.
+        redis.call('ZREMRANGEBYSCORE', key, '(0', t)
+        redis.call('ZADD', key, t + delay, lease .. ':d')
+        redis.call('ZREM', key, lease)
+        -- The key lives as long as its latest member and not longer: when this was its last
+        -- lease, it vanishes as the delay matures, not max_hold later.
+        local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+        local ttl = tonumber(last[2]) - t
+        local window = (code - code % 2) / 2 * 1000
+        if window > ttl then
+          ttl = window
+        end
+        redis.call('PEXPIRE', key, math.floor(ttl / 1000) + 1)
+      end
+    else
+      redis.call('ZREM', key, lease)
+    end
+  end
+end
+
+local a = releases + 2
+if #ARGV < a then
+  return 1
+end
+
+-- --- admission
+local t = clock()
+local lease = ARGV[a]
+local hold = tonumber(ARGV[a + 1])
+local hold_ms = math.floor(hold / 1000) + 1
+local first_key = k
+local slots = #ARGV - a - 1
+
+local specs = {}
+local busy = {}
+local over = {}
+local full = {}
+for i = 1, slots do
+  local concurrency, quota, window, enforce = string.match(ARGV[a + 1 + i], '^(%S+) (%d+) (%d+) (%d)$')
+  concurrency = tonumber(concurrency)
+  quota = tonumber(quota)
+  window = tonumber(window)
+  specs[i] = {quota, window}
+  local key = KEYS[first_key + i - 1]
+  local held
+  local entries = 0
+  if quota > 0 then
+    redis.call('ZREMRANGEBYSCORE', key, window - t, t)
+    held = redis.call('ZCOUNT', key, '(0', '+inf')
+    entries = redis.call('ZCARD', key) - held
+  else
+    -- Ended leases are not dropped here (the count skips them); a delayed release drops
+    -- them, and the key's expiry ends them all once it is idle.
+    held = redis.call('ZCOUNT', key, t + 1, '+inf')
+  end
+  busy[i] = held
+  if concurrency >= 0 and held >= concurrency then
+    if enforce == '1' then
+      -- The soonest delayed release tells when a slot frees for sure; a running request
+      -- may finish any moment.
+      local retry = 0
+      local soonest = redis.call('ZRANGEBYSCORE', key, t + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      if soonest[1] and string.sub(soonest[1], -2) == ':d' then
+        retry = tonumber(soonest[2]) - t
+      end
+      return {0, i - 1, 1, retry}
+    end
+    over[i] = true
+  end
+  if quota > 0 and entries >= quota then
+    if enforce == '1' then
+      local oldest = redis.call('ZREVRANGEBYSCORE', key, '(0', '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      return {0, i - 1, 2, window - tonumber(oldest[2]) - t}
+    end
+    over[i] = true
+    full[i] = true
+  end
+end
+
+if lease == '' then
+  -- A peek: the answer acquire would give. Expired entries were dropped; nothing added.
+  return 1
+end
+
+local shadowed = {}
+local unrecorded = {}
+for i = 1, slots do
+  local key = KEYS[first_key + i - 1]
+  local quota, window = specs[i][1], specs[i][2]
+  local ttl = hold_ms
+  -- A shadow slot over its concurrency still counts in its window; a full window is not
+  -- extended (enforce mode would not have admitted).
+  if quota > 0 and not full[i] then
+    redis.call('ZADD', key, t + hold, lease, -t, lease .. ':w')
+    local window_ms = math.floor(window / 1000) + 1
+    if window_ms > ttl then
+      ttl = window_ms
+    end
+  else
+    redis.call('ZADD', key, t + hold, lease)
+  end
+  -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
+  -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
+  -- window, another host's longer max_hold).
+  if busy[i] == 0 then
+    redis.call('PEXPIRE', key, ttl)
+  else
+    redis.call('PEXPIRE', key, ttl, 'GT')
+  end
+  if over[i] then
+    shadowed[#shadowed + 1] = i - 1
+  end
+  if full[i] then
+    unrecorded[#unrecorded + 1] = i - 1
+  end
+end
+if #shadowed == 0 and #unrecorded == 0 then
+  return 1
+end
+return {1, shadowed, unrecorded}
