@@ -18,7 +18,14 @@ from urllib.parse import parse_qsl, quote, urlencode
 
 from werkzeug.http import parse_cookie
 
-__all__ = ["COOKIE_NAME", "bearer_token", "check_token", "presents_token", "same_token"]
+__all__ = [
+    "COOKIE_NAME",
+    "bearer_token",
+    "check_token",
+    "parse_bearer",
+    "presents_token",
+    "same_token",
+]
 
 #: The cookie a ``?token=`` link is exchanged for (its value is derived from the token).
 COOKIE_NAME = "gatekeeper_dashboard"
@@ -38,8 +45,12 @@ def _cookie_value(token: str) -> str:
 
 
 def bearer_token(environ: Mapping[str, Any]) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, if any."""
-    header = environ.get("HTTP_AUTHORIZATION", "")
+    """The token of the request's ``Authorization: Bearer <token>`` header, if any."""
+    return parse_bearer(environ.get("HTTP_AUTHORIZATION", ""))
+
+
+def parse_bearer(header: object) -> str | None:
+    """The token of an ``Authorization`` header value of the Bearer scheme, if it is one."""
     if not isinstance(header, str) or len(header) > _MAX_CREDENTIAL_INPUT:
         return None
     scheme, _, value = header.strip().partition(" ")

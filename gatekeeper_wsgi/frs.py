@@ -20,12 +20,15 @@ See ``docs/frs.md`` for the whole protocol and the Django and Flask mounting rec
 from __future__ import annotations
 
 import json
+import logging
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from defusedxml import DTDForbidden, EntitiesForbidden, ExternalReferenceForbidden
 from defusedxml.ElementTree import ParseError, fromstring
 
+from gatekeeper_wsgi.access import parse_bearer, same_token
 from gatekeeper_wsgi.config import CALLER_RE, Limit
 from gatekeeper_wsgi.engine import ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 __all__ = ["FRS_PROJECT", "MAX_BODY", "Answer", "FrequencyService", "Reply"]
+
+logger = logging.getLogger("gatekeeper")
 
 #: The project whose services are the biz ids.
 FRS_PROJECT = "frs"
@@ -48,9 +53,14 @@ FIELDS = ("cmd_type", "key", "biz_id")
 _XML_TYPES = ("application/xml", "text/xml")
 _JSON_TYPES = ("application/json",)
 _BOM = b"\xef\xbb\xbf"
+_UNAUTHORIZED = "unauthorized: send Authorization: Bearer <token>"
+# Engines whose unprotected endpoint was warned about: once each, not per instance (the
+# Django recipe builds a FrequencyService per request).
+_WARNED: weakref.WeakSet[GateKeeper] = weakref.WeakSet()
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     405: "Method Not Allowed",
     413: "Content Too Large",
     503: "Service Unavailable",
@@ -91,10 +101,26 @@ class FrequencyService:
 
     Answers are XML, or JSON when ``Accept`` prefers ``application/json``.
     :meth:`query` and :meth:`update` are the same operations for Python callers.
+
+    ``token``: HTTP requests must send ``Authorization: Bearer <token>``, else they get
+    401 and count nothing. Without one, anyone who can reach the endpoint can use up any
+    key's quota (a WARNING says so at start): give it a token, or keep it on a network
+    only its callers reach.
     """
 
-    def __init__(self, config: ConfigSource | GateKeeper) -> None:
+    def __init__(self, config: ConfigSource | GateKeeper, *, token: str | None = None) -> None:
+        if token is not None and not token.strip():
+            raise ValueError("FrequencyService token must not be empty (None: no token)")
         self.gatekeeper = config if isinstance(config, GateKeeper) else GateKeeper(config)
+        self.token = token
+        if token is None and self.gatekeeper not in _WARNED:
+            _WARNED.add(self.gatekeeper)
+            logger.warning(
+                "gatekeeper: the frequency service has no token: anyone who can reach it can "
+                "use up any key's quota. Pass FrequencyService(..., token=...) and send "
+                "'Authorization: Bearer <token>', or keep it on a network only its callers "
+                "reach (docs/frs.md)."
+            )
 
     # --- the operations -------------------------------------------------------------------
 
@@ -153,21 +179,46 @@ class FrequencyService:
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         method = str(environ.get("REQUEST_METHOD") or "GET")
         accept = str(environ.get("HTTP_ACCEPT") or "")
+        if not self.authorized(environ.get("HTTP_AUTHORIZATION")):
+            # Refused before the body is read: an unauthenticated client costs nothing.
+            reply = _reply(Answer(401, None, _UNAUTHORIZED), accept, method)
+            start_response(reply.status, reply.headers)
+            return [reply.body]
         try:
             body = _read_body(environ) if method == "POST" else b""
         except _Refused as refused:
             reply = _reply(refused.answer, accept, method)
         else:
             content_type = str(environ.get("CONTENT_TYPE") or "")
-            reply = self.respond(method, body, content_type=content_type, accept=accept)
+            reply = self._respond(method, body, content_type, accept)
         start_response(reply.status, reply.headers)
         return [reply.body]
 
+    def authorized(self, authorization: object) -> bool:
+        """Whether an ``Authorization`` header value (None: absent) admits an HTTP request:
+        always without a token, else when it is ``Bearer <token>``."""
+        if self.token is None:
+            return True
+        presented = parse_bearer(authorization)
+        return presented is not None and same_token(presented, self.token)
+
     def respond(
-        self, method: str, body: bytes, *, content_type: str = "", accept: str = ""
+        self,
+        method: str,
+        body: bytes,
+        *,
+        content_type: str = "",
+        accept: str = "",
+        authorization: str | None = None,
     ) -> Reply:
         """The HTTP reply to one request, for framework views that read the body
-        themselves: pass at most ``MAX_BODY + 1`` bytes of it (more is answered 413)."""
+        themselves: pass at most ``MAX_BODY + 1`` bytes of it (more is answered 413) and
+        the request's ``Authorization`` header (checked when the service has a token)."""
+        if not self.authorized(authorization):
+            return _reply(Answer(401, None, _UNAUTHORIZED), accept, method)
+        return self._respond(method, body, content_type, accept)
+
+    def _respond(self, method: str, body: bytes, content_type: str, accept: str) -> Reply:
         if method != "POST":
             answer = Answer(405, None, "method not allowed: use POST")
         elif len(body) > MAX_BODY:
@@ -200,6 +251,8 @@ def _reply(answer: Answer, accept: str, method: str) -> Reply:
     ]
     if answer.status == 405:
         headers.append(("Allow", "POST"))
+    elif answer.status == 401:
+        headers.append(("WWW-Authenticate", 'Bearer realm="gatekeeper-frs"'))
     if answer.retry_after is not None:
         headers.append(("Retry-After", str(answer.retry_after)))
     status = f"{answer.status} {_REASONS[answer.status]}"
