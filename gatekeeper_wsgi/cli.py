@@ -186,6 +186,14 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
         f"caller header {config.caller.header}" + (" (required)" if config.caller.required else ""),
         file=out,
     )
+    if config.backend.split(":", 1)[0].lower() in ("redis", "rediss", "unix", "valkey"):
+        from gatekeeper_wsgi.backends.redis import check_report  # redis-py only when used
+
+        try:
+            print(check_report(config.backend, config), file=out)
+        except ConfigError as exc:
+            print(f"error: {mask_text(str(exc))}", file=errors)
+            return 1
     if config.reload.file:
         print(f"limits file: {config.reload.file}", file=out)
     if not config.limits:

@@ -154,6 +154,43 @@ class ControlledRedis(RedisServer):
         super().stop()
 
 
+class ClusterRedis(RedisServer):
+    """A one-node Redis Cluster owning all 16 384 slots: it refuses scripts whose keys span
+    slots (CROSSSLOT), as a real cluster does."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        port = free_port()
+        super().__init__(
+            binary,
+            workdir,
+            port,
+            (
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{port}.conf",
+                "--cluster-port",
+                str(free_port()),  # the default, port + 10000, may not exist
+            ),
+        )
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0?cluster=1"
+
+    def start(self) -> None:
+        import redis
+
+        super().start()
+        admin = redis.Redis(port=self.port)
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        wait_until(
+            lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
+            what="the cluster to be ok",
+        )
+        admin.close()
+
+
 class Blackhole:
     """A TCP port whose accept queue is full: connecting to it times out (as a host that
     drops packets would), without any routing tricks."""

@@ -30,7 +30,14 @@ from gatekeeper_wsgi.backends.redis import CircuitOpen, RedisBackend  # noqa: E4
 from gatekeeper_wsgi.errors import ConfigError  # noqa: E402
 from gatekeeper_wsgi.resolve import resolve_route  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
-from tests.servers import Blackhole, ControlledRedis, free_port, gather, wait_until  # noqa: E402
+from tests.servers import (  # noqa: E402
+    Blackhole,
+    ClusterRedis,
+    ControlledRedis,
+    free_port,
+    gather,
+    wait_until,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -212,29 +219,11 @@ def test_hash_tags_put_all_keys_of_a_project_in_one_cluster_slot(prefixed: str) 
 
 def test_runs_on_redis_cluster(tmp_path: Path) -> None:
     """On a real (one-node) Redis Cluster, which refuses cross-slot scripts, all of it works."""
-    port = free_port()
-    node = ControlledRedis(
-        redis_binary(),
-        tmp_path,
-        port,
-        (
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            f"nodes-{port}.conf",
-            "--cluster-port",
-            str(free_port()),  # the default, port + 10000, may not exist
-        ),
-    )
+    node = ClusterRedis(redis_binary(), tmp_path)
     node.start()
     try:
-        admin = redis.Redis(port=port)
-        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        wait_until(
-            lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), what="ok"
-        )
         gk = keeper(
-            f"redis://127.0.0.1:{port}/0?cluster=1",
+            node.url,
             {"shop": {"concurrency": 2}, "shop/work/*": {"rate": "2/minute"}},
             on_backend_error="reject",
         )
@@ -502,9 +491,9 @@ def test_restart_mid_load_never_raises(own_redis: ControlledRedis) -> None:
 # --- many hosts ---------------------------------------------------------------------------
 
 
-def test_two_hosts_never_exceed_the_limit(prefixed: str, redis_server: str) -> None:
-    """Two processes with their own GateKeeper share one Redis: an independent observer
-    never sees more requests inside than the concurrency limit."""
+def two_hosts(backend_url: str, observer_url: str) -> None:
+    """Two processes with their own GateKeeper on ``backend_url`` hammer one limit; an
+    observer on ``observer_url`` never sees more requests inside than the limit."""
     from tests.apps.redis_host import run_host
 
     limit = 3
@@ -515,7 +504,7 @@ def test_two_hosts_never_exceed_the_limit(prefixed: str, redis_server: str) -> N
     hosts = [
         context.Process(
             target=run_host,
-            args=(prefixed, redis_server, observer_key, limit, 6, 150, start, results),
+            args=(backend_url, observer_url, observer_key, limit, 6, 150, start, results),
         )
         for _ in range(2)
     ]
@@ -527,7 +516,26 @@ def test_two_hosts_never_exceed_the_limit(prefixed: str, redis_server: str) -> N
     assert max(report["max_inside"] for report in reports) <= limit
     assert sum(report["rejected"] for report in reports) > 0  # the limit was contended
     assert sum(report["admitted"] + report["rejected"] for report in reports) == 2 * 6 * 150
-    assert backend_from_url(prefixed).inflight(0.0) == {}
+    backend = backend_from_url(backend_url)
+    assert backend.inflight(0.0) == {}
+    backend.close()
+
+
+def test_two_hosts_never_exceed_the_limit(prefixed: str, redis_server: str) -> None:
+    """Two processes with their own GateKeeper share one Redis: an independent observer
+    never sees more requests inside than the concurrency limit."""
+    two_hosts(prefixed, redis_server)
+
+
+def test_two_hosts_on_a_cluster_never_exceed_the_limit(tmp_path: Path, redis_server: str) -> None:
+    """The same on a Redis Cluster: releases go one script per hash tag, and still an
+    independent observer never sees more requests inside than the limit."""
+    node = ClusterRedis(redis_binary(), tmp_path)
+    node.start()
+    try:
+        two_hosts(node.url, redis_server)
+    finally:
+        node.stop()
 
 
 def test_from_url_builds_a_redis_backend(prefixed: str) -> None:

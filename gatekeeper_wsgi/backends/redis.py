@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -42,7 +42,7 @@ from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import BackendError, ConfigError
 from gatekeeper_wsgi.redact import mask_text, mask_url
 
-__all__ = ["RedisBackend"]
+__all__ = ["RedisBackend", "check_report"]
 
 logger = logging.getLogger("gatekeeper")
 
@@ -456,9 +456,12 @@ class RedisBackend(Backend):
         self._delayed_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str, config: Config | None = None) -> RedisBackend:
+    def from_url(
+        cls, url: str, config: Config | None = None, *, check: bool = True
+    ) -> RedisBackend:
         """Build the backend from a ``redis://``, ``rediss://``, ``unix://`` or
-        ``valkey://`` URL (see the class docstring for the query options)."""
+        ``valkey://`` URL (see the class docstring for the query options). With ``check``,
+        log what :meth:`eviction_check` finds (a WARNING when Redis may evict keys)."""
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme == "valkey":
@@ -500,7 +503,7 @@ class RedisBackend(Backend):
             location = f"{location}:{parts.port}"
         if scheme == "unix":
             location = parts.path
-        return cls(
+        backend = cls(
             client,
             prefix=options.get("prefix", DEFAULT_PREFIX),
             max_hold=_seconds(url, "max_hold", options, DEFAULT_MAX_HOLD),
@@ -510,6 +513,41 @@ class RedisBackend(Backend):
             ),
             location=location or url.split("?", 1)[0].rsplit("@", 1)[-1],
         )
+        if check:
+            level, message = backend.eviction_check()
+            if level > logging.DEBUG:
+                logger.log(level, "gatekeeper: %s", message)
+        return backend
+
+    def eviction_check(self) -> tuple[int, str]:
+        """What Redis's ``maxmemory-policy`` means for the limits, as (logging level,
+        message): WARNING when it may evict keys (any policy but ``noeviction``: an evicted
+        key resets its limit), INFO when it cannot tell (``CONFIG`` disabled or renamed, as
+        on many managed services, or Redis not answering), DEBUG for ``noeviction``."""
+        try:
+            reply = self.client.config_get("maxmemory-policy")
+        except Exception as exc:  # whatever the client raises: a note, never a failure
+            return logging.INFO, (
+                f"cannot tell the maxmemory-policy of redis at {self.location} "
+                f"({mask_text(str(exc)) or type(exc).__name__}); it must be noeviction, or "
+                "eviction under memory pressure resets limits (see docs/deployment.md)"
+            )
+        policies = sorted(set(_policies(reply)))
+        if not policies:
+            return logging.INFO, (
+                f"cannot tell the maxmemory-policy of redis at {self.location} (no answer); "
+                "it must be noeviction, or eviction resets limits (see docs/deployment.md)"
+            )
+        evicting = [policy for policy in policies if policy != "noeviction"]
+        if evicting:
+            return logging.WARNING, (
+                f"redis at {self.location} has maxmemory-policy {', '.join(evicting)}: "
+                "under memory pressure it may evict gatekeeper keys, and an evicted key "
+                "resets its limit (a caller that used its rate is admitted again, slots in "
+                "flight are forgotten); run Redis with maxmemory-policy noeviction, or give "
+                "gatekeeper a dedicated instance (see docs/deployment.md)"
+            )
+        return logging.DEBUG, f"redis at {self.location}: maxmemory-policy noeviction"
 
     # --- keys -----------------------------------------------------------------------------
 
@@ -848,6 +886,35 @@ def _seconds(
             "backend", f"{name}: expected seconds {bound}, got {text!r} in {mask_url(url)!r}"
         )
     return value
+
+
+_LABELS = {logging.WARNING: "WARNING", logging.INFO: "note", logging.DEBUG: "ok"}
+
+
+def check_report(url: str, config: Config | None = None) -> str:
+    """The line ``gatekeeper check`` prints about a Redis backend: whether its
+    ``maxmemory-policy`` can evict limit keys (``WARNING: …``), cannot be told
+    (``note: …``) or is ``noeviction`` (``ok: …``)."""
+    backend = RedisBackend.from_url(url, config, check=False)
+    try:
+        level, message = backend.eviction_check()
+    finally:
+        backend.close()
+    return f"{_LABELS[level]}: {message}"
+
+
+def _policies(reply: object) -> Iterator[str]:
+    """The maxmemory-policy values in a CONFIG GET answer: a mapping of one server, or, from
+    a Cluster, mappings per node."""
+    if isinstance(reply, dict):
+        for name, value in reply.items():
+            if _text(name) == "maxmemory-policy" and isinstance(value, (bytes, str)):
+                yield _text(value)
+            else:
+                yield from _policies(value)
+    elif isinstance(reply, (list, tuple)):
+        for item in reply:
+            yield from _policies(item)
 
 
 def _glob_escape(text: str) -> str:

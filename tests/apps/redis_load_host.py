@@ -1,0 +1,103 @@
+"""One "host" for the Redis chaos tests: its own process, GateKeeper and threads, hammering
+one limit until told to stop, while the test stops, freezes and restarts Redis.
+
+Run by ``multiprocessing`` (spawn). Every admitted request also enters an independent
+observer (INCR / DECR on a key of another redis-server, which the test never stops), whose
+count at entry is the number of requests inside across all hosts at that moment.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.synchronize import Barrier, Event
+from typing import Any
+
+import redis
+
+from gatekeeper_wsgi import GateKeeper, Rejected
+from gatekeeper_wsgi.backends.redis import RedisBackend
+
+
+def run_load(
+    backend_url: str,
+    observer_url: str,
+    observer_key: str,
+    limit: int,
+    threads: int,
+    start: Barrier,
+    stop: Event,
+    progress: Any,
+    outage: Any,
+    results: Any,
+) -> None:
+    """Admit and release ``shop/work`` (concurrency ``limit``) in ``threads`` threads until
+    ``stop``; count admissions into ``progress`` and GK-BACKEND-UNAVAILABLE refusals into
+    ``outage`` (shared integers) as they happen; then report what happened and what the
+    observer saw."""
+    keeper = GateKeeper(
+        {
+            "project": "shop",
+            "backend": backend_url,
+            "on_backend_error": "reject",
+            "limits": {"shop/work": {"concurrency": limit}},
+        }
+    )
+    backend = keeper.backend
+    assert isinstance(backend, RedisBackend)
+    observer = redis.Redis.from_url(observer_url)
+    lock = threading.Lock()
+    report: dict[str, Any] = {"admitted": 0, "codes": {}, "errors": [], "max_inside": 0}
+    slowest = [0.0]
+
+    def worker() -> None:
+        admitted = max_inside = 0
+        codes: dict[str, int] = {}
+        while not stop.is_set():
+            began = time.monotonic()
+            try:
+                admission = keeper.admit("shop", "work", "host")
+            except Rejected as exc:
+                codes[exc.code] = codes.get(exc.code, 0) + 1
+                if exc.code == "GK-BACKEND-UNAVAILABLE":
+                    with outage.get_lock():
+                        outage.value += 1
+                continue
+            except BaseException as exc:  # anything else would be a 500
+                with lock:
+                    report["errors"].append(repr(exc))
+                return
+            finally:
+                took = time.monotonic() - began
+                if took > slowest[0]:
+                    slowest[0] = took
+            try:
+                inside = int(observer.incr(observer_key))
+                max_inside = max(max_inside, inside)
+                observer.decr(observer_key)
+            finally:
+                admission.release(200)
+            admitted += 1
+            with progress.get_lock():
+                progress.value += 1
+        with lock:
+            report["admitted"] += admitted
+            report["max_inside"] = max(report["max_inside"], max_inside)
+            for code, count in codes.items():
+                report["codes"][code] = report["codes"].get(code, 0) + count
+
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    start.wait()
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    # Every release placed must reach Redis by itself (no help from later admissions).
+    deadline = time.monotonic() + 30.0
+    while backend.pending_releases() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report["pending"] = backend.pending_releases()
+    report["slowest"] = slowest[0]
+    report["backend_errors"] = keeper.stats()["counters"]["backend_errors"]
+    keeper.close()
+    results.put(report)

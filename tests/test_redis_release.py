@@ -1,0 +1,379 @@
+"""The Redis backend's release path, against real redis-server processes: a response never
+waits for its release, the release still always arrives (in order, exactly once, through
+freezes and restarts), status reads count exactly, and keys go away when they are done.
+
+Where Redis time must pass the tests poll up to a deadline; where a release must be caught
+in flight, Redis is frozen (SIGSTOP) so it stays there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
+from gatekeeper_wsgi.backends import backend_from_url  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
+from gatekeeper_wsgi.engine import Admission  # noqa: E402
+from tests.conftest import redis_binary  # noqa: E402
+from tests.servers import ControlledRedis, run_together, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+
+def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
+    return GateKeeper({"project": "shop", "backend": url, "limits": limits, **settings})
+
+
+def backend_of(gk: GateKeeper) -> RedisBackend:
+    backend = gk.backend
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[ControlledRedis]:
+    """A redis-server of this test alone, to stop, freeze and restart."""
+    server = ControlledRedis(redis_binary(), tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefixed(redis_server: str) -> str:
+    """The session server with a prefix of this test alone."""
+    return f"{redis_server}?prefix=gk-rel-{uuid.uuid4().hex[:8]}"
+
+
+def sent_by_connection(server_url: str, action: Any) -> dict[str, list[str]]:
+    """The commands clients sent while ``action`` ran, per client address (MONITOR)."""
+    sentinel = redis.Redis.from_url(server_url)
+    sentinel.ping()
+    marker = f"end-{uuid.uuid4().hex}"
+    seen: dict[str, list[str]] = {}
+    with redis.Redis.from_url(server_url).monitor() as monitor:
+        action()
+        sentinel.echo(marker)
+        while True:
+            command = monitor.next_command()
+            if marker in command["command"]:
+                break
+            if command["client_type"] != "lua":
+                origin = f"{command['client_address']}:{command['client_port']}"
+                seen.setdefault(origin, []).append(command["command"].split(" ", 1)[0].upper())
+    sentinel.close()
+    return seen
+
+
+def own_address(backend: RedisBackend) -> str:
+    """host:port of the calling thread's own connection to Redis."""
+    host, port = backend._local.connection._sock.getsockname()[:2]
+    return f"{host}:{port}"
+
+
+# --- the responding thread ----------------------------------------------------------------
+
+
+def test_a_request_thread_sends_one_command_per_request(own_redis: ControlledRedis) -> None:
+    """Over 50 requests (3 levels + a counted rate) the request's own connection sends 50
+    EVALSHAs, one per admission, and nothing else: the releases ride along or go by the
+    sender; afterwards nothing is held."""
+    gk = keeper(
+        f"{own_redis.url}?flush_interval=0.005",
+        {
+            "shop": {"concurrency": 50},
+            "shop/work": {"concurrency": 10},
+            "shop/work/*": {"concurrency": 2, "rate": "1000/minute", "count": [401]},
+        },
+    )
+    gk.admit("shop", "work", "alice").release(200)  # connect and load the script
+    backend = backend_of(gk)
+    mine = own_address(backend)
+
+    def requests() -> None:
+        for index in range(50):
+            gk.admit("shop", "work", "alice").release(401 if index % 2 else 200)
+
+    seen = sent_by_connection(own_redis.url, requests)
+    assert seen[mine] == ["EVALSHA"] * 50
+    assert all(set(commands) == {"EVALSHA"} for commands in seen.values())
+    assert gk.inflight() == {}
+    assert gk.stats()["counters"]["backend_errors"] == 0
+
+
+def test_the_next_request_of_the_process_is_never_refused_by_its_own_previous(
+    prefixed: str,
+) -> None:
+    """Concurrency 1, the release left waiting as long as allowed: the next request, on this
+    thread or another, is admitted every time, and never two at once."""
+    gk = keeper(
+        f"{prefixed}&flush_interval=0.005",
+        {"shop/work": {"concurrency": 1}},
+        on_backend_error="reject",
+    )
+    for _ in range(100):
+        gk.admit("shop", "work", "c").release(200)
+    handed = threading.Event()
+    taken = threading.Event()
+    results: list[object] = []
+
+    def other() -> None:
+        for _ in range(50):
+            handed.wait()
+            handed.clear()
+            try:
+                results.append(gk.admit("shop", "work", "c"))
+            except Rejected as exc:
+                results.append(exc)
+            taken.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    for _ in range(50):
+        gk.admit("shop", "work", "c").release(200)
+        handed.set()  # the other thread admits right after this release
+        taken.wait()
+        taken.clear()
+        admission = results[-1]
+        assert isinstance(admission, Admission)
+        with pytest.raises(Rejected):  # and holds the one slot
+            gk.admit("shop", "work", "c")
+        admission.release(200)
+    thread.join()
+    assert gk.inflight() == {}
+
+
+def test_a_release_in_flight_is_held_never_double_counted(own_redis: ControlledRedis) -> None:
+    """Releases caught in the sender while Redis is frozen count as held; once Redis is back
+    a status read counts them released: exactly once, nothing negative, nothing left."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=5",
+        {"shop": {"concurrency": 10}, "shop/work": {"concurrency": 4}},
+        on_backend_error="reject",
+    )
+    held = [gk.admit("shop", "work", "c") for _ in range(4)]
+    backend = backend_of(gk)
+    own_redis.pause()
+    try:
+        for admission in held[:3]:
+            admission.release(200)
+        # The sender has them out (or waiting): Redis cannot have applied them.
+        wait_until(lambda: backend._outbox._sending, what="the sender to send")
+        assert backend.pending_releases() == 3
+    finally:
+        own_redis.resume()
+    assert gk.inflight() == {"shop": 1, "shop/work": 1}
+    assert gk.inflight() == {"shop": 1, "shop/work": 1}
+    held[3].release(200)
+    assert gk.inflight() == {}
+    wait_until(lambda: backend.pending_releases() == 0, what="the sender to finish")
+    assert gk.inflight() == {}
+    assert [gk.admit("shop", "work", "c") for _ in range(4)]  # the full capacity is back
+
+
+def test_close_sends_the_releases_still_waiting(prefixed: str) -> None:
+    """A process that closes its gatekeeper right after its last responses leaves nothing
+    held: close() sends what is waiting."""
+    gk = keeper(f"{prefixed}&flush_interval=0.005", {"shop/work": {"concurrency": 200}})
+    held = [gk.admit("shop", "work", "c") for _ in range(100)]
+    for admission in held:
+        admission.release(200)
+    gk.close()
+    other = backend_from_url(prefixed)
+    assert other.inflight(0.0) == {}
+    other.close()
+
+
+def test_many_threads_release_exactly_once(prefixed: str) -> None:
+    """Sixteen threads admit and release 200 times each against concurrency 4: an observer
+    counting inside never sees more than 4, and at the end nothing is held."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 4}}, on_backend_error="reject")
+    lock = threading.Lock()
+    inside = [0, 0]  # now, most
+
+    def task(_: int) -> int:
+        admitted = 0
+        for _ in range(200):
+            try:
+                admission = gk.admit("shop", "work", "c")
+            except Rejected:
+                continue
+            with lock:
+                inside[0] += 1
+                inside[1] = max(inside[1], inside[0])
+            with lock:
+                inside[0] -= 1
+            admission.release(200)
+            admitted += 1
+        return admitted
+
+    admitted = run_together(16, task)
+    assert inside[1] <= 4
+    assert sum(admitted) > 0
+    assert gk.stats()["counters"]["backend_errors"] == 0
+    assert gk.inflight() == {}
+
+
+def _forked_child(gk: GateKeeper, go: Any, results: Any) -> None:
+    backend = backend_of(gk)
+    outcome: dict[str, Any] = {"inherited": backend.pending_releases()}
+    go.wait(60)
+    for _ in range(20):
+        wait_until(lambda: admitted(gk), what="a slot").release(200)
+    outcome["own sender"] = backend._outbox._thread is not None
+    outcome["inflight"] = gk.inflight()
+    results.put(outcome)
+
+
+def admitted(gk: GateKeeper) -> Any:
+    try:
+        return gk.admit("shop", "work", "c")
+    except Rejected:
+        return None
+
+
+def test_a_forked_worker_starts_its_own_sender(own_redis: ControlledRedis) -> None:
+    """gunicorn --preload: a worker forked while the master has releases waiting starts its
+    own sender, does not take the master's releases over (the master sends them), and
+    leaves nothing held."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=5",
+        {"shop/work": {"concurrency": 1}},
+        on_backend_error="reject",
+    )
+    held = gk.admit("shop", "work", "c")
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    go = context.Event()
+    own_redis.pause()
+    try:
+        held.release(200)  # waiting in the master's sender at fork time
+        assert backend_of(gk).pending_releases() == 1
+        child = context.Process(target=_forked_child, args=(gk, go, results))
+        child.start()
+    finally:
+        own_redis.resume()
+    go.set()
+    outcome = results.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert outcome == {"inherited": 0, "own sender": True, "inflight": {}}
+    assert gk.inflight() == {}
+
+
+# --- keys go away -------------------------------------------------------------------------
+
+
+def test_a_delayed_release_leaves_no_key_past_its_delay(prefixed: str, redis_server: str) -> None:
+    """A spray of 500 callers, each ending faulty with a 0.3 s delay: every key expires with
+    its delay (+1 ms), not max_hold (300 s) later, and all are gone once matured."""
+    prefix = prefixed.rsplit("prefix=", 1)[1]
+    gk = keeper(prefixed, {"shop/work/*": {"concurrency": 1, "delay": 0.3}})
+    for index in range(500):
+        gk.admit("shop", "work", f"c{index}").release(503, faulty=True)
+    assert gk.inflight() == {f"shop/work/c{index}": 1 for index in range(500)}
+    raw = redis.Redis.from_url(redis_server)
+    keys = list(raw.scan_iter(f"{prefix}:*", count=1000))
+    assert len(keys) == 500
+    pipe = raw.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    assert all(0 < ttl <= 301 for ttl in pipe.execute())
+    wait_until(lambda: not list(raw.scan_iter(f"{prefix}:*")), what="the keys to expire")
+    raw.close()
+
+
+# --- hosts, freezes and restarts ----------------------------------------------------------
+
+
+def test_hosts_through_a_freeze_and_a_restart_hold_the_limit_and_leak_nothing(
+    own_redis: ControlledRedis, redis_server: str
+) -> None:
+    """Two host processes hammer one limit while Redis is frozen (SIGSTOP) and later shut
+    down with its leases saved and restarted, releases waiting in the senders both times:
+    an observer never sees more inside than the limit, nothing but ServiceFaults reach the
+    app, no admission waits much past the socket timeouts, and once load stops every
+    release has arrived: nothing held, the full capacity admitted."""
+    from tests.apps.redis_load_host import run_load
+
+    limit = 3
+    url = f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05"
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(3)
+    stop = context.Event()
+    progress = context.Value("i", 0)
+    outage = context.Value("i", 0)
+    results = context.Queue()
+    observer_key = f"observer-{uuid.uuid4().hex}"
+    hosts = [
+        context.Process(
+            target=run_load,
+            args=(
+                url,
+                redis_server,
+                observer_key,
+                limit,
+                4,
+                start,
+                stop,
+                progress,
+                outage,
+                results,
+            ),
+        )
+        for _ in range(2)
+    ]
+    for host in hosts:
+        host.start()
+
+    def more(count: int, counter: Any = progress) -> None:
+        target = counter.value + count
+        wait_until(lambda: counter.value >= target, what=f"{count} more")
+
+    try:
+        start.wait(timeout=60)
+        more(300)
+        own_redis.pause()
+        more(20, outage)  # the hosts see the freeze
+        own_redis.resume()
+        more(300)
+        redis.Redis.from_url(own_redis.url).shutdown(save=True)  # leases saved, then gone
+        assert own_redis.process is not None
+        own_redis.process.wait(timeout=10)
+        more(20, outage)
+        own_redis.start()
+        more(300)
+    finally:
+        stop.set()
+    reports = [results.get(timeout=120) for _ in hosts]
+    for host in hosts:
+        host.join(timeout=60)
+        assert host.exitcode == 0
+    for report in reports:
+        assert report["errors"] == []
+        assert set(report["codes"]) <= {"GK-CONCURRENCY-LIMIT", "GK-BACKEND-UNAVAILABLE"}
+        assert report["admitted"] > 0
+        assert report["pending"] == 0
+        # Bounded by connect + read timeout (0.25 + 0.2 s, one retry on a closed
+        # connection); the rest is slack for a loaded machine.
+        assert report["slowest"] < 3.0
+    assert max(report["max_inside"] for report in reports) <= limit
+    gk = keeper(url, {"shop/work": {"concurrency": limit}}, on_backend_error="reject")
+    assert gk.inflight() == {}
+    full = [gk.admit("shop", "work", "c") for _ in range(limit)]
+    with pytest.raises(Rejected):
+        gk.admit("shop", "work", "c")
+    for admission in full:
+        admission.release(200)
+    gk.close()
