@@ -22,7 +22,7 @@ from typing import Any
 from gatekeeper_wsgi.backends import backend_from_url
 from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, LimitTotals, Slot
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
-from gatekeeper_wsgi.errors import BackendError, ConfigError, RateInfo, Rejected
+from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, RateInfo, Rejected
 from gatekeeper_wsgi.monitor import Monitor
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
@@ -44,21 +44,30 @@ _PERF_IS_MONOTONIC = (
 )
 # A backend outage is logged at most this often.
 _ERROR_LOG_INTERVAL = 10.0
+# A limit whose keys, leases or window entries ran out is named in a WARNING at most this
+# often (engine clock), however many requests it refuses meanwhile.
+_CAPACITY_LOG_INTERVAL = 60.0
 
 
 class Admission:
-    """An admitted request's hold on its slots. Call :meth:`release` exactly once when the
-    response is finished; further calls do nothing."""
+    """An admitted request's hold on its slots. Call :meth:`release` when the response is
+    finished; further calls, from any thread at any moment, do nothing."""
 
-    __slots__ = ("_grant", "_keeper", "delay", "released", "route")
+    __slots__ = ("_held", "_keeper", "delay", "route")
 
     def __init__(self, keeper: GateKeeper, route: Route, grant: Grant | None, delay: float) -> None:
         self._keeper = keeper
-        self._grant = grant
+        # The grant in a one-item list: release takes it with one pop, which only one
+        # thread can win (see Grant.claim), so no two releases ever both free the slots.
+        self._held = [grant]
         self.route = route
         #: seconds the slots are held after a faulty response
         self.delay = delay
-        self.released = False
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called."""
+        return not self._held
 
     def release(self, status: int | None = None, *, faulty: bool = False) -> None:
         """Give the slots back: now, or after ``delay`` when the response was faulty.
@@ -67,12 +76,12 @@ class Admission:
         some statuses (``count = [401]``). Timed as the ``response`` stage, or
         ``service_error`` when faulty.
         """
-        if self.released:
+        try:
+            grant = self._held.pop()
+        except IndexError:
             return
-        self.released = True
         started = time.perf_counter()
         keeper = self._keeper
-        grant = self._grant
         delay = self.delay if faulty else 0.0
         if grant is not None:
             try:
@@ -144,6 +153,9 @@ class GateKeeper:
         self._queues: dict[str, deque[object]] = {}
         self._waiting = 0
         self._last_error_log = -_ERROR_LOG_INTERVAL
+        # limit path -> engine time of its last capacity WARNING (paths come from the
+        # configuration, not from requests, so this stays small)
+        self._capacity_logged: dict[str, float] = {}
 
     # --- configuration --------------------------------------------------------------------
 
@@ -267,13 +279,19 @@ class GateKeeper:
                 if queued is not None:
                     grant = self._wait(slots, queued, now)
                 else:
-                    result = self.backend.acquire(slots, now)
+                    try:
+                        result = self.backend.acquire(slots, now)
+                    except CapacityError as exc:
+                        result = self._untracked(slots, exc, now)
                     if isinstance(result, Denial):
                         grant = self._refused(slots, result, now)
                     else:
                         grant = result
-                if grant.shadowed:
+                # A grant for fewer slots than asked left untrackable shadow slots out.
+                if grant.shadowed or grant.slots is not slots:
                     self._shadow(slots, grant)
+                    if not grant.slots:
+                        grant = None
             except BackendError as exc:
                 self._log_backend_error(exc)
                 if self.config.on_backend_error == "reject":
@@ -307,18 +325,25 @@ class GateKeeper:
         """
         now = self._clock()
         _, slots, _ = self._limits_of(project, service, caller, environ, user, now)
-        if not slots:
-            return None
-        try:
-            denial = self.backend.peek(slots, now)
-        except BackendError as exc:
-            self._log_backend_error(exc)
-            if self.config.on_backend_error == "reject":
-                return Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0)
-            return None
-        if denial is None:
-            return None
-        return self._rejection(slots[denial.at], denial, counted=False)
+        while slots:
+            try:
+                denial = self.backend.peek(slots, now)
+            except CapacityError as exc:
+                slot = slots[exc.at]
+                if slot.enforce:
+                    return self._rejection(slot, self._capacity_denial(slot, exc), counted=False)
+                # As admit would: a shadow slot that cannot be tracked is left out.
+                slots = slots[: exc.at] + slots[exc.at + 1 :]
+                continue
+            except BackendError as exc:
+                self._log_backend_error(exc)
+                if self.config.on_backend_error == "reject":
+                    return Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0)
+                return None
+            if denial is None:
+                return None
+            return self._rejection(slots[denial.at], denial, counted=False)
+        return None
 
     def route(self, project: str, service: str) -> Route:
         """The limits that apply to ``(project, service)`` under the current configuration,
@@ -411,9 +436,72 @@ class GateKeeper:
         return rejected
 
     def _shadow(self, slots: tuple[Slot, ...], grant: Grant) -> None:
+        """Count and log a request that shadow limits admitted: over their limit
+        (``grant.shadowed``) or left out because their keys could not be tracked."""
+        over = [grant.slots[index].limit.path for index in grant.shadowed]
+        untracked = [slot.limit.path for slot in slots if slot not in grant.slots]
+        if not over and not untracked:
+            return
         self.monitor.shadow_rejected += 1
-        paths = ", ".join(slots[index].limit.path for index in grant.shadowed)
-        logger.info("gatekeeper: shadow mode admitted a request over the limit of %s", paths)
+        if over:
+            paths = ", ".join(over)
+            logger.info("gatekeeper: shadow mode admitted a request over the limit of %s", paths)
+
+    # --- the product's own capacity -------------------------------------------------------
+
+    def _untracked(self, slots: tuple[Slot, ...], exc: CapacityError, now: float) -> Grant | Denial:
+        """The answer to a request one of whose slots the backend could not track.
+
+        An enforcing slot refuses the request by its limit (raises :class:`Rejected`): a
+        full table never admits uncounted (SPEC §4.5). A shadow slot must not refuse, so
+        it is left out and the other slots are acquired again; they keep counting. A
+        Denial names its slot by its position in ``slots``; a grant may hold no slot at all.
+        """
+        kept = list(range(len(slots)))  # positions in ``slots`` still asked for
+        asked = slots
+        while True:
+            slot = asked[exc.at]
+            self._log_capacity(slot, exc, now)
+            if slot.enforce:
+                self.monitor.capacity_refused += 1
+                raise self._rejection(slot, self._capacity_denial(slot, exc))
+            del kept[exc.at]
+            asked = tuple(slots[position] for position in kept)
+            if not asked:
+                return Grant(asked)
+            try:
+                result = self.backend.acquire(asked, now)
+            except CapacityError as again:
+                exc = again
+                continue
+            if isinstance(result, Denial):
+                return result._replace(at=kept[result.at])
+            return result
+
+    @staticmethod
+    def _capacity_denial(slot: Slot, exc: CapacityError) -> Denial:
+        """The refusal of a slot that could not be tracked, by its limit's usual code: the
+        count that ran out when the backend says, else concurrency when the limit has one."""
+        limit = slot.limit
+        kind = exc.kind or ("concurrency" if limit.concurrency is not None else "rate")
+        if kind == "rate" and limit.rate is None:
+            kind = "concurrency"
+        elif kind == "concurrency" and limit.concurrency is None:
+            kind = "rate"
+        return Denial(exc.at, kind, exc.retry_after, 0)
+
+    def _log_capacity(self, slot: Slot, exc: CapacityError, now: float) -> None:
+        path = slot.limit.path
+        last = self._capacity_logged.get(path)
+        if last is not None and now - last < _CAPACITY_LOG_INTERVAL:
+            return
+        self._capacity_logged[path] = now
+        consequence = (
+            "requests it cannot track are refused by it"
+            if slot.enforce
+            else "shadow mode: requests it cannot track are admitted without counting there"
+        )
+        logger.warning("gatekeeper: limit %r is at capacity: %s; %s", path, exc.what, consequence)
 
     def _log_backend_error(self, exc: BaseException) -> None:
         self.monitor.backend_errors += 1
@@ -454,7 +542,10 @@ class GateKeeper:
                 while True:
                     retry_hint = None
                     if queue[0] is waiter:
-                        result = backend.acquire(slots, clock())
+                        try:
+                            result = backend.acquire(slots, clock())
+                        except CapacityError as exc:
+                            result = self._untracked(slots, exc, clock())
                         if not isinstance(result, Denial):
                             return result
                         refusing = slots[result.at]

@@ -75,13 +75,19 @@ class CapacityError(GateKeeperError):
     request uncounted.
     """
 
-    def __init__(self, at: int, what: str, *, retry_after: float = 1.0) -> None:
+    def __init__(
+        self, at: int, what: str, *, retry_after: float = 1.0, kind: str | None = None
+    ) -> None:
         #: position of the slot that could not be tracked, in the slots given to ``acquire``
         self.at = at
         #: what ran out and how to size it, for the operator's WARNING
         self.what = what
         #: seconds until a retry may find room
         self.retry_after = retry_after
+        #: which count could not be kept, ``"concurrency"`` (a lease, keys all in flight) or
+        #: ``"rate"`` (window entries, keys all inside their window); None lets the engine
+        #: pick by what the limit has (concurrency when it has one)
+        self.kind = kind
         super().__init__(what)
 
 

@@ -110,6 +110,9 @@ class Monitor:
         self._refused: dict[str, dict[str, None]] = {}
         #: rejected-log records dropped because the listener fell behind (queue_size)
         self.rejected_log_dropped = 0
+        #: requests refused because the backend's own capacity (keys, leases, window
+        #: entries) could not track them (SPEC §4.5)
+        self.capacity_refused = 0
         # Dict updates of two counters must not interleave with a concurrent snapshot.
         self._lock = threading.Lock()
 
@@ -194,6 +197,7 @@ class Monitor:
                 "reload_failed": self.reload_failed,
                 "backend_errors": self.backend_errors,
                 "rejected_log_dropped": self.rejected_log_dropped,
+                "capacity_refused": self.capacity_refused,
             }
         return {"counters": counters, "stages": self.stage_summaries()}
 

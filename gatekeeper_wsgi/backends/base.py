@@ -73,15 +73,27 @@ class Grant:
     ``shadowed`` lists the indexes of shadow slots that were over their limit;
     ``adaptive`` is True when a slot's limit is adaptive, so the engine reports the
     request's latency through :meth:`Backend.observe`. Backends subclass it to carry their
-    lease.
+    lease, and begin ``release`` with ``if not grant.claim(): return``, so a second release
+    does nothing.
     """
 
-    __slots__ = ("adaptive", "shadowed", "slots")
+    __slots__ = ("_unclaimed", "adaptive", "shadowed", "slots")
 
     def __init__(self, slots: Sequence[Slot], shadowed: tuple[int, ...] = ()) -> None:
         self.slots = slots
         self.shadowed = shadowed
         self.adaptive = False
+        self._unclaimed = [True]
+
+    def claim(self) -> bool:
+        """True for the first caller only, however many threads race: taking the one item
+        of a list is a single step, under the GIL as under the list's own lock on a
+        free-threaded build, where a check of a flag then a store could both pass."""
+        try:
+            self._unclaimed.pop()
+        except IndexError:
+            return False
+        return True
 
 
 class Backend(ABC):

@@ -1,8 +1,12 @@
-"""The embedded backend: counters in this process's memory, one lock, exact for threads."""
+"""The embedded backend: counters in this process's memory, one lock, exact for threads.
+
+Per key it keeps one small object: requests in flight, a CLOCK reference bit and, for rate
+limits, the admission times of the window as raw doubles (``array('d')``, no float objects,
+no deque). ``benchmarks/memory_keys.py`` measures the bytes per key.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
@@ -10,14 +14,17 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
+from array import array
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from gatekeeper_wsgi.adaptive import Controller
 from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Limit
-from gatekeeper_wsgi.errors import BackendError
+from gatekeeper_wsgi.errors import CapacityError
 
 __all__ = ["MemoryBackend"]
 
@@ -40,23 +47,41 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# How many of a wildcard limit's oldest keys are looked at to choose one to evict.
-_EVICTION_SAMPLE = 64
+# How many keys at the front of a full wildcard table are looked at for an idle one before
+# the new key is refused: a spray of new keys costs O(1) each, however full the table.
+_EVICTION_SCAN = 64
 
 
 class _Counter:
     """State of one concrete path: requests in flight, the admission times of its
     rolling window (a sliding log: exact, O(N) per key) and, for an adaptive limit, the
-    controller that sets its current limit."""
+    controller that sets its current limit.
 
-    __slots__ = ("gauge", "inflight", "used", "window")
+    ``window[head:]`` are the live admission times, in order (the backend's clock never
+    goes back); the expired ones before ``head`` are cut off once they are half of it, so
+    a long window sheds entries in amortized O(1), as a deque would, at 8 bytes each.
+    """
+
+    __slots__ = ("gauge", "head", "inflight", "used", "window")
 
     def __init__(self) -> None:
         self.inflight = 0
-        self.window: deque[float] = deque()
-        #: the admission (a count) that last used it, for eviction
-        self.used = 0
+        #: None until a rate limit records into it
+        self.window: array[float] | None = None
+        self.head = 0
+        #: CLOCK reference bit: admitted again since eviction last looked at it
+        self.used = False
         self.gauge: Controller | None = None
+
+
+def _expire(counter: _Counter, window: array[float], cutoff: float) -> int:
+    """Drop the window's entries at or before ``cutoff``; returns the new ``head``."""
+    head = bisect_right(window, cutoff, counter.head)
+    if 2 * head >= len(window):
+        del window[:head]
+        head = 0
+    counter.head = head
+    return head
 
 
 class _MemoryGrant(Grant):
@@ -68,22 +93,19 @@ class _MemoryGrant(Grant):
         shadowed: tuple[int, ...],
         counters: list[_Counter],
         stamp: float,
-        reserved: list[tuple[deque[float], frozenset[int]]],
+        reserved: list[tuple[_Counter, frozenset[int]]],
         adaptive: bool,
     ) -> None:
         # Grant.__init__ inlined: a super() call per admission is measurable.
         self.slots = slots
         self.shadowed = shadowed
         self.adaptive = adaptive
+        self._unclaimed = [True]
         self.counters = counters
         #: the admission time, entered in the window of every rate slot that recorded it
         self.stamp = stamp
-        #: (window, statuses that count) of the rate reservations the release decides on
+        #: (counter, statuses that count) of the rate reservations the release decides on
         self.reserved = reserved
-
-
-class FullError(BackendError):
-    """A wildcard limit tracks ``max_keys`` keys, all with requests in flight."""
 
 
 class MemoryBackend(Backend):
@@ -98,11 +120,14 @@ class MemoryBackend(Backend):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[str, _Counter] = {}
-        # Wildcard limits: the concrete keys each one created, oldest first (max_keys).
-        self._wild: dict[str, dict[str, _Counter]] = {}
+        # Wildcard limits: the concrete keys each one tracks (max_keys), in CLOCK order:
+        # eviction looks at the front and moves the keys it passes over to the back.
+        self._wild: dict[str, OrderedDict[str, _Counter]] = {}
         self._delayed: list[tuple[float, int, list[_Counter]]] = []
         self._seq = itertools.count()
-        self._tick = 0
+        # The latest admission time seen: window entries are kept in order by never
+        # recording an earlier one (a thread may read the clock, then wait for the lock).
+        self._latest = float("-inf")
         #: set in a forked child: the first admission there warns that limits are per process
         self._forked = False
         _BACKENDS.add(self)
@@ -114,26 +139,30 @@ class MemoryBackend(Backend):
             self._forked = False
             self.multiprocess()
         with self._lock:
+            if now < self._latest:
+                now = self._latest
+            else:
+                self._latest = now
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
             counters: list[_Counter] = []
-            recording: list[deque[float]] = []
-            reserved: list[tuple[deque[float], frozenset[int]]] = []
+            recording: list[array[float]] = []
+            reserved: list[tuple[_Counter, frozenset[int]]] = []
             shadowed: tuple[int, ...] = ()
             adaptive = False
             get = self._counters.get
-            self._tick = tick = self._tick + 1
             # Counted as it goes; a refusal takes back what was counted before it. The
             # slot's index is len(counters): one counter per slot so far.
             for key, limit, enforce in slots:
                 counter = get(key)
                 if counter is None:
                     try:
-                        counter = self._create(key, limit, now)
-                    except FullError:
+                        counter = self._create(key, limit, now, len(counters))
+                    except CapacityError:
                         self._undo(counters)
                         raise
-                counter.used = tick
+                else:
+                    counter.used = True
                 # An adaptive limit's capacity is -inf: its admissions all come here.
                 if counter.inflight >= limit.capacity:
                     full = True
@@ -152,16 +181,19 @@ class MemoryBackend(Backend):
                 rate = limit.rate
                 if rate is not None:
                     window = counter.window
+                    if window is None:
+                        window = counter.window = array("d")
                     cutoff = now - rate.seconds
-                    while window and window[0] <= cutoff:
-                        window.popleft()
-                    if len(window) < rate.limit:
+                    head = counter.head
+                    if len(window) > head and window[head] <= cutoff:
+                        head = _expire(counter, window, cutoff)
+                    if len(window) - head < rate.limit:
                         recording.append(window)
                         if limit.count is not None:
-                            reserved.append((window, limit.count))
+                            reserved.append((counter, limit.count))
                     elif enforce:
                         self._undo(counters)
-                        return Denial(len(counters), "rate", window[0] - cutoff, 0)
+                        return Denial(len(counters), "rate", window[head] - cutoff, 0)
                     elif len(counters) not in shadowed:
                         # Shadow over concurrency still counts in the window; a full window
                         # is not extended (as enforce mode would not have admitted).
@@ -181,22 +213,29 @@ class MemoryBackend(Backend):
         """What :meth:`acquire` would answer now, read under the lock: no trace, and no
         instant in which a probe holds slots."""
         with self._lock:
+            now = max(now, self._latest)
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
             for index, (key, limit, enforce) in enumerate(slots):
                 counter = self._counters.get(key)
-                if counter is None or not enforce:
+                if counter is None:
+                    table = self._wild.get(limit.path) if limit.wildcard else None
+                    if table is not None and len(table) >= limit.max_keys:
+                        self._room(table, limit, now, index, evict=False)
+                    continue
+                if not enforce:
                     continue
                 concurrency = limit.concurrency
                 if limit.adaptive is not None:
                     concurrency = self._gauge(key, counter, limit, now).limit
                 if concurrency is not None and counter.inflight >= concurrency:
                     return Denial(index, "concurrency", self._soonest(counter, now), 0)
-                if limit.rate is not None:
+                window = counter.window
+                if limit.rate is not None and window is not None:
                     cutoff = now - limit.rate.seconds
-                    live = [stamp for stamp in counter.window if stamp > cutoff]
-                    if len(live) >= limit.rate.limit:
-                        return Denial(index, "rate", live[0] - cutoff, 0)
+                    first = bisect_right(window, cutoff, counter.head)
+                    if len(window) - first >= limit.rate.limit:
+                        return Denial(index, "rate", window[first] - cutoff, 0)
         return None
 
     @staticmethod
@@ -236,39 +275,64 @@ class MemoryBackend(Backend):
             return super().adaptive_limit(key, limit)
         return counter.gauge.limit
 
-    def _create(self, key: str, limit: Limit, now: float) -> _Counter:
+    def _create(self, key: str, limit: Limit, now: float, at: int) -> _Counter:
         counter = _Counter()
         if limit.wildcard:
-            table = self._wild.setdefault(limit.path, {})
-            if len(table) >= limit.max_keys:
-                self._evict(table, limit, now)
+            table = self._wild.get(limit.path)
+            if table is None:
+                table = self._wild[limit.path] = OrderedDict()
+            elif len(table) >= limit.max_keys:
+                self._room(table, limit, now, at, evict=True)
             table[key] = counter
         self._counters[key] = counter
         return counter
 
-    def _evict(self, table: dict[str, _Counter], limit: Limit, now: float) -> None:
-        # Approximately least recently used, like Redis: of the oldest keys, an idle one
-        # (nothing in flight, nothing left in the window) goes first, then the one used
-        # longest ago with nothing in flight, losing its window. Keys with requests in
-        # flight are never evicted. The search is bounded, so a spray of new keys costs
-        # O(1) each.
+    def _room(
+        self, table: OrderedDict[str, _Counter], limit: Limit, now: float, at: int, *, evict: bool
+    ) -> None:
+        """Make room in a full wildcard table for a new key (``evict``: really, else only
+        check that there is some), or raise :class:`CapacityError` for slot ``at``.
+
+        Only an idle key is evicted: nothing in flight (delayed releases included) and
+        nothing left in its rate window, so eviction loses nothing and a spray of new keys
+        can never reset a limit. CLOCK, like an LRU without a cost per request: of the keys
+        at the front, the first idle one not admitted again since it was last looked at
+        goes; the keys passed over move to the back with their reference bit cleared.
+        """
         cutoff = now - limit.rate.seconds if limit.rate is not None else now
-        idle = busy = None
-        for scanned, (key, counter) in enumerate(table.items()):
+        victim = fallback = None
+        passed: list[str] = []
+        soonest: float | None = None  # seconds until a key idle but for its window is idle
+        for key, counter in islice(table.items(), _EVICTION_SCAN):
             if counter.inflight == 0:
                 window = counter.window
-                if not window or window[-1] <= cutoff:
-                    if idle is None or counter.used < table[idle].used:
-                        idle = key
-                elif busy is None or counter.used < table[busy].used:
-                    busy = key
-            if scanned >= _EVICTION_SAMPLE and (idle or busy) is not None:
-                break
-        victim = idle if idle is not None else busy
+                if window is None or len(window) == counter.head or window[-1] <= cutoff:
+                    if not counter.used:
+                        victim = key
+                        break
+                    if fallback is None:
+                        fallback = key
+                elif soonest is None or window[-1] - cutoff < soonest:
+                    soonest = window[-1] - cutoff
+            passed.append(key)
         if victim is None:
-            raise FullError(
-                f"limit {limit.path!r} tracks max_keys={len(table)} keys, all in flight"
+            victim = fallback
+        if victim is None:
+            raise CapacityError(
+                at,
+                f"it tracks max_keys={limit.max_keys} keys and none is idle (each has a "
+                "request in flight or an entry in its rate window); raise max_keys (the "
+                "memory backend needs about 300 bytes per key of a rate limit)",
+                retry_after=1.0 if soonest is None else soonest,
+                kind="concurrency" if soonest is None else "rate",
             )
+        if not evict:
+            return
+        move = table.move_to_end
+        for key in passed:
+            if key != victim:
+                table[key].used = False
+                move(key)
         del table[victim]
         self._counters.pop(victim, None)
 
@@ -281,12 +345,19 @@ class MemoryBackend(Backend):
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         if TYPE_CHECKING:  # checked by mypy only: an assert costs every release
             assert isinstance(grant, _MemoryGrant)
+        if not grant.claim():
+            return
         with self._lock:
-            for window, count in grant.reserved:
+            for counter, count in grant.reserved:
                 if status not in count:
-                    # It may have slid out of the window already.
-                    with contextlib.suppress(ValueError):
-                        window.remove(grant.stamp)
+                    # Only a live entry is given back (it may have slid out already); the
+                    # window is in order, so a bisection finds it.
+                    window = counter.window
+                    assert window is not None
+                    stamp = grant.stamp
+                    index = bisect_left(window, stamp, counter.head)
+                    if index < len(window) and window[index] == stamp:
+                        del window[index]
             if delay > 0:
                 heapq.heappush(self._delayed, (now + delay, next(self._seq), grant.counters))
             else:

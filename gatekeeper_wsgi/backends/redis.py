@@ -649,6 +649,8 @@ class RedisBackend(Backend):
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _RedisGrant)
+        if not grant.claim():
+            return
         input = grant.input
         codes = input.codes
         if grant.reserved:

@@ -1130,6 +1130,8 @@ class SharedBackend(Backend):
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _SharedGrant)
+        if not grant.claim():
+            return
         with contextlib.suppress(_Recreated):  # the new table does not hold the grant
             self._release_locked(grant, status, delay, now)
 
