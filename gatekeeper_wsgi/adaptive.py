@@ -15,10 +15,11 @@ the previous change). When a window closes, the algorithm moves the limit:
     above the concurrency the backend serves without queueing; reacts in proportion.
 ``vegas`` (after TCP Vegas / Netflix's VegasLimit)
     estimates the queue ``limit x (1 - min_latency / latency)`` and steps the limit by
-    ``log10(limit)``-sized amounts to keep it between ``3·log10`` and ``6·log10`` requests.
+    ``log10(limit)``-sized amounts (at least 1) to keep it between ``2·log10`` and
+    ``4·log10`` requests.
 ``aimd`` (additive increase, multiplicative decrease)
-    doubles per busy window until the first backoff (slow start), then ``+1`` per busy
-    window; ``x 0.9`` when a window saw a faulty response or a mean latency above 1.5 x the
+    grows x 1.5 per busy window until latency rises 10 % (slow start), then ``+1`` per
+    busy window; ``x 0.9`` when a window saw a faulty response or a mean latency above 1.3 x the
     minimum. Loss-driven: simple, settles higher, slower to recover.
 
 Gradient and vegas multiply their next limit by ``1 - share of faulty responses``, so a
@@ -77,12 +78,16 @@ PROBE_CONCURRENCY = 3
 # Gradient: how much slower than the baseline a window may be before the limit shrinks
 # (a little slack for latency noise), how far one window may shrink it, and how much of
 # each step is taken (smoothing against noise).
-_GRADIENT_TOLERANCE = 1.1
+_GRADIENT_TOLERANCE = 1.0
 _GRADIENT_FLOOR = 0.5
 _GRADIENT_SMOOTHING = 0.5
 # AIMD: the latency ratio it treats like a drop, and its multiplicative backoff.
-_AIMD_TOLERANCE = 1.5
+_AIMD_TOLERANCE = 1.3
 _AIMD_BACKOFF = 0.9
+# AIMD's slow start: growth per busy window, and the latency ratio that ends it. Gentler
+# than TCP's doubling: latency shows an increase only a window later.
+_SLOW_START_GROWTH = 1.5
+_SLOW_START_EXIT = 1.1
 # One window of faulty responses never cuts the limit by more than half.
 _DROP_FLOOR = 0.5
 
@@ -172,9 +177,12 @@ class Controller:
         # Runs on every release under the backend's lock: four updates and one
         # comparison; everything else waits until something is due.
         self._count += 1
-        self._total += latency
         if faulty:
+            # A failure's latency says nothing of the backend's queue (a quick 500 would
+            # pull the mean, and then the baseline, down); it counts as a drop only.
             self._drops += 1
+        else:
+            self._total += latency
         if inflight > self._peak:
             self._peak = inflight
         if now >= self._due:
@@ -198,8 +206,10 @@ class Controller:
         self._due = min(now + max(WINDOW_SECONDS, 2.0 * self.latency), self._next_probe)
 
     def _close_window(self, now: float) -> None:
-        latency = self._total / self._count
-        drop_share = self._drops / self._count
+        count = self._count
+        drop_share = self._drops / count
+        good = count - self._drops
+        latency = self._total / good if good else self.latency
         peak = self._peak
         self.latency = latency
         self._reset_window(now)
@@ -225,29 +235,31 @@ class Controller:
             if drop_share or latency > _AIMD_TOLERANCE * baseline:
                 self._slow_start = False
                 return estimate * _AIMD_BACKOFF
+            if latency > _SLOW_START_EXIT * baseline:
+                self._slow_start = False  # a queue is forming: from now on, one at a time
             if not busy:
                 return estimate
-            # Slow start (as TCP): double until the first backoff, then add one.
-            return estimate * 2.0 if self._slow_start else estimate + 1.0
+            # Slow start (as TCP): multiply until a queue forms, then add one.
+            return estimate * _SLOW_START_GROWTH if self._slow_start else estimate + 1.0
         if algorithm == "vegas":
             queue = estimate * (1.0 - baseline / latency)
             step = max(1.0, math.log10(estimate))
             if queue <= step:
-                target = estimate + 6.0 * step if busy else estimate
-            elif queue < 3.0 * step:
+                target = estimate + 4.0 * step if busy else estimate
+            elif queue < 2.0 * step:
                 target = estimate + step if busy else estimate
-            elif queue > 6.0 * step:
+            elif queue > 4.0 * step:
                 # Far over: shed half the excess queue at once, not log10 per window.
-                target = estimate - max(step, (queue - 6.0 * step) / 2.0)
+                target = estimate - max(step, (queue - 4.0 * step) / 2.0)
             else:
                 target = estimate
-        else:
-            gradient = min(max(_GRADIENT_TOLERANCE * baseline / latency, _GRADIENT_FLOOR), 1.0)
-            wanted = estimate * gradient + math.sqrt(estimate)
-            if not busy:
-                wanted = min(wanted, estimate)
-            target = estimate + (wanted - estimate) * _GRADIENT_SMOOTHING
-        return target * max(_DROP_FLOOR, 1.0 - drop_share)
+            return target * max(_DROP_FLOOR, 1.0 - drop_share)
+        gradient = min(max(_GRADIENT_TOLERANCE * baseline / latency, _GRADIENT_FLOOR), 1.0)
+        wanted = estimate * gradient + math.sqrt(estimate)
+        if not busy:
+            wanted = min(wanted, estimate)
+        wanted *= max(_DROP_FLOOR, 1.0 - drop_share)
+        return estimate + (wanted - estimate) * _GRADIENT_SMOOTHING
 
     def _rounded(self) -> int:
         spec = self.spec

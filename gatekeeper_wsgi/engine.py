@@ -140,6 +140,7 @@ class GateKeeper:
         self.backend = (
             backend if backend is not None else backend_from_url(self.config.backend, self.config)
         )
+        self._check_adaptive(self.config)
         stages = self.monitor.stages
         self.backend.delay_stage = stages["delay_process"]
         self._response_stage = stages["response"]
@@ -185,9 +186,25 @@ class GateKeeper:
                 mask_url(config.backend),
                 mask_url(self.config.backend),
             )
+        self._check_adaptive(config)
         self.config = config
         # Admissions under the old config keep their own Route; new requests re-resolve.
         self._routes = {}
+
+    def _check_adaptive(self, config: Config) -> None:
+        """Warn when a backend cannot follow ``concurrency = "auto"`` yet (it enforces
+        ``adaptive.max`` instead) rather than pretend."""
+        if self.backend.adaptive_limits:
+            return
+        paths = [path for path, limit in config.limits.items() if limit.adaptive is not None]
+        if paths:
+            logger.warning(
+                "gatekeeper: backend %s does not adapt concurrency = \"auto\" limits yet; "
+                "it enforces their adaptive.max (%s). Use the memory backend for adaptive "
+                "limits.",
+                config.backend.split("://")[0],
+                ", ".join(sorted(paths)),
+            )
 
     def reload(self) -> bool:
         """Check the configuration file now; returns True if a changed, valid file was

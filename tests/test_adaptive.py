@@ -25,6 +25,7 @@ class ModelledBackend:
     clients: int = 1000
     base: float = BASE
     faulty_share: float = 0.0
+    faulty_latency: float | None = None  # None: as slow as a good response
     noise: float = 0.1  # ± share of each latency, uniformly
     now: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(7))
@@ -43,6 +44,8 @@ class ModelledBackend:
                 self._owed -= 1.0
                 sampled = latency * (1.0 + self.noise * (2.0 * self.rng.random() - 1.0))
                 faulty = self.rng.random() < self.faulty_share
+                if faulty and self.faulty_latency is not None:
+                    sampled = self.faulty_latency
                 controller.sample(sampled, inflight, faulty, self.now - sampled, self.now)
             self.now += step
             self.trace.append(controller.limit)
@@ -102,6 +105,19 @@ def test_faulty_responses_lower_the_limit(algorithm: str) -> None:
     backend.faulty_share = 0.5
     backend.run(controller, 2.0)
     assert controller.limit < before / 2
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_quick_failures_do_not_fake_a_lower_baseline(algorithm: str) -> None:
+    """30 % of responses fail in 0.5 ms for 3 s: the baseline stays the backend's, and
+    within 5 s of the failures ending the limit is back near capacity."""
+    controller, backend = settled(algorithm, 40)
+    backend.faulty_share, backend.faulty_latency = 0.3, 0.0005
+    backend.run(controller, 3.0)
+    assert controller.min_latency == pytest.approx(BASE, rel=0.1)
+    backend.faulty_share = 0.0
+    backend.run(controller, 5.0)
+    assert controller.limit >= 0.8 * 40
 
 
 @pytest.mark.parametrize("algorithm", ["gradient", "vegas"])

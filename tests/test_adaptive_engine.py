@@ -277,3 +277,23 @@ def test_prometheus_shows_the_current_limit(clock: FakeClock) -> None:
     assert value("gatekeeper_adaptive_limit", {"limit": "shop"}) == current
     assert value("gatekeeper_adaptive_limit", {"limit": "shop/a/c"}) is None
     assert "shop/a/c" in gk.stats()["adaptive"]
+
+
+def test_a_backend_that_cannot_adapt_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a backend without adaptive support the start-up log names the auto limits and
+    that their max is what is enforced (no silent pretending)."""
+    with caplog.at_level("WARNING", logger="gatekeeper"):
+        gk = GateKeeper(
+            {
+                "project": "shop",
+                "backend": f"shared://{tmp_path}/gk.shm",
+                "limits": {"shop/a": {"concurrency": "auto", "adaptive": {"max": 7}}},
+            }
+        )
+    gk.close()
+    assert any(
+        "shop/a" in record.getMessage() and "adaptive.max" in record.getMessage()
+        for record in caplog.records
+    )

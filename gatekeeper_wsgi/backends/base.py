@@ -110,6 +110,9 @@ class Backend(ABC):
     poll_interval = 0.005
     #: Where the engine wants the time spent maturing delayed releases recorded.
     delay_stage: Stage | None = None
+    #: True when the backend enforces an adaptive limit's current value (``observe``,
+    #: ``adaptive``); a backend without it enforces ``adaptive.max`` (the engine warns).
+    adaptive_limits = False
 
     @abstractmethod
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:

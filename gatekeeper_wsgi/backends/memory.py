@@ -116,6 +116,7 @@ class MemoryBackend(Backend):
     """
 
     local = True
+    adaptive_limits = True
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
