@@ -199,7 +199,7 @@ class GateKeeper:
         paths = [path for path, limit in config.limits.items() if limit.adaptive is not None]
         if paths:
             logger.warning(
-                "gatekeeper: backend %s does not adapt concurrency = \"auto\" limits yet; "
+                'gatekeeper: backend %s does not adapt concurrency = "auto" limits yet; '
                 "it enforces their adaptive.max (%s). Use the memory backend for adaptive "
                 "limits.",
                 config.backend.split("://")[0],
