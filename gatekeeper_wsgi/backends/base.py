@@ -21,12 +21,13 @@ from typing import NamedTuple
 from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.monitor import Stage
 
-__all__ = ["TOP_KEYS", "Backend", "Denial", "Grant", "KeyUsage", "LimitTotals", "Slot"]
+__all__ = ["NO_WATCH", "TOP_KEYS", "Backend", "Denial", "Grant", "KeyUsage", "LimitTotals", "Slot"]
 
 #: Concrete keys :meth:`Backend.totals` details per limit by default (the busiest).
 TOP_KEYS = 50
 
-_NOTHING_WATCHED: Mapping[str, Collection[str]] = MappingProxyType({})
+#: No keys to watch (the default of :meth:`Backend.totals`).
+NO_WATCH: Mapping[str, Collection[str]] = MappingProxyType({})
 
 
 class Slot(NamedTuple):
@@ -156,7 +157,7 @@ class Backend(ABC):
         now: float,
         *,
         top: int = TOP_KEYS,
-        watch: Mapping[str, Collection[str]] = _NOTHING_WATCHED,
+        watch: Mapping[str, Collection[str]] = NO_WATCH,
     ) -> dict[str, LimitTotals] | None:
         """Per path of ``limits`` (those with a concurrency or rate): its totals, and the
         :class:`KeyUsage` of up to ``top`` of its busiest keys plus the keys listed in

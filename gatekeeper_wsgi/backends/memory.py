@@ -17,12 +17,21 @@ import weakref
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING
 
 from gatekeeper_wsgi.adaptive import Controller
-from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.backends.base import (
+    NO_WATCH,
+    TOP_KEYS,
+    Backend,
+    Denial,
+    Grant,
+    KeyUsage,
+    LimitTotals,
+    Slot,
+)
 from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.errors import CapacityError
 
@@ -108,6 +117,20 @@ class _MemoryGrant(Grant):
         self.reserved = reserved
 
 
+def _usage(key: str, counter: _Counter, limit: Limit, now: float) -> KeyUsage:
+    """A key's requests in flight and its rate window's use now (read only)."""
+    rate = limit.rate
+    if rate is None:
+        return KeyUsage(key, counter.inflight, None, 0.0)
+    window = counter.window
+    if window is None:
+        return KeyUsage(key, counter.inflight, 0, 0.0)
+    cutoff = now - rate.seconds
+    first = bisect_right(window, cutoff, counter.head)
+    used = len(window) - first
+    return KeyUsage(key, counter.inflight, used, window[first] - cutoff if used else 0.0)
+
+
 class MemoryBackend(Backend):
     """Counters in a dict guarded by one lock.
 
@@ -124,7 +147,11 @@ class MemoryBackend(Backend):
         # Wildcard limits: the concrete keys each one tracks (max_keys), in CLOCK order:
         # eviction looks at the front and moves the keys it passes over to the back.
         self._wild: dict[str, OrderedDict[str, _Counter]] = {}
-        self._delayed: list[tuple[float, int, list[_Counter]]] = []
+        # (due, order, counters, their slots) of delayed releases, a heap
+        self._delayed: list[tuple[float, int, list[_Counter], Sequence[Slot]]] = []
+        # Grants not yet released: with the delayed ones, everything in flight, so totals
+        # cost O(requests in flight) to sum, never O(tracked keys).
+        self._live: set[_MemoryGrant] = set()
         self._seq = itertools.count()
         # The latest admission time seen: window entries are kept in order by never
         # recording an earlier one (a thread may read the clock, then wait for the lock).
@@ -203,7 +230,9 @@ class MemoryBackend(Backend):
                 counters.append(counter)
             for window in recording:
                 window.append(now)
-            return _MemoryGrant(slots, shadowed, counters, now, reserved, adaptive)
+            grant = _MemoryGrant(slots, shadowed, counters, now, reserved, adaptive)
+            self._live.add(grant)
+            return grant
 
     @staticmethod
     def _undo(counters: list[_Counter]) -> None:
@@ -340,7 +369,7 @@ class MemoryBackend(Backend):
     def _soonest(self, counter: _Counter, now: float) -> float:
         """Seconds until a delayed release of this counter matures; 0 when none is held
         (a request in flight may finish at any moment)."""
-        dues = [due for due, _, counters in self._delayed if counter in counters]
+        dues = [due for due, _, counters, _ in self._delayed if counter in counters]
         return max(0.0, min(dues) - now) if dues else 0.0
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
@@ -349,6 +378,7 @@ class MemoryBackend(Backend):
         if not grant.claim():
             return
         with self._lock:
+            self._live.discard(grant)
             for counter, count in grant.reserved:
                 if status not in count:
                     # Only a live entry is given back (it may have slid out already); the
@@ -360,7 +390,8 @@ class MemoryBackend(Backend):
                     if index < len(window) and window[index] == stamp:
                         del window[index]
             if delay > 0:
-                heapq.heappush(self._delayed, (now + delay, next(self._seq), grant.counters))
+                entry = (now + delay, next(self._seq), grant.counters, grant.slots)
+                heapq.heappush(self._delayed, entry)
             else:
                 for counter in grant.counters:
                     counter.inflight -= 1
@@ -383,6 +414,55 @@ class MemoryBackend(Backend):
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
             return {key: counter.inflight for key, counter in self._counters.items()}
+
+    def totals(
+        self,
+        limits: Sequence[Limit],
+        now: float,
+        *,
+        top: int = TOP_KEYS,
+        watch: Mapping[str, Collection[str]] = NO_WATCH,
+    ) -> dict[str, LimitTotals]:
+        """Per limit: summed over the requests in flight (held or delayed: the only
+        counters that can be non-zero), keys tracked from the ``max_keys`` tables. Costs
+        O(limits + requests in flight + watched keys) under the lock, not O(keys)."""
+        with self._lock:
+            now = max(now, self._latest)
+            if self._delayed and self._delayed[0][0] <= now:
+                self._mature(now)
+            # limit path -> its keys in flight -> their counters
+            busy: dict[str, dict[str, _Counter]] = {}
+            holders = [(grant.slots, grant.counters) for grant in self._live]
+            holders += [(slots, counters) for _, _, counters, slots in self._delayed]
+            for slots, counters in holders:
+                for (key, limit, _), counter in zip(slots, counters, strict=True):
+                    busy.setdefault(limit.path, {})[key] = counter
+            totals = {}
+            for limit in limits:
+                path = limit.path
+                if limit.wildcard:
+                    table: Mapping[str, _Counter] = self._wild.get(path, {})
+                    held = busy.get(path, {})
+                    shown = heapq.nsmallest(
+                        top, held.items(), key=lambda item: (-item[1].inflight, item[0])
+                    )
+                else:
+                    single = self._counters.get(path)
+                    table = held = {} if single is None else {path: single}
+                    shown = list(held.items())
+                seen = {key for key, _ in shown}
+                for key in watch.get(path, ()):
+                    watched = table.get(key)
+                    if watched is not None and key not in seen:
+                        seen.add(key)
+                        shown.append((key, watched))
+                totals[path] = LimitTotals(
+                    inflight=sum(counter.inflight for counter in held.values()),
+                    keys=len(table),
+                    busy=sum(1 for counter in held.values() if counter.inflight),
+                    top=tuple(_usage(key, counter, limit, now) for key, counter in shown),
+                )
+            return totals
 
     def next_due(self) -> float | None:
         delayed = self._delayed
