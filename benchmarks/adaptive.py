@@ -2,12 +2,13 @@
 a real server, side by side with no limit and with static limits.
 
 Run ``python benchmarks/adaptive.py`` (``--quick`` for a shorter run; ``--help``). The app
-behind GateKeeper models a backend of capacity C: a request holds one of C slots for a
-service time S; beyond C concurrent requests they queue for a slot, so latency grows by
-queueing (about clients / C times S with no limit). It runs under gunicorn (gthread, one
-worker, memory backend) on 127.0.0.1; the load is many more client threads than C, each on
-a keep-alive connection, each pausing ``PAUSE`` seconds after a refusal (a client that
-backs off a little, as a retrying client does). Everything is bounded in time.
+behind GateKeeper models a backend of capacity C (``example_site.common.Capacity``): a
+request holds one of C slots for a service time S; beyond C concurrent requests they queue
+for a slot, so latency grows by queueing (about clients / C times S with no limit). It
+runs under gunicorn (gthread, one worker, memory backend) on 127.0.0.1; the load is many
+more client threads than C, each on a keep-alive connection, each pausing ``PAUSE``
+seconds after a refusal (a client that backs off a little, as a retrying client does).
+Everything is bounded in time.
 
 It prints, and writes to ``benchmarks/RESULTS.md`` (a section of its own):
 
@@ -54,39 +55,14 @@ ALGORITHMS = ("gradient", "vegas", "aimd")
 # --- the app under test (runs inside gunicorn) ------------------------------------------
 
 
-class _Capacity:
-    """C slots, settable while running: beyond them requests wait (they queue)."""
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self.busy = 0
-        self.cond = threading.Condition()
-
-    def __enter__(self) -> None:
-        with self.cond:
-            while self.busy >= self.slots:
-                self.cond.wait()
-            self.busy += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.cond:
-            self.busy -= 1
-            self.cond.notify()
-
-    def resize(self, slots: int) -> None:
-        with self.cond:
-            self.slots = slots
-            self.cond.notify_all()
-
-
 def make_app() -> Any:
     """The WSGI app gunicorn serves: ``/work`` behind GateKeeper (the limit chosen by the
     ``GK_BENCH_LIMIT`` environment variable: ``none``, ``static:N`` or ``auto:ALGORITHM``),
     ``/control?capacity=N&faulty=P`` and ``/stats`` outside any limit."""
+    from example_site.common import Capacity
     from gatekeeper_wsgi import GateKeeperMiddleware
 
-    capacity = _Capacity(int(os.environ.get("GK_BENCH_CAPACITY", CAPACITY)))
-    service = float(os.environ.get("GK_BENCH_SERVICE", SERVICE))
+    capacity = Capacity(CAPACITY, SERVICE)
     state = {"faulty": 0.0, "count": 0}
     lock = threading.Lock()
 
@@ -121,8 +97,7 @@ def make_app() -> Any:
             # A failing backend answers fast: latency alone would say "grow".
             start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
             return [b"failed"]
-        with capacity:
-            time.sleep(service)
+        capacity.call()
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"ok"]
 

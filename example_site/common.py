@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
+    from gatekeeper_wsgi import GateKeeper
+
 PROJECT = "demo"
 BACKEND_ENV = "GATEKEEPER_BACKEND"
 TOKEN_ENV = "GATEKEEPER_DASHBOARD_TOKEN"
@@ -29,6 +31,9 @@ QUEUE_WAIT_HEADER = "X-Queue-Wait-Ms"
 #: the timeout marker /flaky answers with
 TIMEOUT_MARKER = ("X-Fault-Code", "TIMEOUT")
 PASSWORD = "secret"
+#: the /search backend: this many calls at a time, SEARCH_SECONDS each; more wait (queue)
+SEARCH_CAPACITY = 4
+SEARCH_SECONDS = 0.1
 
 _ARRIVED_KEY = "example_site.arrived"
 
@@ -38,6 +43,9 @@ INDEX = """gatekeeper-wsgi example site ({server}, backend {backend})
   GET  /flaky      answers with the timeout marker X-Fault-Code: TIMEOUT: its slot is held 5 s
   POST /login      password=secret; 5 failed logins (401) per minute per client address
   GET  /partner    one request in flight per X-Caller-Id; each call takes 1 s
+  GET  /search     concurrency "auto": its backend serves 4 at a time (0.1 s each) and
+                   queues the rest; under load the adaptive limit settles near 4-6
+                   (the answer tells the limit now; so does /gatekeeper/status.json)
   GET  /gatekeeper/
                    the live dashboard (JSON: /gatekeeper/status.json), for the token
                    printed in the terminal at start-up (${token_env})
@@ -50,6 +58,8 @@ Try, in another terminal:
   curl -s -H 'X-Caller-Id: crm' localhost:{port}/partner & \\
     curl -s -H 'X-Caller-Id: crm' localhost:{port}/partner; wait
   python -m example_site load --url http://127.0.0.1:{port}/slow --requests 10 --concurrency 10
+  python -m example_site load --url http://127.0.0.1:{port}/search --requests 400 --concurrency 32
+  curl -s localhost:{port}/search
 """
 
 
@@ -87,6 +97,8 @@ def gatekeeper_settings() -> dict[str, Any]:
             f"{PROJECT}/login/*": {"rate": "5/minute", "key": "ip", "count": [401]},
             # Each calling system (X-Caller-Id) may have one request in flight.
             f"{PROJECT}/partner/*": {"concurrency": 1},
+            # No number to guess: the limit follows the latency of the search backend.
+            f"{PROJECT}/search": {"concurrency": "auto", "adaptive": {"max": 50}},
         },
     }
 
@@ -141,6 +153,41 @@ class Work:
     def finish(self) -> None:
         """End the running calls and every later one at once."""
         self._finished.set()
+
+
+class Capacity:
+    """A backend of fixed capacity: ``slots`` calls at a time take ``seconds`` each; more
+    calls wait for a slot (they queue), so beyond ``slots`` latency grows with the load.
+    :meth:`resize` changes the capacity while running (a backend losing half its nodes)."""
+
+    def __init__(self, slots: int = SEARCH_CAPACITY, seconds: float = SEARCH_SECONDS) -> None:
+        self.slots = slots
+        self.seconds = seconds
+        self.busy = 0
+        self._changed = threading.Condition()
+
+    def call(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.busy < self.slots)
+            self.busy += 1
+        try:
+            time.sleep(self.seconds)  # the modelled service time, not a synchronization
+        finally:
+            with self._changed:
+                self.busy -= 1
+                self._changed.notify()
+
+    def resize(self, slots: int) -> None:
+        with self._changed:
+            self.slots = slots
+            self._changed.notify_all()
+
+
+def search_answer(gatekeeper: GateKeeper) -> str:
+    """The /search answer: the adaptive limit of ``demo/search`` right now."""
+    limit = gatekeeper.config.limits[f"{PROJECT}/search"]
+    now = gatekeeper.backend.adaptive_limit(limit.path, limit)
+    return f"done: search (adaptive limit now {now})\n"
 
 
 def stamp_arrival(app: WSGIApplication) -> Callable[..., Iterable[bytes]]:

@@ -14,10 +14,12 @@ from gatekeeper_wsgi.contrib.flask import GateKeeper
 from example_site.common import (
     PASSWORD,
     TIMEOUT_MARKER,
+    Capacity,
     Work,
     gatekeeper_settings,
     index,
     queue_wait_header,
+    search_answer,
     stamp_arrival,
 )
 
@@ -58,6 +60,13 @@ def create_app(work: Work | None = None, clock: Callable[[], float] | None = Non
     def partner() -> Response:
         work.run()
         return Response(f"done: partner for {request.headers.get('X-Caller-Id', 'anonymous')}\n")
+
+    search_backend = Capacity()
+
+    @app.route("/search")
+    def search() -> Response:
+        search_backend.call()
+        return Response(search_answer(gk.gatekeeper))
 
     gk.init_app(app)
     app.register_blueprint(gk.status_blueprint(url_prefix="/gatekeeper"))

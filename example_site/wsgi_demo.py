@@ -16,10 +16,12 @@ from werkzeug.wrappers import Request, Response
 from example_site.common import (
     PASSWORD,
     TIMEOUT_MARKER,
+    Capacity,
     Work,
     gatekeeper_settings,
     index,
     queue_wait_header,
+    search_answer,
     stamp_arrival,
 )
 from gatekeeper_wsgi import GateKeeperMiddleware
@@ -34,6 +36,7 @@ class ExampleWSGI:
 
     def __init__(self, work: Work | None = None) -> None:
         self.work = work or Work()
+        self.search = Capacity()
         limited = GateKeeperMiddleware(self.app, gatekeeper_settings())
         self.gatekeeper = limited.gatekeeper
         dispatch = DispatcherMiddleware(limited, {"/gatekeeper": StatusApp(self.gatekeeper)})
@@ -61,6 +64,9 @@ class ExampleWSGI:
             return Response(
                 f"done: partner for {request.headers.get('X-Caller-Id', 'anonymous')}\n"
             )
+        if path == "/search":
+            self.search.call()
+            return Response(search_answer(self.gatekeeper))
         if path == "/":
             return Response(index("bare WSGI", int(request.environ.get("SERVER_PORT") or 8000)))
         return Response("not found\n", status=404)

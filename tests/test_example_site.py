@@ -165,7 +165,7 @@ def test_example_apps_import_and_describe_themselves(site: Site) -> None:
     dashboard, never the dashboard's token (anyone can read that page)."""
     answer = site.request("GET", "/")
     assert answer.status == 200
-    for endpoint in (b"/slow", b"/flaky", b"/login", b"/partner", b"/gatekeeper/"):
+    for endpoint in (b"/slow", b"/flaky", b"/login", b"/partner", b"/search", b"/gatekeeper/"):
         assert endpoint in answer.body
     assert TOKEN.encode() not in answer.body
 
@@ -188,6 +188,17 @@ def test_slow_endpoint_runs_two_and_its_queue_answers_503(site: Site) -> None:
         thread.join()
         assert [a.status for a in answers] == [200]
     assert site.gatekeeper.inflight().get("demo/slow", 0) == 0
+
+
+def test_search_endpoint_has_an_adaptive_limit(site: Site) -> None:
+    """/search is limited by concurrency "auto": it answers with the current limit, and
+    stats report that limit, with its latencies, for demo/search."""
+    answer = site.request("GET", "/search")
+    assert answer.status == 200
+    assert answer.body == b"done: search (adaptive limit now 10)\n"
+    report = site.gatekeeper.stats()["adaptive"]["demo/search"]
+    assert report["limit"] >= 1
+    assert site.gatekeeper.inflight().get("demo/search", 0) == 0
 
 
 def test_sixth_failed_login_gets_429(site: Site) -> None:

@@ -12,5 +12,6 @@ urlpatterns = [
     path("flaky", views.flaky, name="flaky"),
     path("login", views.login, name="login"),
     path("partner", views.partner, name="partner"),
+    path("search", views.search, name="search"),
     path("gatekeeper/", include("gatekeeper_wsgi.contrib.django.urls")),
 ]

@@ -8,10 +8,20 @@ from django.http import HttpResponse
 from django.views.decorators.http import require_POST
 from gatekeeper_wsgi.contrib.django import gatekeeper_exempt
 
-from example_site.common import PASSWORD, TIMEOUT_MARKER, Work, index, queue_wait_header
+from example_site.common import (
+    PASSWORD,
+    TIMEOUT_MARKER,
+    Capacity,
+    Work,
+    index,
+    queue_wait_header,
+    search_answer,
+)
 
 #: what /slow and /partner do (tests replace it with one they can finish)
 WORK = Work()
+#: the backend /search calls
+SEARCH = Capacity()
 
 
 @gatekeeper_exempt
@@ -42,3 +52,10 @@ def partner(request: Any) -> HttpResponse:
     WORK.run()
     caller = request.headers.get("X-Caller-Id", "anonymous")
     return HttpResponse(f"done: partner for {caller}\n")
+
+
+def search(request: Any) -> HttpResponse:
+    from gatekeeper_wsgi.contrib.django import get_gatekeeper
+
+    SEARCH.call()
+    return HttpResponse(search_answer(get_gatekeeper()))
