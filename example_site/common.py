@@ -13,6 +13,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -157,30 +158,43 @@ class Work:
 
 class Capacity:
     """A backend of fixed capacity: ``slots`` calls at a time take ``seconds`` each; more
-    calls wait for a slot (they queue), so beyond ``slots`` latency grows with the load.
-    :meth:`resize` changes the capacity while running (a backend losing half its nodes)."""
+    calls wait for a slot in FIFO order (they queue), so beyond ``slots`` latency grows with
+    the load, evenly: ``seconds x (1 + queued / slots)``. :meth:`resize` changes the
+    capacity while running (a backend losing half its nodes)."""
 
     def __init__(self, slots: int = SEARCH_CAPACITY, seconds: float = SEARCH_SECONDS) -> None:
         self.slots = slots
         self.seconds = seconds
         self.busy = 0
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._queue: deque[threading.Event] = deque()
 
     def call(self) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self.busy < self.slots)
-            self.busy += 1
+        turn = None
+        with self._lock:
+            if self.busy < self.slots and not self._queue:
+                self.busy += 1
+            else:
+                turn = threading.Event()
+                self._queue.append(turn)
+        if turn is not None:
+            turn.wait()  # a finishing call hands its slot over: no barging past the queue
         try:
             time.sleep(self.seconds)  # the modelled service time, not a synchronization
         finally:
-            with self._changed:
+            with self._lock:
                 self.busy -= 1
-                self._changed.notify()
+                self._hand_over()
 
     def resize(self, slots: int) -> None:
-        with self._changed:
+        with self._lock:
             self.slots = slots
-            self._changed.notify_all()
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        while self._queue and self.busy < self.slots:
+            self.busy += 1
+            self._queue.popleft().set()
 
 
 def search_answer(gatekeeper: GateKeeper) -> str:

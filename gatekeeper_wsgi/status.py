@@ -123,6 +123,15 @@ def _limit_summary(limit: Limit) -> dict[str, Any]:
         "delay": limit.delay,
         "mode": limit.mode,
         "wildcard": limit.wildcard,
+        # concurrency = "auto": "concurrency" is its max; stats.adaptive has the current value
+        "adaptive": None
+        if limit.adaptive is None
+        else {
+            "algorithm": limit.adaptive.algorithm,
+            "min": limit.adaptive.min,
+            "max": limit.adaptive.max,
+            "initial": limit.adaptive.initial,
+        },
     }
 
 

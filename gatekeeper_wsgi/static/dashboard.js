@@ -10,6 +10,9 @@
     "GK-QUEUE-TIMEOUT": "#3b7dd8", "GK-CALLER-MISSING": "#6b7487", "GK-BACKEND-UNAVAILABLE": "#1d2433"
   };
   var history = [];
+  var adaptiveHistory = [];  // per refresh: {path: [current limit, in flight]}
+  var ADAPTIVE_SHOWN = 6;
+  var LINE_COLORS = ["#3b7dd8", "#d64545", "#2e9e5b", "#8e5bd6", "#e0a100", "#1d2433"];
   var previous = null;
   var paused = false;
   var timer = null;
@@ -100,11 +103,18 @@
     if (limit.rate) { parts.push("rate " + limit.rate); }
     if (limit.queue) { parts.push("queue " + limit.queue.size + "×" + limit.queue.wait + "s"); }
     if (limit.key && limit.key !== "caller") { parts.push("by " + limit.key); }
+    if (limit.adaptive) { parts.push("auto " + limit.adaptive.algorithm); }
     if (limit.mode === "shadow") { parts.push("shadow"); }
     return parts.join(" · ");
   }
 
-  function renderLimits(limits, inflight) {
+  // An adaptive limit's meter is drawn against its current value, not its max.
+  function capOf(path, concurrency, adaptive) {
+    var current = adaptive && adaptive[path];
+    return current ? current.limit : concurrency;
+  }
+
+  function renderLimits(limits, inflight, adaptive) {
     var box = $("limits");
     var seen = {};
     if (!limits.length) {
@@ -144,7 +154,8 @@
             limitRows[keyId] = keyRow;
           }
           seen[keyId] = true;
-          setMeter(keyRow, inflight[path].inflight, inflight[path].concurrency);
+          setMeter(keyRow, inflight[path].inflight,
+            capOf(path, inflight[path].concurrency, adaptive));
           order.push(keyRow);
         });
         if (limit.keys > limit.keys_shown) {
@@ -157,7 +168,7 @@
         }
       } else {
         var entry = inflight[limit.path];
-        setMeter(row, entry ? entry.inflight : 0, limit.concurrency);
+        setMeter(row, entry ? entry.inflight : 0, capOf(limit.path, limit.concurrency, adaptive));
       }
     });
     Object.keys(limitRows).forEach(function (id) {
@@ -305,6 +316,69 @@
     });
   }
 
+  function recordAdaptive(adaptive, inflight) {
+    var paths = Object.keys(adaptive || {}).sort().slice(0, ADAPTIVE_SHOWN);
+    var point = {};
+    paths.forEach(function (path) {
+      point[path] = [adaptive[path].limit, inflight[path] ? inflight[path].inflight : 0];
+    });
+    adaptiveHistory.push(point);
+    if (adaptiveHistory.length > HISTORY) { adaptiveHistory.shift(); }
+    return paths;
+  }
+
+  function renderAdaptive(paths) {
+    var panel = $("adaptive-panel");
+    panel.hidden = !paths.length;
+    if (!paths.length) { return; }
+    var width = 600;
+    var height = 140;
+    var top = 10;
+    var bottom = 18;
+    var plot = height - top - bottom;
+    var max = 1;
+    adaptiveHistory.forEach(function (point) {
+      Object.keys(point).forEach(function (path) { max = Math.max(max, point[path][0], point[path][1]); });
+    });
+    var chart = svg("svg", { viewBox: "0 0 " + width + " " + height, preserveAspectRatio: "none",
+      role: "img", "aria-label": "adaptive limits and in-flight per refresh interval" });
+    chart.appendChild(svg("line", { x1: 0, y1: height - bottom, x2: width, y2: height - bottom, "class": "axis" }));
+    var slot = width / HISTORY;
+    var legend = $("adaptive-legend");
+    legend.textContent = "";
+    paths.forEach(function (path, index) {
+      var color = LINE_COLORS[index % LINE_COLORS.length];
+      [0, 1].forEach(function (series) {
+        var points = [];
+        adaptiveHistory.forEach(function (point, i) {
+          if (!point[path]) { return; }
+          var x = width - (adaptiveHistory.length - i - 0.5) * slot;
+          var y = height - bottom - (point[path][series] / max) * plot;
+          points.push(x.toFixed(1) + "," + y.toFixed(1));
+        });
+        var line = svg("polyline", { points: points.join(" "), fill: "none", stroke: color,
+          "stroke-width": 2, "stroke-dasharray": series ? "4 3" : "none" });
+        line.dataset.path = path;
+        line.dataset.series = series ? "inflight" : "limit";
+        chart.appendChild(line);
+      });
+      var last = adaptiveHistory[adaptiveHistory.length - 1][path];
+      var item = el("span");
+      item.dataset.adaptive = path;
+      var swatch = el("i");
+      swatch.style.background = color;
+      item.appendChild(swatch);
+      item.appendChild(document.createTextNode(path + ": limit " + fmt(last[0]) + ", in flight " + fmt(last[1])));
+      legend.appendChild(item);
+    });
+    var label = svg("text", { x: 2, y: top + 2 });
+    label.textContent = "max " + max;
+    chart.appendChild(label);
+    var box = $("adaptive-chart");
+    box.textContent = "";
+    box.appendChild(chart);
+  }
+
   function render(data) {
     $("project").textContent = data.config.project;
     $("backend").textContent = "backend " + data.config.backend;
@@ -313,7 +387,8 @@
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     $("interval").textContent = "(per " + (refreshMs / 1000) + " s)";
     renderCards(data);
-    renderLimits(data.config.limits, data.inflight);
+    renderLimits(data.config.limits, data.inflight, data.stats.adaptive);
+    renderAdaptive(recordAdaptive(data.stats.adaptive, data.inflight));
     recordHistory(data.stats.counters);
     renderChart();
     renderRejections(data.stats.counters);
