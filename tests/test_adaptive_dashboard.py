@@ -4,7 +4,6 @@ limit over time next to in-flight."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import urllib.request
@@ -12,12 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from werkzeug.middleware.dispatcher import DispatcherMiddleware
 from werkzeug.serving import make_server
 
-from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.status import StatusApp
-from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS, TOKEN, HeldApp, _chromium_or_skip
+from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS, TOKEN, Site, _chromium_or_skip
 
 LIMITS = {
     "shop": {"concurrency": 20},
@@ -25,62 +23,28 @@ LIMITS = {
 }
 
 
-class AdaptiveSite:
-    """The held app under an adaptive limit on a loopback server, dashboard at /gatekeeper."""
-
-    def __init__(self) -> None:
-        self.app = HeldApp()
-        self.keeper = GateKeeper({"project": "shop", "limits": LIMITS})
-        wsgi = DispatcherMiddleware(
-            GateKeeperMiddleware(self.app, self.keeper),
-            {"/gatekeeper": StatusApp(self.keeper, token=TOKEN, refresh_seconds=0.25)},
-        )
-        self.server = make_server("127.0.0.1", 0, wsgi, threaded=True)
-        self.port = self.server.server_port
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.clients: list[threading.Thread] = []
-
-    def get(self, path: str) -> Any:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}", headers={"Authorization": f"Bearer {TOKEN}"}
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
-
-    def hold(self, path: str) -> None:
-        def call() -> None:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30).read()
-
-        thread = threading.Thread(target=call, daemon=True)
-        thread.start()
-        self.clients.append(thread)
-        assert self.app.entered.acquire(timeout=30), f"{path} never reached the app"
-
-    def close(self) -> None:
-        self.app.release.set()
-        for thread in self.clients:
-            thread.join(30)
-        self.server.shutdown()
-        self.thread.join(30)
-        self.keeper.close()
+def get(site: Site, path: str) -> Any:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{site.port}{path}", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
 
 
 @pytest.fixture
-def site() -> Iterator[AdaptiveSite]:
-    """A running site with an adaptive limit; released and stopped afterwards."""
-    running = AdaptiveSite()
+def site() -> Iterator[Site]:
+    """The dashboard's test site with an adaptive limit; released and stopped afterwards."""
+    running = Site(LIMITS)
     try:
         yield running
     finally:
         running.close()
 
 
-def test_status_json_describes_the_adaptive_limit(site: AdaptiveSite) -> None:
+def test_status_json_describes_the_adaptive_limit(site: Site) -> None:
     """status.json names the algorithm and bounds, and its stats carry the current limit."""
     site.hold("/checkout")
-    payload = site.get("/gatekeeper/status.json")
+    payload = get(site, "/gatekeeper/status.json")
     summary = next(lim for lim in payload["config"]["limits"] if lim["path"] == "shop/checkout")
     assert summary["adaptive"] == {"algorithm": "vegas", "min": 1, "max": 1000, "initial": 2}
     assert payload["stats"]["adaptive"]["shop/checkout"]["limit"] == 2
@@ -88,7 +52,7 @@ def test_status_json_describes_the_adaptive_limit(site: AdaptiveSite) -> None:
     assert plain["adaptive"] is None
 
 
-def test_dashboard_draws_the_current_limit_and_its_line(site: AdaptiveSite) -> None:
+def test_dashboard_draws_the_current_limit_and_its_line(site: Site) -> None:
     """Two held requests fill the adaptive limit of 2: the meter says 2 / 2 (not / 1000)
     and the adaptive chart shows a limit line and an in-flight line with the values."""
     sync_api = _chromium_or_skip()

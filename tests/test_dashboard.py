@@ -70,12 +70,13 @@ class Site:
     """The demo site on a real loopback server: the app under the middleware, the
     dashboard mounted at /gatekeeper."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: dict[str, Any] | None = None) -> None:
         self.app = HeldApp()
         self.keeper = GateKeeper(
             {
                 "project": "shop",
-                "limits": {
+                "limits": limits
+                or {
                     "shop": {"concurrency": 20},
                     "shop/checkout": {"concurrency": 2},
                     "shop/login/*": {"concurrency": 3, "rate": "100/minute"},
