@@ -297,3 +297,13 @@ def test_a_backend_that_cannot_adapt_says_so(
         "shop/a" in record.getMessage() and "adaptive.max" in record.getMessage()
         for record in caplog.records
     )
+
+
+def test_a_spray_of_keys_keeps_adaptive_state_bounded(clock: FakeClock) -> None:
+    """50 000 callers on `shop/a/*` = auto with max_keys 50: at most 50 controllers are
+    kept and reported; evicted keys take theirs along."""
+    gk = keeper(clock, {"shop/a/*": {"concurrency": "auto", "max_keys": 50}})
+    for index in range(50_000):
+        gk.admit("shop", "a", f"spray{index}").release(200)
+    assert len(gk.stats()["adaptive"]) <= 50
+    assert busy(gk) == {}

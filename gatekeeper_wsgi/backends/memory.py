@@ -144,6 +144,8 @@ class MemoryBackend(Backend):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[str, _Counter] = {}
+        # The controllers of adaptive limits' counters, so reports need not scan every key.
+        self._gauges: dict[str, Controller] = {}
         # Wildcard limits: the concrete keys each one tracks (max_keys), in CLOCK order:
         # eviction looks at the front and moves the keys it passes over to the back.
         self._wild: dict[str, OrderedDict[str, _Counter]] = {}
@@ -268,15 +270,14 @@ class MemoryBackend(Backend):
                         return Denial(index, "rate", window[first] - cutoff, 0)
         return None
 
-    @staticmethod
-    def _gauge(key: str, counter: _Counter, limit: Limit, now: float) -> Controller:
+    def _gauge(self, key: str, counter: _Counter, limit: Limit, now: float) -> Controller:
         """The controller of an adaptive limit's counter, made on first use and kept in
         step with a reloaded ``adaptive`` table."""
         spec = limit.adaptive
         assert spec is not None
         gauge = counter.gauge
         if gauge is None:
-            gauge = counter.gauge = Controller(spec, now, key=key)
+            gauge = counter.gauge = self._gauges[key] = Controller(spec, now, key=key)
         elif gauge.spec is not spec:
             gauge.respec(spec)
         return gauge
@@ -293,11 +294,7 @@ class MemoryBackend(Backend):
 
     def adaptive(self) -> dict[str, dict[str, float | int]]:
         with self._lock:
-            return {
-                key: counter.gauge.report()
-                for key, counter in self._counters.items()
-                if counter.gauge is not None
-            }
+            return {key: gauge.report() for key, gauge in self._gauges.items()}
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:
         counter = self._counters.get(key)
@@ -365,6 +362,7 @@ class MemoryBackend(Backend):
                 move(key)
         del table[victim]
         self._counters.pop(victim, None)
+        self._gauges.pop(victim, None)
 
     def _soonest(self, counter: _Counter, now: float) -> float:
         """Seconds until a delayed release of this counter matures; 0 when none is held
