@@ -385,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     statics = [results[way] for way in ways if way.startswith("static:")]
     best = max(statics, key=lambda result: result.goodput)
+    exact = results[f"static:{CAPACITY}"]
     say()
+    say(
+        f"static:{CAPACITY} never queues at the backend, so its p99 "
+        f"({exact.p99 / base:.2f} x unloaded) is what this machine adds by itself."
+    )
     say(f"Best static limit by goodput: {best.way} ({best.goodput:.0f}/s).")
     for algorithm in ALGORITHMS:
         result = results[f"auto:{algorithm}"]
