@@ -1,15 +1,25 @@
-"""The WSGI middleware: admit, run the app, release when the response is closed.
+"""The WSGI middleware: admit, run the app, release when the response is done.
 
-Release follows PEP 3333: the server calls ``close()`` on the returned iterable after the
-body is sent or when the client went away, so that is where the slots come back -
-including streamed responses, generators that raise, responses never iterated, apps that
-raise before or after ``start_response``. Each admission is released exactly once.
+Release follows PEP 3333 and SPEC §4.2: the slots come back when the returned iterable is
+exhausted or when the server calls its ``close()`` (after the body is sent, or when the
+client went away), whichever comes first - so a client's next request never meets its own
+previous one, even under servers that close only after writing their access log. As a
+last resort a response dropped without ``close()`` (test clients) releases when it is
+garbage collected. This covers streamed responses, generators that raise, responses never
+iterated, apps that raise before or after ``start_response``. Each admission is released
+exactly once, and the app's own ``close()`` is called exactly once, by the server's.
+
+This module also holds the kernel the framework plugins share: :class:`Gate` (admit and
+answer a rejection) and :class:`ResponseWatch` (watch a response, release it once, with
+the garbage-collection safety net); the Django middleware reuses both.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gatekeeper_wsgi.engine import Admission, ConfigSource, GateKeeper
@@ -41,9 +51,13 @@ Identify = Callable[["WSGIEnvironment"], "tuple[str, str] | None"]
 
 class ResponseWatch:
     """Watches one response for the signs of a faulty backend (SPEC §3): an exception, a
-    5xx status, or a timeout marker in the status, a header or the body's first 64 KiB.
+    5xx status, or a timeout marker in the status, a header or the body's first 64 KiB;
+    and releases its admission once.
 
-    Framework plugins feed it what they see and call :meth:`finish` once.
+    Framework plugins feed it what they see and call :meth:`finish`; whoever holds the
+    response holds the watch, so a response dropped without ``close()`` finishes it when
+    it is garbage collected (``__del__``: cheaper per request than ``weakref.finalize``).
+    Finishing twice does nothing.
     """
 
     __slots__ = ("_scanned", "_tail", "admission", "faulty", "status")
@@ -98,18 +112,80 @@ class ResponseWatch:
         """Release the admission (after its delay when the response was faulty)."""
         self.admission.release(self.status, faulty=self.faulty)
 
+    def __del__(self) -> None:
+        # The safety net: nothing closed the response. An exception here could only be
+        # printed as "Exception ignored", and the backend's own expiry still frees the
+        # slots, so none escapes.
+        try:
+            admission = self.admission
+            if not admission.released:
+                admission.release(self.status, faulty=self.faulty)
+        except Exception:
+            pass
+
+    def stream(
+        self, content: Iterable[bytes], *, finish_on_error: bool, length: int | None = None
+    ) -> Iterator[bytes]:
+        """``content`` passed through, scanned for a body marker; finished when exhausted,
+        or - when the body's ``length`` is known - as soon as that many bytes were handed
+        out: a client reading a body of known size sees its end before the server asks
+        for more (or closes), and its next request, on another thread, must fit.
+
+        Iterated with ``for``, not ``yield from``: closing this generator (a server
+        dropping it when the client went away) must not close ``content`` as well - its
+        ``close()`` is called once, by whoever closes the response. An error mid-stream
+        is faulty; with ``finish_on_error`` it also releases at once (for a server that
+        skips ``close()`` when the stream raises).
+        """
+        scans = self.admission.route.timeout_body is not None
+        left = -1 if length is None else length
+        try:
+            for chunk in content:  # not `yield from`: see the docstring
+                if scans:
+                    self.chunk(chunk)
+                if left >= 0:
+                    left -= len(chunk)
+                    if left <= 0:
+                        left = -1
+                        self.finish()
+                yield chunk
+        except GeneratorExit:  # closed early: the client went away
+            raise
+        except BaseException:
+            self.faulty = True
+            if finish_on_error:
+                self.finish()
+            raise
+        self.finish()
+
+    async def astream(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The async form of :meth:`stream` (with ``finish_on_error``)."""
+        try:
+            async for chunk in content:
+                self.chunk(chunk)
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except BaseException:
+            self.faulty = True
+            self.finish()
+            raise
+        self.finish()
+
 
 class _WatchedResponse(ResponseWatch):
-    """The app's response iterable, watched, with release on ``close()``.
+    """The app's response iterable, watched, released when exhausted or closed.
 
     One object per request serves as the ``start_response`` wrapper, the iterable and
     the closer. ``close()`` forwards to the inner iterable inside try/finally, so the
     slots come back even when the inner ``close()`` raises.
     """
 
-    # Set by GateKeeperMiddleware.call_app: the server's start_response, then the app's
-    # iterable (no __init__ of its own, which would cost a super() call per request).
-    __slots__ = ("_inner", "_start_response")
+    # Set by GateKeeperMiddleware.call_app: the server's start_response, the headers
+    # (empty until start_response), then the app's iterable (no __init__ of its own,
+    # which would cost a super() call per request).
+    __slots__ = ("_headers", "_inner", "_start_response")
+    _headers: list[tuple[str, str]] | tuple[()]
     _inner: Iterable[bytes]
     _start_response: StartResponse
 
@@ -125,21 +201,16 @@ class _WatchedResponse(ResponseWatch):
             self.faulty = False
         else:
             self.headers(code, headers)
+        self._headers = headers
         return self._start_response(status, headers, exc_info)
 
     def __iter__(self) -> Iterator[bytes]:
-        try:
-            if self.admission.route.timeout_body is not None:
-                for chunk in self._inner:
-                    self.chunk(chunk)
-                    yield chunk
-            else:
-                yield from self._inner
-        except GeneratorExit:
-            raise
-        except BaseException:
-            self.faulty = True
-            raise
+        inner = self._inner
+        if type(inner) is list:
+            length: int | None = sum(map(len, inner))
+        else:
+            length = _declared_length(self._headers)
+        return self.stream(inner, finish_on_error=False, length=length)
 
     def close(self) -> None:
         try:
@@ -148,6 +219,32 @@ class _WatchedResponse(ResponseWatch):
                 close()
         finally:
             self.admission.release(self.status, faulty=self.faulty)
+
+
+class _SizedWatchedResponse(_WatchedResponse):
+    """A watched response around a sized iterable (a list): ``len()`` stays visible, so
+    servers still add ``Content-Length`` to a one-element body (wsgiref, waitress)."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+
+# Content-Length as apps spell it; another spelling only means the slots come back when
+# the body is exhausted rather than when its last byte is handed out.
+_CONTENT_LENGTH = frozenset(("Content-Length", "content-length", "Content-length"))
+
+
+def _declared_length(headers: Iterable[tuple[str, str]]) -> int | None:
+    """The Content-Length an app declared, or None (none, or not a plain number)."""
+    for name, value in headers:
+        if name in _CONTENT_LENGTH:
+            # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
+            if value.isascii() and value.isdigit() and len(value) <= 18:
+                return int(value)
+            return None
+    return None
 
 
 # Status line -> code: a few distinct lines, parsed once (int() on each one is measurable).
@@ -299,30 +396,55 @@ class GateKeeperMiddleware:
     def call_app(
         self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
     ) -> Iterable[bytes]:
-        """Run the app for an admitted request; the admission is released on close."""
+        """Run the app for an admitted request; the admission is released when the
+        response is exhausted or closed (or, failing both, garbage collected)."""
         response = _WatchedResponse(admission)
         response._start_response = start_response
+        response._headers = ()
+        file_wrapper = environ.get("wsgi.file_wrapper")
+        made: list[object] | None = None
+        if file_wrapper is not None and not isinstance(file_wrapper, type):
+            # A function-style file_wrapper (uWSGI's returns the very file it is given, and
+            # sends it with sendfile only if the app returns that object): what it made is
+            # recorded, so that object can be recognised and handed back untouched.
+            made = []
+            environ["wsgi.file_wrapper"] = _recording(file_wrapper, made)
         try:
-            response._inner = self.app(environ, response.start_response)
+            result = response._inner = self.app(environ, response.start_response)
         except BaseException:
             admission.release(response.status, faulty=True)
             raise
-        result = response._inner
-        file_wrapper = environ.get("wsgi.file_wrapper")
-        if (
-            file_wrapper is not None
-            and isinstance(file_wrapper, type)
-            and isinstance(result, file_wrapper)
-            and admission.route.timeout_body is None
-            and _hook_close(result, response)
-        ):
-            # Handed back untouched, so the server can still send the file efficiently.
-            return result
+        if file_wrapper is not None and admission.route.timeout_body is None:
+            if made is None:
+                is_file = isinstance(result, file_wrapper)
+            else:
+                environ["wsgi.file_wrapper"] = file_wrapper
+                is_file = any(result is each for each in made)
+            if is_file and _hook_close(result, response):
+                # Handed back untouched, so the server can still send the file efficiently;
+                # the hook holds the watch, which so lives (and is collected) with `result`.
+                response._inner = ()
+                return result
+        if type(result) is list or hasattr(result, "__len__"):
+            response.__class__ = _SizedWatchedResponse
         return response
 
 
+def _recording(file_wrapper: Callable[..., Any], made: list[object]) -> Callable[..., Any]:
+    """``file_wrapper``, remembering in ``made`` what it returned."""
+
+    def wrap(filelike: Any, *args: Any, **kwargs: Any) -> Any:
+        result = file_wrapper(filelike, *args, **kwargs)
+        made.append(result)
+        return result
+
+    return wrap
+
+
 def _hook_close(result: Any, watch: ResponseWatch) -> bool:
-    """Make a ``wsgi.file_wrapper`` object release on close; False if it cannot be done."""
+    """Make a ``wsgi.file_wrapper`` object release on close (or, an object whose
+    ``close`` cannot be replaced - a plain file - when it is collected, as a server drops
+    it right after closing it); False if neither can be done."""
     inner_close = getattr(result, "close", None)
 
     def close() -> None:
@@ -335,5 +457,8 @@ def _hook_close(result: Any, watch: ResponseWatch) -> bool:
     try:
         result.close = close
     except AttributeError:
-        return False
+        try:
+            weakref.finalize(result, watch.finish)
+        except TypeError:
+            return False
     return True

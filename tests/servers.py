@@ -246,15 +246,19 @@ class Gunicorn:
     ) -> None:
         self.stop()
 
-    def start(self) -> None:
-        """Start gunicorn and wait until it accepts connections; if it exits or never
-        listens, stop it and fail with its log."""
-        command = [
+    def command(self) -> list[str]:
+        """The server's command line."""
+        return [
             sys.executable, "-m", "gunicorn",
             "--bind", f"127.0.0.1:{self.port}",
             *own_control_socket(self.workdir),
             *self.args,
         ]  # fmt: skip
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections; if it exits or never
+        listens, stop it and fail with its log."""
+        command = self.command()
         with self.log.open("wb") as output:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, env=self.env, stdout=output, stderr=subprocess.STDOUT
@@ -263,10 +267,10 @@ class Gunicorn:
         try:
             wait_until(lambda: process.poll() is not None or listening(self.port))
             if process.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {process.returncode}")
+                raise RuntimeError(f"{command[0]} exited with {process.returncode}")
         except (TimeoutError, RuntimeError) as exc:
             self.stop()
-            raise RuntimeError(f"gunicorn did not start:\n{self.log.read_text()}") from exc
+            raise RuntimeError(f"{command} did not start:\n{self.log.read_text()}") from exc
 
     def stop(self) -> None:
         """Terminate gunicorn (gracefully, killed if it takes longer than the deadline)."""
@@ -310,3 +314,33 @@ class Gunicorn:
         deadline)."""
         found = wait_until(lambda: (doc,) if condition(doc := self.json(path)) else None)
         return found[0]
+
+
+class Waitress(Gunicorn):
+    """A real waitress process, used like :class:`Gunicorn`; ``args`` are its options,
+    then the app (``module:app``, importable through ``PYTHONPATH`` in ``env``)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "waitress", f"--listen=127.0.0.1:{self.port}", *self.args]
+
+
+def uwsgi_binary() -> str | None:
+    """The ``uwsgi`` of this interpreter's environment, if it is installed."""
+    found = Path(sys.executable).parent / "uwsgi"
+    return str(found) if found.exists() else None
+
+
+class UWSGI(Gunicorn):
+    """A real uWSGI speaking HTTP itself (``--http-socket``: no keep-alive, so it says
+    ``Connection: close``), one process; ``args`` are its options (``--module``...)."""
+
+    def command(self) -> list[str]:
+        binary = uwsgi_binary()
+        assert binary is not None, "uwsgi is not installed"
+        return [
+            binary, "--http-socket", f"127.0.0.1:{self.port}",
+            "--add-header", "Connection: close",
+            "--virtualenv", sys.prefix, "--chdir", str(ROOT),
+            "--master", "--processes", "1", "--die-on-term", "--need-app",
+            "--disable-logging", *self.args,
+        ]  # fmt: skip

@@ -255,12 +255,13 @@ HOLD = {"project": "shop", "limits": {"shop": {"concurrency": 2}}}
 def another_request_in_flight(mw: GateKeeperMiddleware) -> Iterator[GateKeeperMiddleware]:
     """Runs the block with ``mw`` while a second request on the same limit stays open, so a
     double release would show as its slot disappearing; afterwards every count is zero."""
-    held = start(mw, "/held")
+    # Called, not yet read: a body handed out whole would already be released.
+    held, _ = serve(mw, "/held")
     assert busy(mw.gatekeeper) == {"shop": 1}
     try:
         yield mw
     finally:
-        held.close()
+        held.close()  # type: ignore[attr-defined]
     assert all_zero(mw.gatekeeper)
 
 
@@ -583,15 +584,16 @@ def test_list_body_released_on_close_once(make: Any) -> None:
         assert_released_once(mw)
 
 
-def test_streamed_generator_released_on_close_once(make: Any) -> None:
-    """A streamed body holds its slot while it streams; close frees it, and the generator."""
+def test_streamed_generator_released_on_exhaustion_once(make: Any) -> None:
+    """A streamed body holds its slot while it streams; read to its end it frees it (SPEC
+    §4.2: exhausted or closed, whichever first), and the later close frees nothing more."""
     app = Streaming()
     with another_request_in_flight(make(app, HOLD)) as mw:
         response = start(mw, "/case")
         assert app.produced == 1
         assert_holding(mw)
         assert response.get_data() == b"one two three"
-        assert_holding(mw)
+        assert_released_once(mw)
         response.close()
         assert app.finished
         assert_released_once(mw)
@@ -702,8 +704,9 @@ def test_start_response_with_exc_info_releases_once(make: Any) -> None:
         assert recorder.calls == 2
         assert recorder.status == "500 Internal Server Error"
         assert recorder.headers == [("X-Error", "1")]
-        assert drain(result, recorder) == b"sorry"
         assert_holding(mw)
+        assert drain(result, recorder) == b"sorry"
+        assert_released_once(mw)  # exhausted
         result.close()  # type: ignore[attr-defined]
         assert_released_once(mw)
 
@@ -772,8 +775,8 @@ def test_inner_close_raising_still_releases_once(make: Any) -> None:
         return inner
 
     with another_request_in_flight(make(app, HOLD)) as mw:
-        result, recorder = serve(mw, "/case")
-        assert drain(result, recorder) == b"data"
+        # Closed unread (a client gone), so it is close() that must release.
+        result, _ = serve(mw, "/case")
         assert_holding(mw)
         with pytest.raises(CloseError) as raised:
             result.close()  # type: ignore[attr-defined]
@@ -824,6 +827,45 @@ def test_file_wrapper_passes_through_and_releases_on_close(make: Any) -> None:
         assert_released_once(mw)
 
 
+def uwsgi_style_file_wrapper(filelike: Any, block_size: int = 8192) -> Any:
+    """A function-style file_wrapper, as uWSGI's: it returns the file itself, and the
+    server sends it with sendfile only when the app hands back that very object."""
+    return filelike
+
+
+def test_function_file_wrapper_passes_through_and_releases(make: Any) -> None:
+    """A function-style file_wrapper's object (a plain file, whose close() cannot be
+    replaced) reaches the server untouched; the slot comes back once the server closes
+    and drops it, once; the app sees the server's function again afterwards."""
+    app = FileApp()
+    with another_request_in_flight(make(app, HOLD)) as mw:
+        file = io.BytesIO(b"file contents")
+        environ = file_environ(file, uwsgi_style_file_wrapper)  # type: ignore[arg-type]
+        result = mw(environ, StartResponseRecorder())
+        assert result is file
+        assert environ["wsgi.file_wrapper"] is uwsgi_style_file_wrapper
+        assert_holding(mw)
+        assert b"".join(result) == b"file contents"
+        result.close()  # type: ignore[attr-defined]
+        del result, file, environ
+        app.returned.clear()
+        assert_released_once(mw)
+
+
+def test_function_file_wrapper_does_not_pass_other_results_through(make: Any) -> None:
+    """With a function-style file_wrapper, a body the wrapper did not make is watched as
+    any other: released when read to its end."""
+    with another_request_in_flight(make(ok_app, HOLD)) as mw:
+        environ = file_environ(io.BytesIO(b""), uwsgi_style_file_wrapper)  # type: ignore[arg-type]
+        environ["PATH_INFO"] = "/other"
+        recorder = StartResponseRecorder()
+        result = mw(environ, recorder)
+        assert not isinstance(result, list)
+        assert_holding(mw)
+        assert drain(result, recorder) == b"hello world"
+        assert_released_once(mw)
+
+
 def test_file_wrapper_through_client_releases_once(make: Any) -> None:
     """A file_wrapper response read by the Client is complete and frees its slot on close."""
     with another_request_in_flight(make(FileApp(), HOLD)) as mw:
@@ -860,8 +902,8 @@ def test_file_wrapper_that_cannot_be_hooked_is_still_released(make: Any) -> None
         file = io.BytesIO(b"abcdefgh")
         recorder = StartResponseRecorder()
         result = mw(file_environ(file, SlottedWrapper), recorder)
-        assert drain(result, recorder) == b"abcdefgh"
         assert_holding(mw)
+        assert drain(result, recorder) == b"abcdefgh"
         result.close()  # type: ignore[attr-defined]
         assert file.closed
         assert_released_once(mw)
@@ -1342,8 +1384,9 @@ def test_login_limit_counts_only_failed_logins(make: Any, clock: FakeClock) -> N
 
 def test_login_limit_reserves_places_for_responses_in_flight(make: Any) -> None:
     """Logins in flight reserve places; an uncounted status gives its place back on close."""
+    # Called, not yet read (a body handed out whole is released at once).
     mw = make(login_app, LOGIN)
-    pending = [start(mw, "/login?password=guess") for _ in range(5)]
+    pending: list[Any] = [serve(mw, "/login?password=guess")[0] for _ in range(5)]
     assert fetch(mw, "/login?password=guess").status_code == 429
     for response in pending[:2]:
         response.close()  # 401: counted
@@ -1354,7 +1397,7 @@ def test_login_limit_reserves_places_for_responses_in_flight(make: Any) -> None:
     assert fetch(mw, "/login?password=guess").status_code == 429
 
     mw = make(login_app, LOGIN)
-    pending = [start(mw, "/login?password=secret") for _ in range(5)]
+    pending = [serve(mw, "/login?password=secret")[0] for _ in range(5)]
     assert fetch(mw, "/login?password=secret").status_code == 429
     for response in pending:
         response.close()  # 200: not counted, places come back
@@ -1923,3 +1966,17 @@ def test_conformance_count_statuses(backend_app: Any) -> None:
     assert fetch(mw, "/login").status_code == 401
     assert fetch(mw, "/login?password=secret").status_code == 429
     assert all_zero(mw.gatekeeper)
+
+
+def test_sized_body_keeps_its_len_and_unsized_has_none(make: Any) -> None:
+    """A list body keeps len() behind the middleware (servers add Content-Length for a
+    one-element body); a generator body offers no len() a server could trip over."""
+    mw = make(ok_app, HOLD)
+    result, recorder = serve(mw, "/")
+    assert len(result) == 2  # type: ignore[arg-type]  # ok_app answers two chunks
+    drain(result, recorder)
+    streamed, recorder = serve(make(Streaming(), HOLD), "/")
+    assert not hasattr(streamed, "__len__")
+    drain(streamed, recorder)
+    streamed.close()  # type: ignore[attr-defined]
+    result.close()  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.core.signals import setting_changed
@@ -81,18 +81,23 @@ def _resolve_names(path: str, urlconf: Any) -> tuple[str | None, str] | None:
     return project, service_segment(match.url_name or _view_path(match.func))
 
 
-class _ReleaseWhenCollected:
-    """Finishes a watch when the response holding it is garbage collected: the safety net
-    for servers (and ASGI cancellations) that drop a response unclosed. Cheaper per
-    request than ``weakref.finalize``; finishing twice does nothing."""
+class _ReleasedWhenRead(list):  # type: ignore[type-arg]
+    """A non-streamed body (``HttpResponse._container``) that releases once read whole.
+
+    The server iterates the response (Django's ``__iter__`` iterates this list) or the
+    ASGI handler reads ``content`` (``b"".join`` iterates a list subclass too), after
+    this middleware, the outermost, has returned: so the slots come back when the body is
+    handed out, before the server's ``close()`` - as the core middleware does - and a
+    client's next request never meets its own previous one.
+    """
 
     __slots__ = ("watch",)
+    watch: ResponseWatch
 
-    def __init__(self, watch: ResponseWatch) -> None:
-        self.watch = watch
-
-    def __del__(self) -> None:
-        self.watch.finish()
+    def __iter__(self) -> Iterator[bytes]:
+        chunks = list.__iter__(self)
+        length = sum(map(len, list.__iter__(self)))
+        return self.watch.stream(chunks, finish_on_error=True, length=length)
 
 
 def _username(request: Any) -> str | None:
@@ -100,40 +105,6 @@ def _username(request: Any) -> str | None:
     if user is None or not getattr(user, "is_authenticated", False):
         return None
     return str(user.get_username())
-
-
-def _watched(content: Iterable[bytes], watch: ResponseWatch) -> Iterator[bytes]:
-    """Streamed content, scanned for a timeout marker; an error mid-stream is faulty and
-    releases at once."""
-    try:
-        if watch.scans_body:
-            for chunk in content:
-                watch.chunk(chunk)
-                yield chunk
-        else:
-            yield from content
-    except GeneratorExit:  # closed early: the client went away
-        raise
-    except BaseException:
-        watch.error()
-        # The response is dead; release now rather than trust a close() that Django's
-        # ASGI handler skips when a stream raises.
-        watch.finish()
-        raise
-
-
-async def _awatched(content: AsyncIterator[bytes], watch: ResponseWatch) -> AsyncIterator[bytes]:
-    """The async twin of :func:`_watched`."""
-    try:
-        async for chunk in content:
-            watch.chunk(chunk)
-            yield chunk
-    except (GeneratorExit, asyncio.CancelledError):
-        raise
-    except BaseException:
-        watch.error()
-        watch.finish()
-        raise
 
 
 class GateKeeperMiddleware:
@@ -171,8 +142,10 @@ class GateKeeperMiddleware:
     later - so for per-user limits authenticate at the server (``REMOTE_USER``) or derive
     the caller with ``caller.resolver`` (e.g. from a token header) and key by ``caller``.
 
-    **Release.** The slots come back when the server closes Django's response (a
-    closer on ``response._resource_closers``), whatever the response: streamed
+    **Release.** Through the core's release path (:class:`ResponseWatch`): the slots
+    come back when the response's body is read to its end or the server closes it,
+    whichever is first (a closer on ``response._resource_closers``), whatever the
+    response: streamed
     (``StreamingHttpResponse`` content is wrapped, so timeout markers are scanned as it
     streams and an error mid-stream counts as faulty), ``FileResponse`` (passed through
     untouched, keeping ``wsgi.file_wrapper``, unless a body marker must be scanned),
@@ -254,14 +227,24 @@ class GateKeeperMiddleware:
         watch.headers(response.status_code, response.items())
         if response.streaming:
             if getattr(response, "file_to_stream", None) is None or watch.scans_body:
+                # An error mid-stream releases at once: Django's ASGI handler skips
+                # close() when a stream raises.
                 if response.is_async:
-                    response.streaming_content = _awatched(response.streaming_content, watch)
+                    response.streaming_content = watch.astream(response.streaming_content)
                 else:
-                    response.streaming_content = _watched(response.streaming_content, watch)
-        elif watch.scans_body:
-            watch.chunk(response.content)
+                    response.streaming_content = watch.stream(
+                        response.streaming_content, finish_on_error=True
+                    )
+        else:
+            if watch.scans_body:
+                watch.chunk(response.content)
+            container = getattr(response, "_container", None)
+            if type(container) is list:  # an HttpResponse's (not a custom class's)
+                response._container = body = _ReleasedWhenRead(container)
+                body.watch = watch
+        # The closer holds the watch, so a response dropped without close() finishes it
+        # when collected (ResponseWatch's safety net).
         response._resource_closers.append(watch.finish)
-        response._gatekeeper_release = _ReleaseWhenCollected(watch)
 
     def _reject(
         self, request: Any, rejected: Rejected, gate: Gate, identifier: Identifier

@@ -1,0 +1,100 @@
+"""Apps for the PEP 3333 tests under real servers: the core middleware at concurrency 1
+around a bare WSGI app (``bare``) and around a Flask app (``flask_app``, through the Flask
+extension).
+
+The observer: every inner ``close()`` (the bare body's, Flask's ``call_on_close``) and
+whether a ``wsgi.file_wrapper`` object reached the server untouched is appended as a line
+to the file named by ``GATEKEEPER_TEST_OBSERVED``, so the test counts what really ran.
+
+Paths: ``/one`` a one-element list body; ``/stream`` an endless stream (a client that
+goes away ends it); ``/file`` a file through the server's ``wsgi.file_wrapper``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from flask import Flask, Response
+from gatekeeper_wsgi.contrib.flask import GateKeeper
+
+from gatekeeper_wsgi import GateKeeperMiddleware
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+
+SETTINGS = {"project": "site", "limits": {"site": {"concurrency": 1}}}
+CHUNK = b"x" * 65536
+FILE_BODY = b"file body " * 1000
+
+
+def observed(line: str) -> None:
+    with open(os.environ["GATEKEEPER_TEST_OBSERVED"], "a") as log:
+        log.write(line + "\n")
+
+
+class Endless:
+    """A stream that never ends by itself; counts its close() calls in the observer."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            yield CHUNK
+
+    def close(self) -> None:
+        observed("closed bare")
+
+
+def file_path() -> str:
+    path = os.environ["GATEKEEPER_TEST_OBSERVED"] + ".file"
+    if not os.path.exists(path):
+        with open(path, "wb") as file:
+            file.write(FILE_BODY)
+    return path
+
+
+def inner(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+    path = environ["PATH_INFO"]
+    if path == "/stream":
+        start_response("200 OK", [("Content-Type", "application/octet-stream")])
+        return Endless()
+    if path == "/file":
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        # The server's own file_wrapper, as an app (Flask's send_file) calls it.
+        made = environ["wsgi.file_wrapper"](open(file_path(), "rb"), 8192)  # noqa: SIM115
+        environ["test.made"] = made
+        return made  # type: ignore[no-any-return]
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"hello"]
+
+
+_bare = GateKeeperMiddleware(inner, SETTINGS)
+
+
+def bare(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+    """The middleware around ``inner``, telling the observer whether the file_wrapper
+    object it returned is the very one the app made (the server's fast path)."""
+    result = _bare(environ, start_response)
+    if environ["PATH_INFO"] == "/file":
+        observed(f"passthrough {result is environ.get('test.made')}")
+    return result
+
+
+flask_app = Flask(__name__)
+GateKeeper(flask_app, SETTINGS)
+
+
+@flask_app.get("/one")
+def one() -> str:
+    return "hello"
+
+
+@flask_app.get("/stream")
+def stream() -> Response:
+    def chunks() -> Iterator[bytes]:
+        while True:
+            yield CHUNK
+
+    response = Response(chunks(), mimetype="application/octet-stream")
+    response.call_on_close(lambda: observed("closed flask"))
+    return response

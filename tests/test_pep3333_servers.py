@@ -1,0 +1,171 @@
+"""PEP 3333 exactness under real servers (gunicorn sync and gthread, waitress, and uWSGI
+where it is installed): a client's strictly sequential requests at concurrency 1 are never
+refused by its own previous one (slots come back when the body is exhausted, before the
+server's close()); the app's close() runs exactly once when a client disconnects; a
+one-element body keeps its automatic Content-Length; uWSGI's function-style
+``wsgi.file_wrapper`` still gets its own object back (its sendfile fast path)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+import pytest
+
+from tests.apps import pep3333_app
+from tests.servers import DEADLINE, UWSGI, Gunicorn, Waitress, uwsgi_binary, wait_until
+
+pytestmark = pytest.mark.slow
+
+APPS = str(Path(__file__).parent / "apps")
+
+needs_uwsgi = pytest.mark.skipif(uwsgi_binary() is None, reason="uwsgi is not installed")
+
+
+def start_server(kind: str, app: str, workdir: Path) -> Gunicorn:
+    """A real server of ``kind`` serving ``pep3333_app:<app>``, its observer in workdir."""
+    env = {"GATEKEEPER_TEST_OBSERVED": str(workdir / "observed"), "PYTHONPATH": APPS}
+    target = f"pep3333_app:{app}"
+    if kind == "gunicorn-sync":
+        server = Gunicorn(workdir, "--workers", "1", "--pythonpath", APPS, target, env=env)
+    elif kind == "gunicorn-gthread":
+        args = ("--workers", "1", "--threads", "4", "--pythonpath", APPS, target)
+        server = Gunicorn(workdir, *args, env=env)
+    elif kind == "waitress":
+        server = Waitress(workdir, "--threads=4", target, env=env)
+    else:
+        server = UWSGI(workdir, "--threads", "4", "--module", target, env=env)
+    server.start()
+    return server
+
+
+SERVERS = [
+    "gunicorn-sync",
+    "gunicorn-gthread",
+    "waitress",
+    pytest.param("uwsgi", marks=needs_uwsgi),
+]
+
+
+@pytest.fixture(params=SERVERS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=["bare", "flask_app"])
+def app(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def server(kind: str, app: str, tmp_path: Path) -> Iterator[Gunicorn]:
+    server = start_server(kind, app, tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def observed(server: Gunicorn) -> list[str]:
+    path = server.workdir / "observed"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_back_to_back_requests_at_concurrency_1_are_never_refused(server: Gunicorn) -> None:
+    """100 strictly sequential requests, each read to its end before the next is sent, on
+    fresh connections and on one kept-alive connection: every one is admitted."""
+    statuses = [server.request("/one")[0] for _ in range(50)]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    try:
+        for _ in range(50):
+            connection.request("GET", "/one")
+            response = connection.getresponse()
+            assert response.read() == b"hello", (len(statuses), response.headers)
+            statuses.append(response.status)
+            if response.will_close:  # gunicorn's sync worker closes every connection
+                connection.close()
+                connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    finally:
+        connection.close()
+    assert statuses == [200] * 100, statuses
+
+
+def disconnect_mid_stream(server: Gunicorn) -> None:
+    """Start the endless stream, read some of it, then vanish (RST, not a clean close)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE)
+    try:
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        received = 0
+        while received < 200_000:
+            data = sock.recv(65536)
+            assert data, "the server ended the endless stream"
+            received += len(data)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        sock.close()
+
+
+def test_client_disconnect_closes_the_app_once_and_frees_the_slot(
+    server: Gunicorn, app: str
+) -> None:
+    """Three clients vanish mid-stream one after another: the app's close() (Flask's
+    call_on_close) ran exactly once for each, and the slot came back each time."""
+    name = "closed bare" if app == "bare" else "closed flask"
+    for round in range(1, 4):
+        disconnect_mid_stream(server)
+        # At concurrency 1, a 200 means the streaming request was released, which happens
+        # after (and so counts) every close() its server made.
+        wait_until(lambda: server.request("/one")[0] == 200, what="the slot back")
+        assert observed(server) == [name] * round
+
+
+@pytest.mark.parametrize("kind", ["waitress"])
+def test_one_element_body_keeps_content_length_under_waitress(server: Gunicorn) -> None:
+    """waitress still adds Content-Length to a one-element body behind the middleware."""
+    connection, response = server.open("/one")
+    try:
+        assert response.read() == b"hello"
+        assert response.getheader("Content-Length") == "5"
+        assert response.getheader("Transfer-Encoding") is None
+    finally:
+        connection.close()
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_one_element_body_keeps_content_length_under_wsgiref(tmp_path: Path) -> None:
+    """wsgiref's server (a real socket) still adds Content-Length behind the middleware."""
+    os.environ["GATEKEEPER_TEST_OBSERVED"] = str(tmp_path / "observed")
+    httpd = make_server("127.0.0.1", 0, pep3333_app.bare, handler_class=QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", httpd.server_port, timeout=DEADLINE)
+        connection.request("GET", "/one")
+        response = connection.getresponse()
+        assert response.read() == b"hello"
+        assert response.getheader("Content-Length") == "5"
+        connection.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(DEADLINE)
+
+
+@needs_uwsgi
+@pytest.mark.parametrize(("kind", "app"), [("uwsgi", "bare")])
+def test_uwsgi_function_file_wrapper_gets_its_own_object_back(server: Gunicorn) -> None:
+    """Under uWSGI (whose file_wrapper is a function returning the file itself) the app's
+    file reaches the server untouched, is served whole, and its slot comes back."""
+    for _ in range(3):
+        assert server.request("/file") == (200, pep3333_app.FILE_BODY)
+    assert observed(server) == ["passthrough True"] * 3
