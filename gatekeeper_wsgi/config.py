@@ -243,6 +243,13 @@ class Config:
         """The limits indexed by segment: which limit applies to a path, in O(segments)."""
         return LimitIndex(self.limits.values())
 
+    @cached_property
+    def caller_memo(self) -> dict[tuple[str, str, str], Any]:
+        """The caller-level memo of :class:`~gatekeeper_wsgi.resolve.Route` (project,
+        service, request value -> slots and delay): it lives and dies with this
+        configuration, so a reload keeps nothing of the previous one alive."""
+        return {}
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Config):
             return NotImplemented
@@ -321,7 +328,8 @@ class _Checker:
 
     def __init__(self, file: str | None, lines: Mapping[str, int] | None, whole_file: bool) -> None:
         self.file = file
-        self.lines = lines or {}
+        # Not `lines or {}`: a lazy map would locate every key just to say it is not empty.
+        self.lines = lines if lines is not None else {}
         self.whole_file = whole_file
 
     def error(self, key: str, problem: str) -> ConfigError:
@@ -808,11 +816,15 @@ def config_file(source: ConfigSource) -> str | None:
 
 
 def load_config(
-    source: ConfigSource, *, code_limits: Mapping[str, Mapping[str, Any]] | None = None
+    source: ConfigSource,
+    *,
+    code_limits: Mapping[str, Mapping[str, Any]] | None = None,
+    data: bytes | None = None,
 ) -> Config:
     """The validated configuration of a settings dict (with its ``reload.file`` laid over
     it) or of a configuration file, plus limits defined in code (framework decorators),
-    which the settings and the file override path by path. Raises ConfigError."""
+    which the settings and the file override path by path. ``data`` is the file's content
+    when the caller has read it already. Raises ConfigError."""
     if isinstance(source, (str, os.PathLike)):
         settings: Mapping[str, Any] = {}
     elif isinstance(source, Mapping):
@@ -828,7 +840,7 @@ def load_config(
         return build_config(settings)
     from gatekeeper_wsgi.fileformats import load_file
 
-    file_settings, lines = load_file(file)
+    file_settings, lines = load_file(file, data)
     merged = merge_settings(settings, file_settings)
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
 

@@ -7,7 +7,6 @@ plugins all call it; none of them re-implements admission or release.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -15,14 +14,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from gatekeeper_wsgi.backends import backend_from_url
 from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, LimitTotals, Slot
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
-from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, RateInfo, Rejected
+from gatekeeper_wsgi.errors import (
+    BackendError,
+    CapacityError,
+    ConfigError,
+    RateInfo,
+    Rejected,
+    escape_controls,
+)
+from gatekeeper_wsgi.fileformats import read_file
+from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.monitor import Monitor
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
@@ -37,6 +44,9 @@ _ROUTE_CACHE_SIZE = 10_000
 # Seconds after its last change during which a file's contents are compared even when its
 # (mtime, size, inode) stamp is unchanged.
 _FRESH_FILE = 2.0
+# How long content rewritten in place must stay the same before it is swapped in: an
+# editor's truncate-and-write is done long before, a half-written file is not taken.
+_SETTLE_SECONDS = 0.1
 # Whether a perf_counter() reading is also a monotonic() one (see GateKeeper._perf_clock).
 _PERF_IS_MONOTONIC = (
     time.get_clock_info("perf_counter").implementation
@@ -47,6 +57,11 @@ _ERROR_LOG_INTERVAL = 10.0
 # A limit whose keys, leases or window entries ran out is named in a WARNING at most this
 # often (engine clock), however many requests it refuses meanwhile.
 _CAPACITY_LOG_INTERVAL = 60.0
+
+
+def _stamp(status: os.stat_result) -> tuple[int, int, int]:
+    """What tells a file's versions apart without reading it: (mtime ns, size, inode)."""
+    return (status.st_mtime_ns, status.st_size, status.st_ino)
 
 
 class Admission:
@@ -136,7 +151,16 @@ class GateKeeper:
         self.monitor = Monitor()
         self._file_stamp: tuple[int, int, int] | None = None
         self._file_digest = b""
+        # Changed content first seen while it may still be being written:
+        # (stamp, digest, time.monotonic() when seen).
+        self._pending: tuple[tuple[int, int, int], bytes, float] | None = None
+        # The stamp of a path found not to be a readable regular file (a FIFO, a device).
+        self._unreadable: tuple[int, int, int] | None = None
         self.config = self._build()
+        # The inode found at the path by the last check (a rename brings another one).
+        self._seen_inode: int | None = None if self._file_stamp is None else self._file_stamp[2]
+        #: the request helpers (service, caller, request id) of the configuration in force
+        self.identifier = Identifier(self.config)
         self.backend = (
             backend if backend is not None else backend_from_url(self.config.backend, self.config)
         )
@@ -160,16 +184,17 @@ class GateKeeper:
 
     # --- configuration --------------------------------------------------------------------
 
-    def _build(self) -> Config:
-        """Validate settings + code limits + file into a Config; raises ConfigError."""
-        if self._file is not None:
-            # Stamp before reading: a change made meanwhile is seen by the next check.
-            path = Path(self._file)
-            with contextlib.suppress(OSError):
-                stat = path.stat()
-                self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-                self._file_digest = hashlib.blake2b(path.read_bytes()).digest()
-        return load_config(self._source, code_limits=self._code_limits)
+    def _build(self, data: bytes | None = None) -> Config:
+        """Validate settings + code limits + file into a Config; raises ConfigError.
+
+        ``data`` is the file's content as read by the caller; without it the file is read
+        here (start-up, ``add_limits``), only if it is a regular file (``read_file``).
+        """
+        if self._file is not None and data is None:
+            data, status = read_file(self._file)
+            self._file_stamp = _stamp(status)
+            self._file_digest = hashlib.blake2b(data).digest()
+        return load_config(self._source, code_limits=self._code_limits, data=data)
 
     def add_limits(self, limits: Mapping[str, Mapping[str, Any]]) -> None:
         """Add limits defined in code (framework decorators). Settings and the file win
@@ -188,6 +213,9 @@ class GateKeeper:
             )
         self._check_adaptive(config)
         self.config = config
+        # Built here, not on the next request: a helper kept for the old configuration
+        # would keep it alive until then (SPEC §3: nothing keeps it alive once swapped).
+        self.identifier = Identifier(config)
         # Admissions under the old config keep their own Route; new requests re-resolve.
         self._routes = {}
 
@@ -208,51 +236,119 @@ class GateKeeper:
 
     def reload(self) -> bool:
         """Check the configuration file now; returns True if a changed, valid file was
-        swapped in. An invalid file keeps the current configuration (logged, counted)."""
+        swapped in. An invalid file keeps the current configuration (logged, counted).
+
+        Never raises. A file rewritten in place (same inode) within the last
+        ``_SETTLE_SECONDS`` may still be being written: this call then waits that long
+        once (it is not a request's check, which never waits) and swaps it in only if it
+        read the same then; an atomic rename is swapped in at once.
+        """
         with self._reload_lock:
+            if self._reload_file():
+                return True
+            if self._pending is None:
+                return False
+            time.sleep(_SETTLE_SECONDS)
             return self._reload_file()
 
     def _reload_file(self) -> bool:
+        """One check of the file: swap it in if it changed, settled, and is valid."""
         self._requests_since_check = 0
         self._next_check = self._clock() + self.config.reload.every_seconds
         if self._file is None:
             return False
         started = time.perf_counter()
         try:
-            stat = os.stat(self._file)
-            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            # A same-size rewrite within one timestamp tick keeps the stamp: while the
-            # file is that fresh, compare its contents too.
-            if stamp == self._file_stamp and time.time() - stat.st_mtime > _FRESH_FILE:
-                return False
-            digest = hashlib.blake2b(Path(self._file).read_bytes()).digest()
-            if digest == self._file_digest:
-                self._file_stamp = stamp
-                return False
-            config = self._build()
-        except (ConfigError, OSError) as exc:
+            return self._check_file()
+        except Exception as exc:
+            # A file is an input too (SPEC §4.10): whatever it holds, the request that
+            # happened to check it must not fail, and the running configuration stays.
             self.monitor.reload_failed += 1
-            # Remember the stamp, so a broken file is reported once, not on every check.
-            try:
-                stat = os.stat(self._file)
-                self._file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            except OSError:
-                self._file_stamp = None
+            self._pending = None
             logger.error(
                 "gatekeeper: reload of %s failed, keeping the previous configuration: %s",
-                self._file,
-                exc,
+                escape_controls(self._file),
+                exc if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}",
             )
             return False
         finally:
             self.monitor.stages["reload"].record(time.perf_counter() - started)
+
+    def _check_file(self) -> bool:
+        assert self._file is not None
+        try:
+            stamp = _stamp(os.stat(self._file))
+        except OSError as exc:
+            if self._file_stamp is None:
+                return False  # still missing: reported once
+            self._file_stamp = None
+            raise ConfigError(
+                "", f"cannot read file: {exc.strerror or exc}", file=self._file
+            ) from exc
+        # A same-size rewrite within one timestamp tick keeps the stamp: while the file is
+        # that fresh, compare its contents too.
+        if (
+            stamp == self._file_stamp
+            and self._pending is None
+            and time.time() - stamp[0] / 1e9 > _FRESH_FILE
+        ):
+            return False
+        # The stamp kept is the one of what is read (fstat on the opened descriptor),
+        # whatever replaced the path since the stat above.
+        self._file_stamp = stamp
+        seen_inode, self._seen_inode = self._seen_inode, stamp[2]
+        if stamp == self._unreadable:
+            return False  # still the FIFO, device or oversized file reported before
+        try:
+            data, status = read_file(self._file)
+        except ConfigError:
+            # Its stamp is remembered, so it is reported once, then retried when it changes.
+            self._unreadable = stamp
+            raise
+        self._unreadable = None
+        stamp = self._file_stamp = _stamp(status)
+        digest = hashlib.blake2b(data).digest()
+        if digest == self._file_digest:
+            self._pending = None
+            return False
+        if not self._settled(stamp, digest, seen_inode):
+            return False
+        self._pending = None
+        try:
+            config = self._build(data)
+        finally:
+            # Valid or not, this content has been judged: not re-read until it changes.
+            self._file_digest = digest
         changed = config != self.config
         self._swap(config)
         self._next_check = self._clock() + config.reload.every_seconds
         if changed:
             self.monitor.reloads += 1
-            logger.info("gatekeeper: reloaded %s", self._file)
+            logger.info("gatekeeper: reloaded %s", escape_controls(self._file))
         return changed
+
+    def _settled(self, stamp: tuple[int, int, int], digest: bytes, seen_inode: int | None) -> bool:
+        """Whether changed content may be swapped in, or may still be half-written.
+
+        An inode other than the one the previous check found is a file renamed into
+        place (created while that one still existed), complete: the atomic way. Content
+        rewritten in place is taken once its modification time is _SETTLE_SECONDS old,
+        or once a check that long after the first one read the same stamp and digest;
+        until then the next check comes due after _SETTLE_SECONDS, and nobody waits.
+        """
+        if stamp[2] != seen_inode:
+            return True
+        if time.time() - stamp[0] / 1e9 >= _SETTLE_SECONDS:
+            return True
+        now = time.monotonic()
+        pending = self._pending
+        if pending is not None and pending[:2] == (stamp, digest):
+            if now - pending[2] >= _SETTLE_SECONDS:
+                return True
+        else:
+            self._pending = (stamp, digest, now)
+        self._next_check = min(self._next_check, self._clock() + _SETTLE_SECONDS)
+        return False
 
     # --- admission ------------------------------------------------------------------------
 

@@ -223,9 +223,17 @@ def _accept_prefers_xml(accept: str) -> bool | None:
     return None
 
 
+#: How much of an Accept header is parsed: real ones are a few hundred characters, and a
+#: 64 KiB one must cost a fault no more than a short one (nor fill the parse cache).
+ACCEPT_CAP = 1024
+
+
 def _wants_xml(environ: WSGIEnvironment, mimetype: str) -> bool:
     accept = environ.get("HTTP_ACCEPT")
     if isinstance(accept, str) and accept.strip():
+        if len(accept) > ACCEPT_CAP:
+            # Keep whole media ranges only: a range cut in half could read as another type.
+            accept = accept[:ACCEPT_CAP].rpartition(",")[0]
         prefers_xml = _accept_prefers_xml(accept)
         if prefers_xml is not None:
             return prefers_xml

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +30,90 @@ else:
     # Declared as a dependency for 3.10 only, so type checkers on newer Pythons may not see it.
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["load_file"]
+__all__ = ["MAX_FILE_BYTES", "load_file", "read_file"]
 
 
-def load_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
-    """Read a .toml or .properties configuration file into the settings-dict shape of SPEC §3.
+#: The largest configuration file read (SPEC §4.10); a larger one is a ConfigError.
+MAX_FILE_BYTES = 16 * 1024 * 1024
+_SUFFIXES = (".toml", ".properties")
 
-    Returns (settings, lines): lines maps a dotted key to its 1-based line number.
-    """
-    file = str(path)
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".toml", ".properties"):
+
+def _check_suffix(file: str) -> str:
+    suffix = Path(file).suffix.lower()
+    if suffix not in _SUFFIXES:
         shown = repr(suffix) if suffix else "no suffix"
         raise ConfigError(
             "", f"unsupported file type ({shown}): expected .toml or .properties", file=file
         )
+    return suffix
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def read_file(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
+    """The bytes of a configuration file and the ``fstat`` of what was read.
+
+    Only a regular file of at most MAX_FILE_BYTES is read (SPEC §4.10). It is opened
+    non-blocking and checked on the opened descriptor, so a FIFO (which would block
+    ``open`` until a writer comes) or a symlink to ``/dev/zero`` is refused at once, and
+    no swap of the path between a check and the read can change what is read.
+    """
+    file = str(path)
+    _check_suffix(file)
     try:
-        data = Path(path).read_bytes()
+        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError("", f"cannot read file: {exc.strerror or exc}", file=file) from exc
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise ConfigError(
+                "", f"cannot read file: {_kind(status.st_mode)}, not a regular file", file=file
+            )
+        too_big = ConfigError(
+            "", f"cannot read file: larger than {MAX_FILE_BYTES >> 20} MiB", file=file
+        )
+        if status.st_size > MAX_FILE_BYTES:
+            raise too_big
+        chunks = []
+        total = 0
+        # The file may grow while it is read: read one byte past the cap to know.
+        while chunk := os.read(descriptor, min(1 << 20, MAX_FILE_BYTES + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > MAX_FILE_BYTES:
+                raise too_big
+        return b"".join(chunks), status
+    except OSError as exc:
+        raise ConfigError("", f"cannot read file: {exc.strerror or exc}", file=file) from exc
+    finally:
+        os.close(descriptor)
+
+
+def load_file(
+    path: str | os.PathLike[str], data: bytes | None = None
+) -> tuple[dict[str, Any], Mapping[str, int]]:
+    """Read a .toml or .properties configuration file into the settings-dict shape of SPEC §3.
+
+    Returns (settings, lines): lines maps a dotted key to its 1-based line number.
+    ``data`` is the file's content when the caller has read it already (:func:`read_file`).
+    Any problem, however malformed the content, is a ConfigError naming the file.
+    """
+    file = str(path)
+    suffix = _check_suffix(file)
+    if data is None:
+        data, _ = read_file(file)
     try:
         # Notepad and friends write a byte order mark; it is never part of the first key.
         text = data.decode("utf-8-sig")
@@ -55,9 +121,12 @@ def load_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, i
         raise ConfigError(
             "", f"not valid UTF-8: {exc.reason}", file=file, line=_line_of_offset(data, exc.start)
         ) from exc
-    if suffix == ".toml":
-        return _load_toml(text, file)
-    return _load_properties(text, file)
+    try:
+        if suffix == ".toml":
+            return _load_toml(text, file)
+        return _load_properties(text, file)
+    except RecursionError as exc:
+        raise ConfigError("", "nested too deeply", file=file) from exc
 
 
 def _line_of_offset(data: bytes, offset: int) -> int:
@@ -250,10 +319,23 @@ _TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
 _SETTINGS_TABLE = "gatekeeper"
 
 
-def _load_toml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
+def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]:
     try:
         document: dict[str, Any] = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except RecursionError as exc:
+        raise ConfigError(
+            "", "invalid TOML: arrays or tables nested too deeply", file=file
+        ) from exc
+    except ValueError as exc:
+        if not isinstance(exc, tomllib.TOMLDecodeError):
+            # int() refusing thousands of digits: tomllib lets its ValueError through.
+            long_number = re.search(r"[0-9][0-9_]{999,}", text)
+            raise ConfigError(
+                "",
+                "invalid TOML: a number of thousands of digits",
+                file=file,
+                line=None if long_number is None else text.count("\n", 0, long_number.start()) + 1,
+            ) from exc
         message = str(exc)
         line: int | None = None
         if position := _TOML_POSITION.search(message):
@@ -278,7 +360,32 @@ def _load_toml(text: str, file: str) -> tuple[dict[str, Any], dict[str, int]]:
                 file=file,
                 line=located.get(_SETTINGS_TABLE),
             )
-    return settings, _TomlLocator(text, prefix).locate()
+    return settings, _LazyLines(_TomlLocator(text, prefix).locate)
+
+
+class _LazyLines(Mapping[str, int]):
+    """Key -> line of a TOML file, located only when first asked for: the validator asks
+    only to report an error, and locating walks the text character by character (most
+    of the cost of loading a valid file of thousands of limits)."""
+
+    def __init__(self, locate: Callable[[], dict[str, int]]) -> None:
+        self._locate: Callable[[], dict[str, int]] | None = locate
+        self._lines: dict[str, int] = {}
+
+    def _located(self) -> dict[str, int]:
+        if self._locate is not None:
+            self._lines = self._locate()
+            self._locate = None  # drops the text it held
+        return self._lines
+
+    def __getitem__(self, key: str) -> int:
+        return self._located()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._located())
+
+    def __len__(self) -> int:
+        return len(self._located())
 
 
 class _TomlLocator:

@@ -27,9 +27,22 @@ __all__ = ["Identifier", "environ_key", "request_id_from"]
 logger = logging.getLogger("gatekeeper")
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# SPEC §4.7: a caller name is at most this long.
+MAX_CALLER_CHARS = 128
 # Unique per process and request, without the cost of uuid4 on every request.
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
+
+
+def _new_id_prefix() -> None:
+    # A forked worker (gunicorn --preload, multiprocessing) inherits the parent's prefix
+    # and counter: without a prefix of its own it would repeat its siblings' ids.
+    global _ID_PREFIX, _ID_COUNTER
+    _ID_PREFIX = os.urandom(6).hex()
+    _ID_COUNTER = itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
 
 CallerResolver = Callable[["WSGIEnvironment"], "str | None"]
 
@@ -42,7 +55,7 @@ def environ_key(header: str) -> str:
 def request_id_from(environ: Mapping[str, Any], environ_key: str) -> str:
     """The request's id from its header when that is a plain token, else a fresh one."""
     value = environ.get(environ_key)
-    if isinstance(value, str) and _REQUEST_ID_RE.fullmatch(value):
+    if isinstance(value, str) and len(value) <= 128 and _REQUEST_ID_RE.fullmatch(value):
         return value
     return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
 
@@ -85,7 +98,9 @@ class Identifier:
         service = self._services.get(path)
         if service is None:
             first = path.lstrip("/").split("/", 1)[0]
-            service = remember(self._services, path, key_segment(first) if first else "root")
+            service = remember(
+                self._services, path, key_segment(first) if first else "root", len(path)
+            )
         return service
 
     def caller(self, environ: WSGIEnvironment) -> str | None:
@@ -102,5 +117,10 @@ class Identifier:
             return None
         valid = self._callers.get(value)
         if valid is None:
-            valid = remember(self._callers, value, CALLER_RE.fullmatch(value) is not None)
+            # Longer than a caller name may be: invalid, without a regex run or a memo entry.
+            if len(value) > MAX_CALLER_CHARS:
+                return None
+            valid = remember(
+                self._callers, value, CALLER_RE.fullmatch(value) is not None, len(value)
+            )
         return value if valid else None

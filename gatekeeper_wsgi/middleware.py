@@ -256,7 +256,7 @@ def _status_code(status: str) -> int:
         code = int(status[:3])
     except ValueError:
         code = 500
-    return remember(_STATUS_CODES, status, code)
+    return remember(_STATUS_CODES, status, code, len(status))
 
 
 class Gate:
@@ -269,15 +269,12 @@ class Gate:
 
     def __init__(self, keeper: GateKeeper) -> None:
         self.keeper = keeper
-        self._identifier = Identifier(keeper.config)
         self._first_request = True
 
     def identifier(self) -> Identifier:
-        """The request helpers of the configuration in force (rebuilt after a reload)."""
-        identifier = self._identifier
-        if identifier.config is not self.keeper.config:
-            identifier = self._identifier = Identifier(self.keeper.config)
-        return identifier
+        """The request helpers of the configuration in force (the engine rebuilds them
+        when it swaps in a reloaded configuration)."""
+        return self.keeper.identifier
 
     def admit(
         self,
@@ -375,9 +372,7 @@ class GateKeeperMiddleware:
             return self.app(environ, start_response)
         started = time.perf_counter()
         gate = self.gate
-        identifier = gate._identifier
-        if identifier.config is not gate.keeper.config:
-            identifier = gate.identifier()
+        identifier = gate.keeper.identifier
         if self._identify is not None:
             names = self._identify(environ)
             if names is None:

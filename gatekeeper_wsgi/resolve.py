@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from gatekeeper_wsgi.backends.base import Slot
 from gatekeeper_wsgi.config import CALLER_RE, Config, Limit, TimeoutHeader
 
-__all__ = ["MEMO_SIZE", "Route", "key_segment", "remember", "resolve_route"]
+__all__ = ["MEMO_KEY_CHARS", "MEMO_SIZE", "Route", "key_segment", "remember", "resolve_route"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -30,15 +30,19 @@ V = TypeVar("V")
 _new_slot = tuple.__new__
 #: Entries a memo of request values keeps before it starts over (bounds hostile sprays).
 MEMO_SIZE = 16_384
-# (route, request value) -> Route.caller_level's answer; shared by all routes so that its
-# size is bounded however many routes a spray of paths creates.
-_CALLER_MEMO: dict[tuple[Route, str], tuple[tuple[Slot, ...], float | None]] = {}
+#: The longest request value (characters) a memo keeps: longer ones are computed afresh
+#: each time, so a memo holds at most MEMO_SIZE x ~1 KiB (SPEC §4.5: bounded in bytes).
+MEMO_KEY_CHARS = 256
 
 
-def remember(memo: dict[K, V], key: K, value: V) -> V:
+def remember(memo: dict[K, V], key: K, value: V, size: int) -> V:
     """Store ``value`` in a memo of request values and return it; a full memo starts over,
-    so a spray of new values costs a little time and never memory. (Memos are read with a
-    bare ``dict.get``; only a miss comes here.)"""
+    so a spray of new values costs a little time and never memory. ``size`` is how many
+    characters of request text ``key`` holds: over MEMO_KEY_CHARS it is not stored, so
+    8 KiB headers or 4 KiB paths cost their computation, never the memo's bytes. (Memos
+    are read with a bare ``dict.get``; only a miss comes here.)"""
+    if size > MEMO_KEY_CHARS:
+        return value
     if len(memo) >= MEMO_SIZE:
         memo.clear()
     memo[key] = value
@@ -98,6 +102,7 @@ class Route:
     """The limits of one (project, service), plus the effective delay and timeout markers."""
 
     __slots__ = (
+        "_memo",
         "_source",
         "caller_candidates",
         "config",
@@ -117,6 +122,9 @@ class Route:
         self.project = project
         self.service = service
         self.mode = config.mode
+        self._memo: dict[tuple[str, str, str], tuple[tuple[Slot, ...], float | None]] = (
+            config.caller_memo
+        )
         # The index looks at only the limits that can match: O(segments), not O(limits).
         index = config.limit_index
         chosen: list[Limit] = []
@@ -175,10 +183,15 @@ class Route:
             raw = environ.get(source)
         if not isinstance(raw, str):
             return self._caller_level(caller, environ, user)
-        key = (self, raw)
-        found = _CALLER_MEMO.get(key)
+        # The memo belongs to this route's configuration, shared by all its routes (so its
+        # size is bounded however many routes a spray of paths creates) and keyed by
+        # names, not by Route: a reload's new configuration starts a new memo, and nothing
+        # in it keeps the old configuration alive.
+        memo = self._memo
+        key = (self.project, self.service, raw)
+        found = memo.get(key)
         if found is None:
-            found = remember(_CALLER_MEMO, key, self._caller_level(caller, environ, user))
+            found = remember(memo, key, self._caller_level(caller, environ, user), len(raw))
         return found
 
     def _caller_level(

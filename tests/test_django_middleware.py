@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,14 @@ configure()
 def configure_gatekeeper(settings: Any, limits: dict[str, Any], **extra: Any) -> None:
     """Give this test its own GATEKEEPER (the project is "site" unless said otherwise)."""
     settings.GATEKEEPER = {"project": "site", **extra, "limits": limits}
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace an operators' file by an atomic rename: swapped in at the next check (a
+    file rewritten in place waits until it has settled, SPEC §4.10)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def counted_during(response: Any) -> dict[str, int]:
@@ -518,7 +527,7 @@ def test_operators_file_hot_reloads_under_django(
     path.write_text("limits.site/work.concurrency = 5\n")
     settings.GATEKEEPER = {"project": "site", "reload": {"file": str(path), "every_requests": 1}}
     assert client.get("/work/").status_code == 200
-    path.write_text("limits.site/work.concurrency = 0\n# now blocked\n")
+    replace_file(path, "limits.site/work.concurrency = 0\n# now blocked\n")
     assert client.get("/work/").status_code == 503
 
 
@@ -531,7 +540,9 @@ def test_reloaded_unimportable_resolver_keeps_serving(
     path.write_text("limits.site/work.concurrency = 5\n")
     settings.GATEKEEPER = {"project": "site", "reload": {"file": str(path), "every_requests": 1}}
     assert client.get("/work/").status_code == 200
-    path.write_text("caller.resolver = no_such_module.caller\nlimits.site/work.concurrency = 5\n")
+    replace_file(
+        path, "caller.resolver = no_such_module.caller\nlimits.site/work.concurrency = 5\n"
+    )
     statuses = [client.get("/work/").status_code for _ in range(3)]
     assert statuses == [200, 200, 200]
     failed = [r for r in caplog.records if "reload of" in r.getMessage()]

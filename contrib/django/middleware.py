@@ -215,7 +215,7 @@ class GateKeeperMiddleware:
         key = (get_urlconf() if urlconf is None else urlconf, path)
         names = _NAMES.get(key, _UNKNOWN)
         if names is _UNKNOWN:
-            names = remember(_NAMES, key, _resolve_names(path, urlconf))
+            names = remember(_NAMES, key, _resolve_names(path, urlconf), len(path))
         if names is None:
             return None
         project, service = names

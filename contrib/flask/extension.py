@@ -43,7 +43,7 @@ from gatekeeper_wsgi.engine import ConfigSource
 from gatekeeper_wsgi.engine import GateKeeper as Engine
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.middleware import GateKeeperMiddleware
-from gatekeeper_wsgi.resolve import key_segment
+from gatekeeper_wsgi.resolve import key_segment, remember
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
@@ -59,7 +59,6 @@ logger = logging.getLogger("gatekeeper")
 EXTENSION_KEY = "gatekeeper"
 #: Service of requests that match no route (404, 405, redirects, untrusted hosts).
 UNRESOLVED_SERVICE = "unresolved"
-_ENDPOINT_CACHE_SIZE = 4096
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 QueueArg = Mapping[str, float] | tuple[int, float] | str
@@ -554,9 +553,9 @@ class AppState:
             endpoint = endpoints[key]
         except KeyError:
             endpoint = self._match(environ)
-            if len(endpoints) >= _ENDPOINT_CACHE_SIZE:
-                endpoints.clear()
-            endpoints[key] = endpoint
+            # A Host header or path longer than MEMO_KEY_CHARS is matched afresh each time.
+            size = sum(len(part) for part in key if isinstance(part, str))
+            remember(endpoints, key, endpoint, size)
         if endpoint is None:
             return project, UNRESOLVED_SERVICE
         names = self._names

@@ -1,0 +1,368 @@
+"""Configuration files are inputs too (SPEC §4.10): only regular files of at most 16 MiB are
+read, anything malformed is a ConfigError with file and line, a failed reload keeps the
+running configuration (logged, counted, retried on the next change) and never blocks or
+breaks a request, and a file rewritten in place is not swapped in half-written."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatekeeper_wsgi import GateKeeper
+from gatekeeper_wsgi.config import MAX_SECONDS, build_config
+from gatekeeper_wsgi.errors import ConfigError, Rejected
+from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, load_file
+from tests.conftest import FakeClock
+
+GOOD = "project = shop\nlimits.shop.concurrency = 1\n"
+CHANGED = "project = shop\nlimits.shop.concurrency = 2\n"
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace ``path`` by an atomic rename, the instant way of docs/configuration.md."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def replace_with(path: Path, make: Callable[[Path], None]) -> None:
+    """Replace ``path`` atomically by whatever ``make`` creates at a temporary name."""
+    temporary = path.with_name("new-" + path.name)
+    make(temporary)
+    if temporary.is_dir():
+        path.unlink()  # rename cannot put a directory over a file
+    os.replace(temporary, path)
+
+
+def finishes(action: Callable[[], Any]) -> Any:
+    """Run ``action`` in a thread and return its result; fails if it does not finish
+    (a guard against a hang, not a synchronization)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(("ok", action()))
+        except BaseException as exc:
+            outcome.append(("raised", exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "blocked"
+    kind, value = outcome[0]
+    if kind == "raised":
+        raise value
+    return value
+
+
+def reloading(path: Path, clock: FakeClock) -> GateKeeper:
+    return GateKeeper(
+        {"project": "shop", "reload": {"file": str(path), "every_requests": 1}}, clock=clock
+    )
+
+
+def concurrency(gk: GateKeeper) -> int | None:
+    return gk.config.limits["shop"].concurrency
+
+
+def request(gk: GateKeeper) -> None:
+    """One request through the engine; it must never raise anything but a refusal."""
+    with contextlib.suppress(Rejected):
+        gk.admit("shop", "svc", "crm").release(200)
+
+
+# --- what is read at all ---------------------------------------------------------------------
+
+
+def test_a_fifo_as_the_config_file_fails_start_up_at_once(tmp_path: Path) -> None:
+    """A FIFO is refused (not opened for a blocking read) with a ConfigError naming it."""
+    fifo = tmp_path / "gatekeeper.properties"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="a FIFO, not a regular file") as info:
+        finishes(lambda: GateKeeper(str(fifo)))
+    assert info.value.file == str(fifo)
+
+
+def test_a_symlink_to_dev_zero_is_not_read(tmp_path: Path) -> None:
+    """A symlink to /dev/zero is refused as a character device, not read without bound."""
+    link = tmp_path / "gatekeeper.toml"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="a character device"):
+        finishes(lambda: load_file(link))
+
+
+def test_a_file_over_16_mib_is_refused(tmp_path: Path) -> None:
+    """A (sparse) 17 MiB file is refused by its size, before it is read."""
+    big = tmp_path / "gatekeeper.properties"
+    with open(big, "wb") as handle:
+        handle.truncate(MAX_FILE_BYTES + 1)
+    with pytest.raises(ConfigError, match="larger than 16 MiB"):
+        load_file(big)
+
+
+def test_a_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
+    """A symlink to a regular file is fine: what counts is what the descriptor opened."""
+    real = tmp_path / "real.properties"
+    real.write_text(GOOD, encoding="utf-8")
+    link = tmp_path / "gatekeeper.properties"
+    link.symlink_to(real)
+    assert load_file(link)[0] == {"project": "shop", "limits": {"shop": {"concurrency": "1"}}}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(os.mkfifo, id="fifo"),
+        pytest.param(lambda path: path.symlink_to("/dev/zero"), id="dev-zero"),
+        pytest.param(lambda path: path.mkdir(), id="directory"),
+    ],
+)
+def test_a_special_file_swapped_in_fails_the_reload_and_never_blocks(
+    tmp_path: Path,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+    make: Callable[[Path], None],
+) -> None:
+    """A FIFO, /dev/zero or a directory renamed over the file: the request that checks
+    it goes on, reload() returns, the failure is logged once and counted, the old
+    configuration stays, and a good file later is picked up."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_with(path, make)
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        finishes(lambda: request(gk))
+        assert finishes(gk.reload) is False
+        finishes(lambda: request(gk))
+    assert concurrency(gk) == 1
+    errors = [r for r in caplog.records if "reload of" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].levelno == logging.ERROR
+    assert "not a regular file" in errors[0].getMessage()
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    if path.is_dir():
+        path.rmdir()  # a file cannot be renamed over a directory
+        path.write_text(CHANGED, encoding="utf-8")
+        age(path, 1)
+    else:
+        replace_file(path, CHANGED)
+    request(gk)
+    assert concurrency(gk) == 2
+
+
+# --- malformed content --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "line"),
+    [
+        ("huge.toml", "[limits.shop]\nconcurrency = " + "9" * 5000 + "\n", 2),
+        ("huge.properties", "project = shop\nlimits.shop.concurrency = " + "9" * 5000 + "\n", 2),
+        ("arabic.properties", "limits.shop.concurrency = \u0663\n", 1),
+        ("fullwidth.properties", "limits.shop.delay = \uff11\n", 1),
+        ("delay.toml", "[limits.shop]\nconcurrency = 1\ndelay = 1e308\n", 3),
+        ("inf.toml", "[limits.shop]\nconcurrency = 1\ndelay = inf\n", 3),
+        ("wait.properties", "limits.shop.concurrency = 1\nlimits.shop.queue = 5, 1e300\n", 2),
+        ("rate.properties", "limits.shop.rate = " + "9" * 5000 + "/second\n", 1),
+        ("window.properties", "limits.shop.rate = 5/99999999999d\n", 1),
+        (
+            "keys.properties",
+            "limits.shop/*/*.concurrency = 1\nlimits.shop/*/*.max_keys = 10000000000\n",
+            2,
+        ),
+    ],
+)
+def test_malformed_numbers_are_config_errors_with_file_and_line(
+    tmp_path: Path, name: str, text: str, line: int
+) -> None:
+    """Thousands of digits, non-ASCII digits, 1e308 or inf seconds: a ConfigError naming
+    file and line (never ValueError), with a short message."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(str(path))
+    assert info.value.file == str(path)
+    assert info.value.line == line
+    assert len(str(info.value)) < 400
+
+
+def test_huge_numbers_in_settings_are_config_errors() -> None:
+    """A 5 000-digit int or a 1e308 delay in a settings dict is a ConfigError too."""
+    with pytest.raises(ConfigError, match="concurrency"):
+        build_config({"limits": {"shop": {"concurrency": 10**5000}}})
+    with pytest.raises(ConfigError, match="delay"):
+        build_config({"limits": {"shop": {"concurrency": 1, "delay": 10**400}}})
+    with pytest.raises(ConfigError, match="delay"):
+        build_config({"limits": {"shop": {"concurrency": 1, "delay": 1e308}}})
+
+
+def test_delays_up_to_a_week_are_accepted() -> None:
+    """The bound on delays and waits is a week: a day's delay is fine."""
+    config = build_config(
+        {"limits": {"shop": {"concurrency": 1, "delay": 86400, "queue": {"size": 1, "wait": 3600}}}}
+    )
+    assert config.limits["shop"].delay == 86400
+    with pytest.raises(ConfigError, match="<= 604800"):
+        build_config({"limits": {"shop": {"concurrency": 1, "delay": MAX_SECONDS + 1}}})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a = " + "[" * 5000 + "]" * 5000 + "\n",
+        "a = " + "{b = " * 3000 + "1" + "}" * 3000 + "\n",
+    ],
+    ids=["arrays", "inline-tables"],
+)
+def test_deep_toml_nesting_is_a_config_error(tmp_path: Path, text: str) -> None:
+    """Thousands of nested arrays or tables: a ConfigError, not a RecursionError."""
+    path = tmp_path / "deep.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="nested too deeply") as info:
+        load_file(path)
+    assert info.value.file == str(path)
+
+
+def test_control_characters_are_escaped_in_messages(tmp_path: Path) -> None:
+    """A value and a key carrying ESC and newlines are quoted escaped, never raw."""
+    path = tmp_path / "g.properties"
+    path.write_text("limits.shop.concurrency = \\u001b[31mred\\nforged line\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(str(path))
+    message = str(info.value)
+    assert "\x1b" not in message and "\n" not in message
+    assert "\\x1b" in message
+    raw_key = tmp_path / "k.properties"
+    raw_key.write_text("limits.sh\\u001bop.concurrency = 1\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(str(raw_key))
+    assert "\x1b" not in str(info.value)
+
+
+# --- failed reloads -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "project = shop\nlimits.shop.concurrency = " + "9" * 5000 + "\n",
+        "project = shop\nlimits.shop.concurrency = \u0663\n",
+        "project = shop\nlimits.shop.delay = 1e308\nlimits.shop.concurrency = 1\n",
+        "project = shop\nlimits.shop.concurrency = \\u001b[2J\n",
+    ],
+    ids=["digits", "arabic", "delay", "escape"],
+)
+def test_a_broken_reload_keeps_serving_and_is_retried_on_change(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """Inside a request: logged once at ERROR (escaped), counted, old limits kept; the
+    next change to the file is tried again."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, broken)
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        for _ in range(3):
+            request(gk)
+        assert gk.reload() is False
+    errors = [r.getMessage() for r in caplog.records if "reload of" in r.getMessage()]
+    assert len(errors) == 1
+    assert str(path) in errors[0] and ":2:" in errors[0]
+    assert "\x1b" not in errors[0]
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert concurrency(gk) == 1
+    replace_file(path, CHANGED)
+    request(gk)
+    assert concurrency(gk) == 2
+    assert gk.stats()["counters"]["reloads"] == 1
+
+
+def test_a_deeply_nested_toml_reload_fails_inside_a_request(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Deep nesting swapped in: the request goes on, the reload counts as failed."""
+    path = tmp_path / "gatekeeper.toml"
+    path.write_text('project = "shop"\n[limits.shop]\nconcurrency = 1\n', encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, "a = " + "[" * 5000 + "]" * 5000 + "\n")
+    request(gk)
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert concurrency(gk) == 1
+
+
+# --- rewritten in place -----------------------------------------------------------------------
+
+
+def age(path: Path, seconds: float) -> None:
+    """Set the file's modification time ``seconds`` into the past."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_file_rewritten_in_place_is_not_swapped_in_while_fresh(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Truncated or half-written in place (same inode, just modified): requests keep the
+    old limits; once the content has stood still, it is swapped in."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD + "limits.shop/a.concurrency = 1\n", encoding="utf-8")
+    age(path, 10)
+    gk = reloading(path, clock)
+    inode = path.stat().st_ino
+    with open(path, "w", encoding="utf-8") as handle:  # the writer is mid-way
+        handle.write("project = shop\n")
+        handle.flush()
+        for _ in range(5):
+            request(gk)
+        assert "shop/a" in gk.config.limits and concurrency(gk) == 1
+        handle.write("limits.shop.concurrency = 2\n")
+    assert path.stat().st_ino == inode
+    request(gk)
+    assert concurrency(gk) == 1  # just written: not yet
+    age(path, 1)  # it has stood still since
+    request(gk)
+    assert concurrency(gk) == 2 and "shop/a" not in gk.config.limits
+    assert gk.stats()["counters"]["reload_failed"] == 0
+
+
+def test_an_emptied_file_is_not_swapped_in_while_fresh(tmp_path: Path, clock: FakeClock) -> None:
+    """A file truncated to nothing (the first step of a rewrite) drops no limits."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    age(path, 10)
+    gk = reloading(path, clock)
+    path.write_text("", encoding="utf-8")
+    for _ in range(5):
+        request(gk)
+    assert concurrency(gk) == 1
+
+
+def test_an_atomic_rename_is_swapped_in_at_the_next_check(tmp_path: Path, clock: FakeClock) -> None:
+    """A file renamed into place (a new inode) is complete: the next request uses it."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, CHANGED)
+    request(gk)
+    assert concurrency(gk) == 2
+
+
+def test_reload_waits_for_a_fresh_in_place_rewrite_to_settle(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """An explicit reload() after an in-place write (not a request) waits once and
+    swaps the file in when it read the same twice."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    age(path, 10)
+    gk = reloading(path, clock)
+    path.write_text(CHANGED, encoding="utf-8")
+    assert gk.reload() is True
+    assert concurrency(gk) == 2
