@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -239,9 +240,12 @@ def test_biz_ids_are_hot_reloaded(tmp_path: Path) -> None:
     client = Client(FrequencyService(gk))
     status, result, msg = post(client, xml_request("update", biz_id="signup"))
     assert (status, result) == (400, None) and "unknown biz_id signup" in msg
-    file.write_text(
+    # Replaced by an atomic rename: swapped in at the next check (SPEC §4.10).
+    replacement = tmp_path / "gatekeeper.toml.tmp"
+    replacement.write_text(
         '[limits."frs/login/*"]\nrate = "5/minute"\n[limits."frs/signup/*"]\nrate = "1/hour"\n'
     )
+    os.replace(replacement, file)
     clock.advance(5)
     assert [post(client, xml_request("update", biz_id="signup"))[1] for _ in range(2)] == [0, 1]
 
