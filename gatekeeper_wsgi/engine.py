@@ -177,6 +177,8 @@ class GateKeeper:
         self._cond = threading.Condition(threading.Lock())
         self._queues: dict[str, deque[object]] = {}
         self._waiting = 0
+        # Per thread: how long its request's queue wait took (see _take_wait).
+        self._waited = threading.local()
         self._last_error_log = -_ERROR_LOG_INTERVAL
         # limit path -> engine time of its last capacity WARNING (paths come from the
         # configuration, not from requests, so this stays small)
@@ -385,11 +387,14 @@ class GateKeeper:
         resolved = perf()
         monitor = self.monitor
         grant: Grant | None = None
+        # Whether this request may have waited in a queue (then `decide` leaves it out).
+        queueing = False
         if slots:
             try:
                 # Looked up once: the last waiter may leave between two lookups.
                 queued = self._queued_slot(slots) if self._waiting else None
                 if queued is not None:
+                    queueing = True
                     grant = self._wait(slots, queued, now)
                 else:
                     try:
@@ -397,6 +402,7 @@ class GateKeeper:
                     except CapacityError as exc:
                         result = self._untracked(slots, exc, now)
                     if isinstance(result, Denial):
+                        queueing = True
                         grant = self._refused(slots, result, now)
                     else:
                         grant = result
@@ -413,9 +419,13 @@ class GateKeeper:
                     raise self._counted(rejected) from exc
                 grant = None  # fail open
             except Rejected:
-                monitor.decision(started, resolved, perf(), False)
+                waited = self._take_wait() if queueing else 0.0
+                monitor.decision(started, resolved, perf(), False, waited)
                 raise
-        monitor.decision(started, resolved, perf(), True)
+        if queueing:
+            monitor.decision(started, resolved, perf(), True, self._take_wait())
+        else:
+            monitor.decision(started, resolved, perf(), True)
         return Admission(self, route, grant, delay)
 
     def query(
@@ -651,6 +661,7 @@ class GateKeeper:
             waiter = object()
             queue.append(waiter)
             self._waiting += 1
+            entered = time.perf_counter()
             try:
                 while True:
                     retry_hint = None
@@ -684,6 +695,17 @@ class GateKeeper:
                     del self._queues[queued.key]
                 self._waiting -= 1
                 self._cond.notify_all()
+                # Its own stage, and taken out of `decide` by _admit: a decision's time is
+                # the backend's answer, not the seconds spent waiting for a slot.
+                waited = time.perf_counter() - entered
+                self.monitor.stages["queue_wait"].record(waited)
+                self._waited.seconds = waited
+
+    def _take_wait(self) -> float:
+        """Seconds this thread's last queue wait took (0 if none since the last call)."""
+        waited: float = getattr(self._waited, "seconds", 0.0)
+        self._waited.seconds = 0.0
+        return waited
 
     def _queue_fault(self, code: str, slot: Slot, wait: float) -> Rejected:
         limit = slot.limit

@@ -13,11 +13,13 @@ request, where three stage records cost a measurable share of the overhead.
 from __future__ import annotations
 
 import threading
+import time
 from array import array
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DECISION_STAGES", "REFUSED_KEYS", "STAGES", "Monitor", "Stage"]
+__all__ = ["DECISION_STAGES", "HISTORY_SECONDS", "REFUSED_KEYS", "STAGES", "Monitor", "Stage"]
 
 #: The stages timed on every request (SPEC §7).
 STAGES = (
@@ -30,6 +32,7 @@ STAGES = (
     "reload",
     "delay_place",
     "delay_process",
+    "queue_wait",
 )
 #: The stages read from :meth:`Monitor.decision`'s timestamps.
 DECISION_STAGES = ("resolve_limits", "decide", "request")
@@ -39,6 +42,10 @@ DECISION_STAGES = ("resolve_limits", "decide", "request")
 REFUSED_KEYS = 20
 # Limit paths remembered with refused keys; reloads may retire paths, so it is bounded too.
 _REFUSED_LIMITS = 1024
+
+#: Seconds of rejection history kept (per-second counts by code), so a dashboard opened
+#: now shows the rejections of the last minutes, not only those after it was opened.
+HISTORY_SECONDS = 300
 
 _RING = 1024  # a power of two: the ring index is a mask
 _RING_MASK = _RING - 1
@@ -108,6 +115,8 @@ class Monitor:
         self.backend_errors = 0
         # limit path -> the concrete keys it refused lately, oldest first (as dict keys)
         self._refused: dict[str, dict[str, None]] = {}
+        # (monotonic second, {code: rejections in it}) of the seconds that had any
+        self._history: deque[tuple[int, dict[str, int]]] = deque(maxlen=HISTORY_SECONDS)
         #: rejected-log records dropped because the listener fell behind (queue_size)
         self.rejected_log_dropped = 0
         #: requests refused because the backend's own capacity (keys, leases, window
@@ -116,23 +125,30 @@ class Monitor:
         # Dict updates of two counters must not interleave with a concurrent snapshot.
         self._lock = threading.Lock()
 
-    def decision(self, started: float, resolved: float, decided: float, admitted: bool) -> None:
+    def decision(
+        self, started: float, resolved: float, decided: float, admitted: bool, waited: float = 0.0
+    ) -> None:
         """One admission decision (``time.perf_counter`` readings): the limits were
-        resolved after ``started``, the backend decided after ``resolved``. Times
-        ``resolve_limits`` and ``decide``, and ``request`` (start to finish) when admitted.
+        resolved after ``started``, the backend decided after ``resolved``, ``waited``
+        seconds of which in a queue (timed as ``queue_wait``, not as ``decide``). Times
+        ``resolve_limits`` and ``decide``, and ``request`` (start to finish, waits
+        included) when admitted.
         """
         count = self._decided
         at = (count & _RING_MASK) * 3
         decisions = self._decisions
         decisions[at] = resolved - started
-        decisions[at + 1] = decided - resolved
+        decisions[at + 1] = decided - resolved - waited
         decisions[at + 2] = decided - started if admitted else _NOT_ADMITTED
         self._decided = count + 1
         if admitted:
             self.admitted += 1
         if self._observed:
             stages = self.stages
-            for name, seconds in _decision_times(resolved - started, decided - resolved, admitted):
+            times = _decision_times(
+                resolved - started, decided - resolved - waited, decided - started, admitted
+            )
+            for name, seconds in times:
                 observer = stages[name].observer
                 if observer is not None:
                     observer(seconds)
@@ -155,7 +171,13 @@ class Monitor:
 
     def count_rejection(self, code: str, limit_path: str | None, key: str | None = None) -> None:
         """Count one rejection; ``key`` is the concrete path refused (``shop/login/bob``)."""
+        second = int(time.monotonic())
         with self._lock:
+            history = self._history
+            if not history or history[-1][0] != second:
+                history.append((second, {}))
+            counts = history[-1][1]
+            counts[code] = counts.get(code, 0) + 1
             if key is not None and limit_path is not None:
                 refused = self._refused.get(limit_path)
                 if refused is None:
@@ -173,6 +195,17 @@ class Monitor:
             pair = (code, limit_path or "")
             pairs = self.rejected_by_code_limit
             pairs[pair] = pairs.get(pair, 0) + 1
+
+    def recent_rejections(self) -> list[tuple[int, dict[str, int]]]:
+        """Rejections of the last ``HISTORY_SECONDS`` seconds, by code, per second:
+        ``(seconds ago, {code: count})``, oldest first; seconds without any are left out."""
+        now = int(time.monotonic())
+        with self._lock:
+            return [
+                (now - second, dict(counts))
+                for second, counts in self._history
+                if now - second < HISTORY_SECONDS
+            ]
 
     def refused_keys(self) -> dict[str, tuple[str, ...]]:
         """Per limit path, the concrete keys it refused lately (at most ``REFUSED_KEYS``,
@@ -202,8 +235,10 @@ class Monitor:
         return {"counters": counters, "stages": self.stage_summaries()}
 
 
-def _decision_times(resolving: float, deciding: float, admitted: bool) -> list[tuple[str, float]]:
+def _decision_times(
+    resolving: float, deciding: float, total: float, admitted: bool
+) -> list[tuple[str, float]]:
     times = [("resolve_limits", resolving), ("decide", deciding)]
     if admitted:
-        times.append(("request", resolving + deciding))
+        times.append(("request", total))
     return times

@@ -170,7 +170,9 @@ def limit_totals(
 def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
     """What ``/status.json`` serves: counters, stage timings, in-flight per limit and per
     concrete path (the busiest keys and those refused lately, with their rate window use)
-    with the limit counting it, and a summary of the configuration.
+    with the limit counting it, rejections per second of the last minutes
+    (``rejections_recent``: seconds ago and counts by code), and a summary of the
+    configuration.
 
     It costs O(limits) with backends that keep totals, however many keys they track. A
     failing backend never raises here: its message goes into the ``error`` member and the
@@ -213,12 +215,18 @@ def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
         summary["inflight"] = found.inflight
         summary["keys"] = found.busy if limit.wildcard else len(found.top)
         summary["tracked"] = found.keys
-        summary["keys_shown"] = len(found.top)
+        # of the keys in flight, how many are listed (the rest are counted in "keys")
+        summary["keys_shown"] = sum(
+            1 for usage in found.top if usage.inflight or not limit.wildcard
+        )
         for usage in found.top:
             concrete[usage.key] = _key_entry(limit, usage)
         limits.append(summary)
     payload["config"]["limits"] = limits
     payload["inflight"] = concrete
+    payload["rejections_recent"] = [
+        {"ago": ago, "counts": counts} for ago, counts in gatekeeper.monitor.recent_rejections()
+    ]
     if errors:
         payload["error"] = "; ".join(errors)
     return payload

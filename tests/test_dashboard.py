@@ -1,10 +1,13 @@
 """The live dashboard in a real headless Chromium (Debian ``chromium`` driven by Playwright):
-bars and numbers while requests are held in flight, updated in place as they finish."""
+bars and numbers while requests are held in flight, updated in place as they finish; a
+client locked out by a rate limit shown with its window use; rejections made before the
+page was opened in its chart; queue waits timed apart from decisions."""
 
 from __future__ import annotations
 
 import http.client
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +35,12 @@ CHROMIUM_ARGS = [
 ]
 
 
+#: true in the page once the chart's bars (their "CODE: n" titles) add up to `arg`
+CHART_TOTAL_IS = """(expected) => Array.from(document.querySelectorAll("#chart rect title"))
+    .reduce((total, title) => total + parseInt(title.textContent.split(": ")[1], 10), 0)
+    === expected"""
+
+
 def _chromium_or_skip() -> Any:
     """Playwright's sync API, or a skip (a failure when CI requires Chromium)."""
     required = os.environ.get("GATEKEEPER_REQUIRE_CHROMIUM") == "1"
@@ -50,13 +59,17 @@ def _chromium_or_skip() -> Any:
 
 
 class HeldApp:
-    """A WSGI app whose requests wait for `release`; `entered` counts arrivals."""
+    """A WSGI app whose requests wait for `release`; `entered` counts arrivals. /otp
+    answers at once."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.entered = threading.Semaphore(0)
 
     def __call__(self, environ: Any, start_response: Any) -> list[bytes]:
+        if environ["PATH_INFO"] == "/otp":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"sent"]
         if environ["PATH_INFO"] not in ("/checkout", "/login"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found"]
@@ -80,6 +93,7 @@ class Site:
                     "shop": {"concurrency": 20},
                     "shop/checkout": {"concurrency": 2},
                     "shop/login/*": {"concurrency": 3, "rate": "100/minute"},
+                    "shop/otp/*": {"rate": "2/minute"},
                 },
             }
         )
@@ -144,6 +158,8 @@ def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) ->
     site.hold("/checkout", "erp")
     site.hold("/login", "alice")
     assert site.request("/checkout", "late") == 503  # checkout is full
+    # mallory uses up its two one-time passwords a minute, and is locked out
+    assert [site.request("/otp", "mallory") for _ in range(3)] == [200, 200, 429]
 
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -160,9 +176,23 @@ def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) ->
             expect(checkout.locator(".fill")).to_have_class("fill full")
             expect(page.locator('[data-limit="shop"] .count')).to_have_text("3 / 20")
             alice = page.locator('[data-key="shop/login/alice"]')
-            expect(alice.locator(".count")).to_have_text("1 / 3")
-            expect(page.get_by_test_id("rejected")).to_have_text("1")
-            expect(page.get_by_test_id("admitted")).to_have_text("3")
+            # in flight against the concurrency, then the rate window's use
+            expect(alice.locator(".count")).to_have_text(re.compile(r"^1 / 3 "))
+            expect(alice.locator(".count small")).to_have_text("1/100 used · 99 left")
+            expect(page.get_by_test_id("rejected")).to_have_text("2")
+            # Rejections made before the page was opened are in its chart at once.
+            expect(page.locator("#chart rect").first).to_be_visible()
+            # A locked-out client of a rate limit is listed with its window use, though
+            # it has nothing in flight.
+            mallory = page.locator('[data-key="shop/otp/mallory"]')
+            expect(mallory).to_have_attribute("data-remaining", "0")
+            expect(mallory).to_have_class(re.compile(r"\blocked\b"))
+            expect(mallory.locator(".count")).to_contain_text("2 / 2 used 0 left · frees in")
+            expect(mallory.locator(".bar")).to_have_attribute("aria-valuenow", "2")
+            expect(page.locator('[data-limit="shop/otp/*"] .count')).to_contain_text("tracked")
+            # Queue waits are a stage of their own, apart from decisions.
+            expect(page.locator('#stages tr[data-stage="queue_wait"]')).to_have_count(1)
+            expect(page.get_by_test_id("admitted")).to_have_text("5")
             expect(page.get_by_test_id("state")).to_have_text("live")
             expect(page.locator('#stages tr[data-stage="decide"] td').nth(1)).not_to_have_text("0")
             expect(page.locator('#by-limit tr[data-limit="shop/checkout"] td').nth(1)).to_have_text(
@@ -172,8 +202,9 @@ def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) ->
 
             # A rejection while the page is open shows up in the chart.
             assert site.request("/checkout", "late") == 503
-            expect(page.get_by_test_id("rejected")).to_have_text("2")
-            expect(page.locator("#chart rect").first).to_be_visible()
+            expect(page.get_by_test_id("rejected")).to_have_text("3")
+            # Every rejection is in the chart once: the bars add up to the three.
+            page.wait_for_function(CHART_TOTAL_IS, arg=3, timeout=20_000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
 
@@ -182,7 +213,7 @@ def test_dashboard_shows_live_inflight_and_updates_without_reload(site: Site) ->
             expect(checkout.locator(".count")).to_have_text("0 / 2")
             expect(checkout.locator(".bar")).to_have_attribute("aria-valuenow", "0")
             expect(page.locator('[data-key="shop/login/alice"]')).to_have_count(0)
-            expect(page.get_by_test_id("admitted")).to_have_text("3")
+            expect(page.get_by_test_id("admitted")).to_have_text("5")
             assert page.evaluate("window.__sameDocument") is True
             page.screenshot(path=str(ARTIFACTS / "dashboard-idle.png"), full_page=True)
         finally:

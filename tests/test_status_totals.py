@@ -201,3 +201,40 @@ def test_totals_agree_with_a_full_count_under_many_threads(clock: FakeClock) -> 
         for worker in workers:
             worker.join(30)
         gk.close()
+
+
+def test_adaptive_report_follows_evictions(clock: FakeClock) -> None:
+    """stats()['adaptive'] lists the adaptive keys the backend still tracks: an evicted
+    key's controller goes with it (the report never grows past max_keys)."""
+    settings = {
+        "project": "shop",
+        "limits": {
+            "shop/api/*": {
+                "concurrency": "auto",
+                "adaptive": {"min": 1, "max": 50, "initial": 5},
+                "max_keys": 2,
+            }
+        },
+    }
+    gk = GateKeeper(settings, clock=clock)
+    try:
+        for caller in ("a", "b", "c", "d"):
+            gk.admit("shop", "api", caller).release(200)
+        reported = gk.stats()["adaptive"]
+        assert len(reported) == 2
+        assert set(reported) <= {f"shop/api/{caller}" for caller in "abcd"}
+        assert "shop/api/d" in reported
+    finally:
+        gk.close()
+
+
+def test_status_carries_the_rejections_made_before_it_is_read(keeper: GateKeeper) -> None:
+    """status.json lists the recent rejections per second by code, so a dashboard opened
+    after them still charts them."""
+    keeper.admit("shop", "partner", "crm")
+    for _ in range(3):
+        with pytest.raises(Rejected):
+            keeper.admit("shop", "partner", "crm")
+    recent = status_of(keeper)["rejections_recent"]
+    assert sum(bucket["counts"].get("GK-CONCURRENCY-LIMIT", 0) for bucket in recent) == 3
+    assert all(0 <= bucket["ago"] < 300 for bucket in recent)

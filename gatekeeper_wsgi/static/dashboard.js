@@ -5,6 +5,8 @@
   var jsonUrl = body.dataset.jsonUrl;
   var refreshMs = parseInt(body.dataset.refreshMs, 10) || 2000;
   var HISTORY = 60;
+  // Seconds per bar of the rejections chart; the server keeps per-second counts.
+  var BIN = Math.max(1, Math.round(refreshMs / 1000));
   var COLORS = {
     "GK-CONCURRENCY-LIMIT": "#d64545", "GK-RATE-LIMIT": "#e0a100", "GK-QUEUE-FULL": "#8e5bd6",
     "GK-QUEUE-TIMEOUT": "#3b7dd8", "GK-CALLER-MISSING": "#6b7487", "GK-BACKEND-UNAVAILABLE": "#1d2433"
@@ -13,7 +15,6 @@
   var adaptiveHistory = [];  // per refresh: {path: [current limit, in flight]}
   var ADAPTIVE_SHOWN = 6;
   var LINE_COLORS = ["#3b7dd8", "#d64545", "#2e9e5b", "#8e5bd6", "#e0a100", "#1d2433"];
-  var previous = null;
   var paused = false;
   var timer = null;
   var limitRows = {};
@@ -98,6 +99,51 @@
     }
   }
 
+  // "3/5 used · 2 left" for a key of a rate limit (and when the window frees a place).
+  function rateNote(entry) {
+    if (!entry || typeof entry.used !== "number" || typeof entry.remaining !== "number") {
+      return "";
+    }
+    var text = fmt(entry.used) + "/" + fmt(entry.used + entry.remaining) + " used · " +
+      fmt(entry.remaining) + " left";
+    if (entry.remaining === 0 && entry.resets_in > 0) {
+      text += " · frees in " + Math.ceil(entry.resets_in) + " s";
+    }
+    return text;
+  }
+
+  // A key (or limit) with a rate and no concurrency: its bar is the window's use.
+  function setUsage(row, entry, concurrency) {
+    var rateOnly = typeof concurrency !== "number" && entry && typeof entry.used === "number";
+    if (!rateOnly) {
+      setMeter(row, entry ? entry.inflight : 0, concurrency, rateNote(entry));
+      return;
+    }
+    var cap = entry.used + entry.remaining;
+    setMeter(row, entry.used, cap, "");
+    var count = row.querySelector(".count");
+    count.textContent = "";
+    count.appendChild(document.createTextNode(fmt(entry.used) + " / " + fmt(cap) + " used "));
+    var note = fmt(entry.remaining) + " left";
+    if (entry.remaining === 0 && entry.resets_in > 0) {
+      note += " · frees in " + Math.ceil(entry.resets_in) + " s";
+    }
+    if (entry.inflight) { note += " · " + fmt(entry.inflight) + " in flight"; }
+    count.appendChild(el("small", "", note));
+  }
+
+  function markRate(row, entry) {
+    var used = entry && typeof entry.used === "number";
+    row.classList.toggle("locked", used && entry.remaining === 0);
+    if (used) {
+      row.dataset.used = String(entry.used);
+      row.dataset.remaining = String(entry.remaining);
+    } else {
+      delete row.dataset.used;
+      delete row.dataset.remaining;
+    }
+  }
+
   function describe(limit) {
     var parts = [limit.level];
     if (limit.rate) { parts.push("rate " + limit.rate); }
@@ -140,7 +186,8 @@
       order.push(row);
       if (limit.wildcard) {
         var keys = limit.keys === 1 ? "1 key" : fmt(limit.keys) + " keys";
-        setMeter(row, limit.inflight, null, "in " + keys);
+        var tracked = typeof limit.tracked === "number" ? " · " + fmt(limit.tracked) + " tracked" : "";
+        setMeter(row, limit.inflight, null, "in " + keys + tracked);
         Object.keys(inflight).filter(function (path) {
           return inflight[path].limit === limit.path;
         }).sort(function (a, b) {
@@ -154,8 +201,8 @@
             limitRows[keyId] = keyRow;
           }
           seen[keyId] = true;
-          setMeter(keyRow, inflight[path].inflight,
-            capOf(path, inflight[path].concurrency, adaptive));
+          setUsage(keyRow, inflight[path], capOf(path, inflight[path].concurrency, adaptive));
+          markRate(keyRow, inflight[path]);
           order.push(keyRow);
         });
         if (limit.keys > limit.keys_shown) {
@@ -168,7 +215,8 @@
         }
       } else {
         var entry = inflight[limit.path];
-        setMeter(row, entry ? entry.inflight : 0, capOf(limit.path, limit.concurrency, adaptive));
+        setUsage(row, entry, capOf(limit.path, limit.concurrency, adaptive));
+        markRate(row, entry);
       }
     });
     Object.keys(limitRows).forEach(function (id) {
@@ -240,19 +288,19 @@
     });
   }
 
-  function recordHistory(counters) {
-    var now = Date.now();
-    var current = counters.rejected || {};
-    if (previous) {
-      var delta = {};
-      Object.keys(current).forEach(function (code) {
-        var d = current[code] - (previous[code] || 0);
-        if (d > 0) { delta[code] = d; }
+  // The chart is drawn from the server's per-second counts (rejections_recent), so it
+  // shows what was refused before the page was opened, not only the changes it saw.
+  function recordHistory(recent) {
+    history = [];
+    for (var i = 0; i < HISTORY; i++) { history.push({ delta: {} }); }
+    (recent || []).forEach(function (bucket) {
+      var index = HISTORY - 1 - Math.floor(bucket.ago / BIN);
+      if (index < 0) { return; }
+      var delta = history[index].delta;
+      Object.keys(bucket.counts).forEach(function (code) {
+        delta[code] = (delta[code] || 0) + bucket.counts[code];
       });
-      history.push({ t: now, delta: delta });
-      if (history.length > HISTORY) { history.shift(); }
-    }
-    previous = current;
+    });
   }
 
   function svg(tag, attrs) {
@@ -293,7 +341,7 @@
       });
     });
     var label = svg("text", { x: 2, y: top + 2 });
-    label.textContent = "max " + max + " / interval";
+    label.textContent = "max " + max + " per " + BIN + " s";
     chart.appendChild(label);
     var now = svg("text", { x: width - 2, y: height - 4, "text-anchor": "end" });
     now.textContent = "now";
@@ -304,7 +352,7 @@
     legend.textContent = "";
     var known = Object.keys(codes).sort();
     if (!known.length) {
-      legend.appendChild(el("span", "", history.length ? "no rejections in this window" : "collecting…"));
+      legend.appendChild(el("span", "", "no rejections in the last " + fmt(HISTORY * BIN) + " s"));
     }
     known.forEach(function (code) {
       var item = el("span");
@@ -385,11 +433,11 @@
     $("mode").textContent = "mode " + data.config.mode;
     $("pid").textContent = "pid " + data.pid;
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
-    $("interval").textContent = "(per " + (refreshMs / 1000) + " s)";
+    $("interval").textContent = "(per " + BIN + " s, last " + fmt(HISTORY * BIN) + " s)";
     renderCards(data);
     renderLimits(data.config.limits, data.inflight, data.stats.adaptive);
     renderAdaptive(recordAdaptive(data.stats.adaptive, data.inflight));
-    recordHistory(data.stats.counters);
+    recordHistory(data.rejections_recent);
     renderChart();
     renderRejections(data.stats.counters);
     renderStages(data.stats.stages);

@@ -1,0 +1,83 @@
+"""Queue waits are their own stage (``queue_wait``): ``decide`` is the backend's decision
+time only, so a dashboard's ``decide`` mean is not inflated by seconds spent queueing."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from gatekeeper_wsgi import GateKeeper
+from gatekeeper_wsgi.errors import Rejected
+
+SETTINGS: dict[str, Any] = {
+    "project": "shop",
+    "limits": {"shop/slow": {"concurrency": 1, "queue": {"size": 2, "wait": 30.0}}},
+}
+
+
+def wait_until_queued(gk: GateKeeper, waiters: int) -> None:
+    # Watches the engine's waiter count under its condition's lock: the test goes on as
+    # soon as the request is queued, whatever the machine's speed (the timeout only
+    # bounds each look).
+    with gk._cond:
+        for _ in range(600):
+            if gk._waiting >= waiters:
+                return
+            gk._cond.wait(0.05)
+    pytest.fail("the request never queued")
+
+
+def test_decide_leaves_the_queue_wait_out() -> None:
+    """For a request that waited: request = resolve_limits + decide + queue_wait exactly,
+    and queue_wait counts the waits, so decide is the decision alone."""
+    gk = GateKeeper(SETTINGS)
+    samples: dict[str, list[float]] = {"resolve_limits": [], "decide": [], "request": []}
+    samples["queue_wait"] = []
+    for name, recorded in samples.items():
+        gk.monitor.observe(name, recorded.append)
+    holder = gk.admit("shop", "slow", "a")
+    for recorded in samples.values():
+        recorded.clear()
+    admitted = threading.Event()
+
+    def waiter() -> None:
+        gk.admit("shop", "slow", "b").release(200)
+        admitted.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_until_queued(gk, 1)
+    holder.release(200)
+    thread.join(30)
+    assert admitted.is_set()
+    assert len(samples["queue_wait"]) == 1
+    (resolve,), (decide,), (total,) = (
+        samples[name][:1] for name in ("resolve_limits", "decide", "request")
+    )
+    assert total - resolve - decide == pytest.approx(samples["queue_wait"][0], abs=1e-9)
+    assert gk.stats()["stages"]["queue_wait"]["count"] == 1
+    gk.close()
+
+
+def test_a_queue_timeout_is_timed_as_a_wait_too() -> None:
+    """A request refused after waiting (GK-QUEUE-TIMEOUT) also records its queue_wait,
+    and its refusal's decide leaves it out."""
+    settings = {
+        "project": "shop",
+        "limits": {"shop/slow": {"concurrency": 1, "queue": {"size": 2, "wait": 0.0001}}},
+    }
+    gk = GateKeeper(settings)
+    decide: list[float] = []
+    waits: list[float] = []
+    gk.monitor.observe("decide", decide.append)
+    gk.monitor.observe("queue_wait", waits.append)
+    holder = gk.admit("shop", "slow", "a")
+    decide.clear()
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", "slow", "b")
+    assert refused.value.code == "GK-QUEUE-TIMEOUT"
+    assert len(waits) == 1 and len(decide) == 1
+    holder.release(200)
+    gk.close()
