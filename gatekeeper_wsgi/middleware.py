@@ -276,6 +276,12 @@ class Gate:
         when it swaps in a reloaded configuration)."""
         return self.keeper.identifier
 
+    def server_is_multiprocess(self, environ: WSGIEnvironment) -> bool:
+        """Whether the server says other processes serve the app too (PEP 3333's
+        ``wsgi.multiprocess``); asked on the first request, so a per-process backend can
+        warn. A plugin whose framework sets the flag itself overrides this."""
+        return bool(environ.get("wsgi.multiprocess"))
+
     def admit(
         self,
         identifier: Identifier,
@@ -290,7 +296,7 @@ class Gate:
         keeper = self.keeper
         if self._first_request:
             self._first_request = False
-            if environ.get("wsgi.multiprocess"):
+            if self.server_is_multiprocess(environ):
                 keeper.backend.multiprocess()
         caller = identifier.caller(environ)
         if caller is None:

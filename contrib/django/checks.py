@@ -2,8 +2,9 @@
 
 =================== ==========================================================================
 ``gatekeeper.E001`` ``GATEKEEPER`` is not a dict
-``gatekeeper.E002`` the configuration is invalid (the ConfigError message: key, value,
-                    expected; file and line for the operators' file)
+``gatekeeper.E002`` a setting is invalid (the ConfigError message: key, value, expected;
+                    file and line for the operators' file); one message per invalid
+                    setting
 ``gatekeeper.E003`` ``GateKeeperMiddleware`` is in ``MIDDLEWARE`` but not first
 ``gatekeeper.E004`` ``backend`` names no known backend
 ``gatekeeper.E005`` ``caller.resolver`` or ``fault.renderer`` cannot be imported
@@ -11,6 +12,10 @@
 ``gatekeeper.W002`` ``routes`` is set; it names services for bare WSGI only, Django uses
                     URL names
 =================== ==========================================================================
+
+Every invalid setting is reported, not only the first: the configuration stops at its
+first error, so each top-level setting and each limit is then also checked on its own.
+Hints point into ``docs/configuration.md`` of the gatekeeper-wsgi source.
 """
 
 # mypy: disable-error-code="import-untyped"
@@ -25,6 +30,7 @@ from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
 
 from gatekeeper_wsgi.backends import BACKENDS
+from gatekeeper_wsgi.config import load_config
 from gatekeeper_wsgi.errors import ConfigError
 
 from .conf import SETTING, effective_config
@@ -37,7 +43,17 @@ MIDDLEWARE_PATHS = frozenset(
         "gatekeeper_wsgi.contrib.django.middleware.GateKeeperMiddleware",
     }
 )
-_SETTINGS_HINT = "See the configuration reference (settings dict, SPEC §3)."
+_DOCS = "docs/configuration.md"
+_SETTINGS_HINT = f"See {_DOCS} (the configuration reference) in the gatekeeper-wsgi source."
+# Settings documented in a section of their own.
+_SECTIONS = frozenset({"caller", "fault", "reload", "rejected_log", "dashboard", "limits"})
+
+
+def _hint_for(key: str) -> str:
+    """Where the docs describe ``key`` (``limits.shop.concurrency`` -> the Limits section)."""
+    top = key.split(".", 1)[0]
+    anchor = top.replace("_", "-") if top in _SECTIONS else "top-level-keys"
+    return f"See {_DOCS}#{anchor} (the configuration reference) in the gatekeeper-wsgi source."
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
@@ -61,7 +77,35 @@ def _config_error(exc: ConfigError) -> Error:
             hint="Give the dotted path of an importable callable.",
             id="gatekeeper.E005",
         )
-    return Error(f"settings.{SETTING}: {exc}", hint=_SETTINGS_HINT, id="gatekeeper.E002")
+    return Error(f"settings.{SETTING}: {exc}", hint=_hint_for(exc.key), id="gatekeeper.E002")
+
+
+def _config_errors(value: Mapping[str, Any]) -> list[ConfigError]:
+    """Every invalid setting of ``value``: the configuration as the engine builds it stops
+    at its first error, so each top-level setting and each limit is also tried alone
+    (with the project), and each distinct error kept."""
+    try:
+        effective_config()
+    except ConfigError as exc:
+        found = [exc]
+    else:
+        return []
+    base = {"project": value["project"]} if "project" in value else {}
+    pieces: list[dict[str, Any]] = []
+    for key, item in value.items():
+        if key == "limits" and isinstance(item, Mapping):
+            pieces.extend({**base, "limits": {path: limit}} for path, limit in item.items())
+        elif key != "project":
+            pieces.append({**base, key: item})
+    seen = {str(found[0])}
+    for piece in pieces:
+        try:
+            load_config(piece)
+        except ConfigError as exc:
+            if str(exc) not in seen:
+                seen.add(str(exc))
+                found.append(exc)
+    return found
 
 
 def _check_gatekeeper_setting() -> list[CheckMessage]:
@@ -76,10 +120,10 @@ def _check_gatekeeper_setting() -> list[CheckMessage]:
                 id="gatekeeper.E001",
             )
         ]
-    try:
-        config = effective_config()
-    except ConfigError as exc:
-        return [_config_error(exc)]
+    errors = _config_errors(value)
+    if errors:
+        return [_config_error(exc) for exc in errors]
+    config = effective_config()
     messages: list[CheckMessage] = []
     if config.routes:
         messages.append(

@@ -107,6 +107,24 @@ def _username(request: Any) -> str | None:
     return str(user.get_username())
 
 
+class _DjangoGate(Gate):
+    """The core's Gate, told apart from what Django itself puts into ``request.META``."""
+
+    def server_is_multiprocess(self, environ: Any) -> bool:
+        # Django's ASGIRequest (no wsgi.input in its META) and its test client (a
+        # FakePayload as wsgi.input) set wsgi.multiprocess=True whatever serves them: only
+        # a WSGI server's own environ says so. A forked ASGI worker is still detected by
+        # the memory backend's fork hook.
+        if not environ.get("wsgi.multiprocess"):
+            return False
+        stream = environ.get("wsgi.input")
+        if stream is None:
+            return False
+        from django.test.client import FakePayload
+
+        return not isinstance(stream, FakePayload)
+
+
 class GateKeeperMiddleware:
     """Django middleware that admits or rejects each request by ``settings.GATEKEEPER``.
 
@@ -173,7 +191,7 @@ class GateKeeperMiddleware:
     def __init__(self, get_response: Callable[[Any], Any]) -> None:
         self.get_response = get_response
         # Built now, so a broken configuration fails at start-up, not on a request.
-        self._gate = Gate(get_gatekeeper())
+        self._gate = _DjangoGate(get_gatekeeper())
 
     def __call__(self, request: Any) -> Any:
         meta = request.META
@@ -183,7 +201,7 @@ class GateKeeperMiddleware:
         gate = self._gate
         keeper = get_gatekeeper()
         if gate.keeper is not keeper:  # settings.GATEKEEPER was replaced
-            gate = self._gate = Gate(keeper)
+            gate = self._gate = _DjangoGate(keeper)
         identifier = gate.identifier()
         names = self._names(request, identifier.config.project)
         if names is None:
@@ -257,6 +275,10 @@ class GateKeeperMiddleware:
         response = HttpResponse(body, status=int(code), reason=reason or None)
         for name, value in headers:
             response[name] = value
+        # Reported once, on gatekeeper.rejected (INFO); without this mark django.request
+        # would log every rejection again as an ERROR (a 503), which AdminEmailHandler
+        # mails to ADMINS.
+        response._has_been_logged = True
         for receiver, result in request_rejected.send_robust(
             sender=type(self), request=request, rejected=rejected, request_id=meta[REQUEST_ID_KEY]
         ):
