@@ -14,6 +14,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import heapq
 import logging
 import mmap
 import os
@@ -23,17 +24,28 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.backends.base import (
+    NO_WATCH,
+    TOP_KEYS,
+    Backend,
+    Denial,
+    Grant,
+    KeyUsage,
+    LimitTotals,
+    Slot,
+)
 from gatekeeper_wsgi.config import Config, Limit, Rate
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
 
 __all__ = ["LayoutMismatch", "SharedBackend", "TableFullError"]
 
 logger = logging.getLogger("gatekeeper")
+
+_T = TypeVar("_T")
 
 
 class TableFullError(BackendError):
@@ -190,6 +202,12 @@ def _dead(pid: int, start: int, *, deep: bool) -> bool:
         return False
     stat = _proc_stat(pid)
     return stat is None or stat[0] in ("Z", "X") or bool(start and stat[1] and stat[1] != start)
+
+
+def _path_digest(path: str) -> int:
+    """The registry's name for a wildcard limit path (never 0, which marks a free entry)."""
+    digest = hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 def _align(value: int, to: int) -> int:
@@ -576,6 +594,10 @@ class SharedBackend(Backend):
     for lack of them; at most ``DEEP_CHECK_EVERY`` (10 ms) while it is an unreaped zombie,
     or when its pid was reused by a newer process (both are read from ``/proc``, at most
     that often per backend on the rejection path).
+
+    **Totals** for the status page and Prometheus (:meth:`totals`) are read from the live
+    leases (each request in flight, held or delayed, holds one) and the wildcard registry's
+    key counts: O(limits + leases in use), never a pass over the key table.
 
     **Queues** work across processes: a waiter polls every ``poll_interval`` (5 ms), as
     a slot freed in another process wakes nobody here; the wait is bounded by ``wait``.
@@ -1150,12 +1172,30 @@ class SharedBackend(Backend):
             self._leave()
 
     def inflight(self, now: float) -> dict[str, int]:
-        try:
-            return self._inflight(now)
-        except _Recreated:
-            return self._inflight(now)
+        return self._observed(now, self._read_inflight)
 
-    def _inflight(self, now: float) -> dict[str, int]:
+    def totals(
+        self,
+        limits: Sequence[Limit],
+        now: float,
+        *,
+        top: int = TOP_KEYS,
+        watch: Mapping[str, Collection[str]] = NO_WATCH,
+    ) -> dict[str, LimitTotals]:
+        """Per limit, from the live leases (every request in flight, held or delayed,
+        holds one) and the wildcard registry's key counts: O(limits + leases in use +
+        watched keys) under the lock, never a pass over the key table."""
+        return self._observed(now, lambda: self._read_totals(limits, now, top, watch))
+
+    def _observed(self, now: float, read: Callable[[], _T]) -> _T:
+        """``read()`` under the lock, once due delays are applied and the leases of dead
+        processes reclaimed (again on a table that had to be re-created)."""
+        try:
+            return self._observe(now, read)
+        except _Recreated:
+            return self._observe(now, read)
+
+    def _observe(self, now: float, read: Callable[[], _T]) -> _T:
         self._enter()
         try:
             self._mature(now)
@@ -1167,7 +1207,7 @@ class SharedBackend(Backend):
         self._reap(owners, deep=True)
         self._enter()
         try:
-            return self._read_inflight()
+            return read()
         except BaseException as exc:
             self._fail(exc)
         finally:
@@ -1446,12 +1486,7 @@ class SharedBackend(Backend):
             if struct.unpack_from("<Q", mm, base + index * REG_SIZE)[0] == digest:
                 return index
         else:
-            digest = (
-                int.from_bytes(
-                    hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest(), "little"
-                )
-                or 1
-            )
+            digest = _path_digest(path)
         free = -1
         for index in range(self._layout.registry):  # type: ignore[union-attr]
             stored = struct.unpack_from("<Q", mm, base + index * REG_SIZE)[0]
@@ -1992,3 +2027,96 @@ class SharedBackend(Backend):
                 key = mm[offset + NODE_HEAD : offset + NODE_HEAD + key_length]
                 result[key.decode("utf-8", "surrogateescape")] = count
         return result
+
+    def _read_totals(
+        self,
+        limits: Sequence[Limit],
+        now: float,
+        top: int,
+        watch: Mapping[str, Collection[str]],
+    ) -> dict[str, LimitTotals]:
+        mm = self._mm
+        layout = self._layout
+        assert mm is not None and layout is not None
+        regs = mm[self._registry_off : self._registry_off + layout.registry * REG_SIZE]
+        # registry entry -> keys it tracks, and digest -> entry
+        tracked: dict[int, int] = {}
+        entry_of: dict[int, int] = {}
+        for index, (digest, count, _, _) in enumerate(_REG.iter_unpack(regs)):
+            if digest:
+                tracked[index] = count
+                entry_of[digest] = index
+        high = _U32.unpack_from(mm, H_LEASE_HIGH)[0]
+        if high > layout.leases:
+            raise _Damaged("its lease counters are out of range")
+        held: set[int] = set()
+        leases = mm[self._leases_off : self._leases_off + high * LEASE_SIZE]
+        for _, serial, _, count, *refs in _LEASE.iter_unpack(leases):
+            if serial:
+                held.update(refs[:count])
+        # registry entry -> its keys in flight: (key, node fields)
+        busy: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
+        for node in held:
+            fields, key = self._node_fields(node)
+            if fields[0] and fields[6]:
+                busy.setdefault(fields[6] - 1, []).append((key, fields))
+        totals = {}
+        for limit in limits:
+            path = limit.path
+            entry = entry_of.get(_path_digest(path)) if limit.wildcard else None
+            if limit.wildcard:
+                held_keys = busy.get(entry, []) if entry is not None else []
+                shown = heapq.nsmallest(top, held_keys, key=lambda item: (-item[1][0], item[0]))
+                keys = tracked.get(entry, 0) if entry is not None else 0
+            else:
+                found = self._lookup(path)
+                held_keys = shown = [] if found is None else [found]
+                keys = len(shown)
+            seen = {key for key, _ in shown}
+            for key in watch.get(path, ()):
+                found = self._lookup(key) if key not in seen else None
+                if found is not None and (entry is None or found[1][6] == entry + 1):
+                    seen.add(key)
+                    shown.append(found)
+            totals[path] = LimitTotals(
+                inflight=sum(fields[0] for _, fields in held_keys),
+                keys=keys,
+                busy=sum(1 for _, fields in held_keys if fields[0]),
+                top=tuple(self._key_usage(key, fields, limit, now) for key, fields in shown),
+            )
+        return totals
+
+    def _node_fields(self, node: int) -> tuple[tuple[Any, ...], str]:
+        """A node's fields (``_NODE``) and key. Under the lock."""
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        fields = _NODE.unpack_from(mm, offset)
+        raw = mm[offset + NODE_HEAD : offset + NODE_HEAD + fields[1]]
+        return fields, raw.decode("utf-8", "surrogateescape")
+
+    def _lookup(self, key: str) -> tuple[str, tuple[Any, ...]] | None:
+        """(key, node fields) of a key the table holds, else None. Under the lock."""
+        try:
+            node = self._find(self._key(key))
+        except TableFullError:  # longer than any key the table can hold
+            return None
+        return None if node < 0 else (key, self._node_fields(node)[0])
+
+    def _key_usage(self, key: str, fields: tuple[Any, ...], limit: Limit, now: float) -> KeyUsage:
+        """A key's requests in flight and its window's use now, read without changing it."""
+        rate = limit.rate
+        if rate is None:
+            return KeyUsage(key, fields[0], None, 0.0)
+        mm = self._mm
+        assert mm is not None
+        cutoff = now - rate.seconds
+        start, chunk, left = fields[2], fields[3], fields[5]
+        while left:
+            stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
+            for stamp in stamps[start : start + left]:
+                if stamp > cutoff:
+                    return KeyUsage(key, fields[0], left, stamp - cutoff)
+                left -= 1
+            chunk, start = _U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
+        return KeyUsage(key, fields[0], 0, 0.0)
