@@ -294,6 +294,26 @@ def test_a_delayed_release_leaves_no_key_past_its_delay(prefixed: str, redis_ser
     raw.close()
 
 
+def test_a_rate_key_lives_one_window_after_its_last_request(
+    prefixed: str, redis_server: str
+) -> None:
+    """A spray of 300 callers on a 5/2s rate limit: once their requests end, every key
+    expires within one window (2 s), not max_hold (300 s) after the admission."""
+    prefix = prefixed.rsplit("prefix=", 1)[1]
+    gk = keeper(prefixed, {"shop/login/*": {"rate": "5/2s"}})
+    for index in range(300):
+        gk.admit("shop", "login", f"c{index}").release(200)
+    assert gk.inflight() == {}
+    raw = redis.Redis.from_url(redis_server)
+    keys = list(raw.scan_iter(f"{prefix}:*", count=1000))
+    assert len(keys) == 300
+    pipe = raw.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    assert all(0 < ttl <= 2001 for ttl in pipe.execute())
+    raw.close()
+
+
 # --- hosts, freezes and restarts ----------------------------------------------------------
 
 

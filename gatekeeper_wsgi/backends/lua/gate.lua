@@ -71,6 +71,12 @@ for r = 2, releases + 1 do
       end
     else
       redis.call('ZREM', key, lease)
+      local window_ms = (code - code % 2) / 2
+      -- A rate key lives max_hold after an admission, for its lease; once no request is
+      -- in flight on it, only its window entries are left to keep, for one window at most.
+      if window_ms > 0 and redis.call('ZCOUNT', key, clock() + 1, '+inf') == 0 then
+        redis.call('PEXPIRE', key, window_ms + 1)
+      end
     end
   end
 end
