@@ -9,6 +9,8 @@ in flight, Redis is frozen (SIGSTOP) so it stays there.
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -21,10 +23,11 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends import backend_from_url  # noqa: E402
+from gatekeeper_wsgi.backends import redis as redis_backend  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
 from gatekeeper_wsgi.engine import Admission  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
-from tests.servers import ControlledRedis, run_together, wait_until  # noqa: E402
+from tests.servers import ControlledRedis, RedisServer, run_together, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -270,6 +273,57 @@ def test_a_forked_worker_starts_its_own_sender(own_redis: ControlledRedis) -> No
     assert child.exitcode == 0
     assert outcome == {"inherited": 0, "own sender": True, "inflight": {}}
     assert gk.inflight() == {}
+
+
+def test_releases_waiting_at_exit_are_sent(prefixed: str) -> None:
+    """A worker process that exits right after its last responses, without closing its
+    gatekeeper (a graceful restart): its waiting releases are sent at exit, nothing held."""
+    script = (
+        "import sys\n"
+        "from gatekeeper_wsgi import GateKeeper\n"
+        "gk = GateKeeper({'project': 'shop', 'backend': sys.argv[1],"
+        " 'limits': {'shop/work': {'concurrency': 100}}})\n"
+        "for _ in range(50):\n"
+        "    gk.admit('shop', 'work', 'c').release(200)\n"
+    )
+    url = f"{prefixed}&flush_interval=0.005"
+    subprocess.run([sys.executable, "-c", script, url], check=True, timeout=60)
+    backend = backend_from_url(prefixed)
+    assert backend.inflight(0.0) == {}
+    backend.close()
+
+
+def test_a_release_placed_as_the_idle_sender_ends_is_still_sent(
+    prefixed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender ends when idle and a release starts a new one: over 100 releases, each
+    placed while the previous sender may be ending, every one reaches Redis by itself."""
+    monkeypatch.setattr(redis_backend, "_SENDER_IDLE", 0.001)
+    gk = keeper(f"{prefixed}&flush_interval=0", {"shop/work": {"concurrency": 100}})
+    backend = backend_of(gk)
+    probe = backend_from_url(prefixed)
+    for _ in range(100):
+        gk.admit("shop", "work", "c").release(200)
+        wait_until(lambda: backend.pending_releases() == 0, what="the release to be sent")
+    assert probe.inflight(0.0) == {}
+    probe.close()
+
+
+def test_a_unix_socket_url_works(tmp_path: Path) -> None:
+    """``unix:///path.sock?db=0`` reaches a redis-server listening on that socket."""
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(redis_binary(), tmp_path, extra=("--unixsocket", str(sock)))
+    server.start()
+    try:
+        gk = keeper(f"unix://{sock}?db=0", {"shop": {"concurrency": 1}}, on_backend_error="reject")
+        held = gk.admit("shop", "work", "c")
+        with pytest.raises(Rejected):
+            gk.admit("shop", "work", "c")
+        held.release(200)
+        assert gk.inflight() == {}
+        gk.close()
+    finally:
+        server.stop()
 
 
 # --- keys go away -------------------------------------------------------------------------

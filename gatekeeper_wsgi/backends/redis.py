@@ -15,6 +15,8 @@ clocks do not matter (``engine_clock = False``).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import heapq
 import itertools
 import logging
@@ -60,6 +62,8 @@ DEFAULT_FLUSH_INTERVAL = 0.001
 MAX_FLUSH_INTERVAL = 0.005
 #: After a concurrency refusal, releases are sent at once (not left waiting) this long.
 _CONTENDED_FOR = 1.0
+#: A release sender with nothing to send for this long ends (a new one starts on demand).
+_SENDER_IDLE = 10.0
 #: Releases waiting to be sent (or sent again, after an outage); past this the oldest are
 #: dropped and end by lease expiry.
 _PENDING_RELEASES = 10_000
@@ -95,6 +99,19 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _flush_at_exit() -> None:
+    # A worker that exits (a graceful restart) may have releases waiting from its last
+    # responses: send them, or their slots would stay held until max_hold.
+    for backend in list(_BACKENDS):
+        outbox = backend._outbox
+        if len(outbox):
+            with contextlib.suppress(BackendError):
+                outbox.flush()
+
+
+atexit.register(_flush_at_exit)
 _sequence = itertools.count()
 
 
@@ -265,10 +282,14 @@ class _Outbox:
     def put(self, release: _Release) -> None:
         self._waiting.append(release)
         if not self._armed:
+            self._arm()
+
+    def _arm(self) -> None:
+        with self._lock:  # against a sender deciding to exit meanwhile
             self._armed = True
-            if self._generation != _generation:
+            if self._thread is None or self._generation != _generation:
                 self._start()
-            self._wake.set()
+        self._wake.set()
 
     def take(self, tag: str | None = None) -> list[_Release]:
         """Everything waiting, plus the batch the sender has out. With ``tag`` (a key's
@@ -301,19 +322,28 @@ class _Outbox:
             sending = self._sending
             mine = [release for release in releases if release not in sending]
             self._waiting.extendleft(reversed(mine))
-        self._armed = True
-        if self._generation != _generation:
-            self._start()
-        self._wake.set()
+        self._arm()
 
     def _start(self) -> None:
+        """Start the sender (with ``_lock`` held)."""
         self._generation = _generation
         if self._stop.is_set():
+            self._thread = None
             return
         self._thread = threading.Thread(
-            target=self._run, name="gatekeeper-redis-release", daemon=True
+            target=self._guarded, name="gatekeeper-redis-release", daemon=True
         )
         self._thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            # A bug, not an outage (those are BackendErrors, handled in _run): say so, and
+            # let the next release start a new sender.
+            logger.exception("gatekeeper: the redis release sender failed")
+            with self._lock:
+                self._thread = None
 
     def _run(self) -> None:
         backend = self._backend
@@ -321,7 +351,14 @@ class _Outbox:
         stop = self._stop
         interval = backend.flush_interval
         while generation == _generation:
-            self._wake.wait()
+            if not self._wake.wait(_SENDER_IDLE):
+                with self._lock:
+                    if not self._armed and not self._waiting:
+                        # Idle: end, so an unused backend's thread (and the backend it
+                        # holds) goes; the next release starts a new one.
+                        self._thread = None
+                        return
+                continue
             self._wake.clear()
             if interval > 0:
                 # Gather what comes within the interval into one call, and leave the GIL to
