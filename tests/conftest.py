@@ -65,6 +65,26 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[Any]:
+    """A redis-server of this test alone (a ``tests.servers.ControlledRedis``), to stop,
+    freeze and restart."""
+    from tests.servers import ControlledRedis
+
+    server = ControlledRedis(redis_binary(), tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefixed(redis_server: str) -> str:
+    """The session redis-server with a key prefix of this test alone."""
+    return f"{redis_server}?prefix=gk-test-{uuid.uuid4().hex[:8]}"
+
+
 #: One backend table for the conformance suite (engine and middleware tests use it).
 BACKENDS = [
     pytest.param("memory", id="memory"),

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +39,6 @@ def backend_of(gk: GateKeeper) -> RedisBackend:
     backend = gk.backend
     assert isinstance(backend, RedisBackend)
     return backend
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[ControlledRedis]:
-    """A redis-server of this test alone, to stop, freeze and restart."""
-    server = ControlledRedis(redis_binary(), tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def prefixed(redis_server: str) -> str:
-    """The session server with a prefix of this test alone."""
-    return f"{redis_server}?prefix=gk-rel-{uuid.uuid4().hex[:8]}"
 
 
 def sent_by_connection(server_url: str, action: Any) -> dict[str, list[str]]:
@@ -329,6 +311,17 @@ def test_a_unix_socket_url_works(tmp_path: Path) -> None:
 # --- keys go away -------------------------------------------------------------------------
 
 
+def lives_left(server_url: str, prefix: str) -> list[int]:
+    """The milliseconds each key under ``prefix`` has left to live (PTTL)."""
+    raw = redis.Redis.from_url(server_url)
+    pipe = raw.pipeline(transaction=False)
+    for key in raw.scan_iter(f"{prefix}:*", count=1000):
+        pipe.pttl(key)
+    ttls = [int(ttl) for ttl in pipe.execute()]
+    raw.close()
+    return ttls
+
+
 def test_a_delayed_release_leaves_no_key_past_its_delay(prefixed: str, redis_server: str) -> None:
     """A spray of 500 callers, each ending faulty with a 0.3 s delay: every key expires with
     its delay (+1 ms), not max_hold (300 s) later, and all are gone once matured."""
@@ -337,15 +330,10 @@ def test_a_delayed_release_leaves_no_key_past_its_delay(prefixed: str, redis_ser
     for index in range(500):
         gk.admit("shop", "work", f"c{index}").release(503, faulty=True)
     assert gk.inflight() == {f"shop/work/c{index}": 1 for index in range(500)}
-    raw = redis.Redis.from_url(redis_server)
-    keys = list(raw.scan_iter(f"{prefix}:*", count=1000))
-    assert len(keys) == 500
-    pipe = raw.pipeline(transaction=False)
-    for key in keys:
-        pipe.pttl(key)
-    assert all(0 < ttl <= 301 for ttl in pipe.execute())
-    wait_until(lambda: not list(raw.scan_iter(f"{prefix}:*")), what="the keys to expire")
-    raw.close()
+    ttls = lives_left(redis_server, prefix)
+    assert len(ttls) == 500
+    assert all(0 < ttl <= 301 for ttl in ttls)
+    wait_until(lambda: not lives_left(redis_server, prefix), what="the keys to expire")
 
 
 def test_a_rate_key_lives_one_window_after_its_last_request(
@@ -358,14 +346,9 @@ def test_a_rate_key_lives_one_window_after_its_last_request(
     for index in range(300):
         gk.admit("shop", "login", f"c{index}").release(200)
     assert gk.inflight() == {}
-    raw = redis.Redis.from_url(redis_server)
-    keys = list(raw.scan_iter(f"{prefix}:*", count=1000))
-    assert len(keys) == 300
-    pipe = raw.pipeline(transaction=False)
-    for key in keys:
-        pipe.pttl(key)
-    assert all(0 < ttl <= 2001 for ttl in pipe.execute())
-    raw.close()
+    ttls = lives_left(redis_server, prefix)
+    assert len(ttls) == 300
+    assert all(0 < ttl <= 2001 for ttl in ttls)
 
 
 # --- hosts, freezes and restarts ----------------------------------------------------------

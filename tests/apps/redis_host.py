@@ -16,6 +16,16 @@ import redis
 from gatekeeper_wsgi import GateKeeper, Rejected
 
 
+def inside_now(observer: redis.Redis, key: str, admission: Any) -> int:
+    """Enter the observer's count, note how many are inside, leave, release ``admission``."""
+    try:
+        inside = int(observer.incr(key))
+        observer.decr(key)
+        return inside
+    finally:
+        admission.release(200)
+
+
 def run_host(
     backend_url: str,
     observer_url: str,
@@ -52,12 +62,7 @@ def run_host(
                     with lock:
                         report["errors"].append(exc.code)
                 continue
-            try:
-                inside = int(observer.incr(observer_key))
-                max_inside = max(max_inside, inside)
-                observer.decr(observer_key)
-            finally:
-                admission.release(200)
+            max_inside = max(max_inside, inside_now(observer, observer_key, admission))
             admitted += 1
         with lock:
             report["admitted"] += admitted

@@ -17,6 +17,7 @@ import redis
 
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.redis import RedisBackend
+from tests.apps.redis_host import inside_now
 
 
 def run_load(
@@ -71,12 +72,7 @@ def run_load(
                 took = time.monotonic() - began
                 if took > slowest[0]:
                     slowest[0] = took
-            try:
-                inside = int(observer.incr(observer_key))
-                max_inside = max(max_inside, inside)
-                observer.decr(observer_key)
-            finally:
-                admission.release(200)
+            max_inside = max(max_inside, inside_now(observer, observer_key, admission))
             admitted += 1
             with progress.get_lock():
                 progress.value += 1
