@@ -85,6 +85,9 @@ def test_a_request_thread_sends_one_command_per_request(own_redis: ControlledRed
     gk.admit("shop", "work", "alice").release(200)  # connect and load the script
     backend = backend_of(gk)
     mine = own_address(backend)
+    # The sender sends that one by itself (no admission follows): its connection is made
+    # now, not while MONITOR watches (a new connection's handshake is not a release).
+    wait_until(lambda: backend.pending_releases() == 0, what="the sender to connect")
 
     def requests() -> None:
         for index in range(50):
