@@ -344,6 +344,7 @@ class _Outbox:
             logger.exception("gatekeeper: the redis release sender failed")
             with self._lock:
                 self._thread = None
+                self._armed = False
 
     def _run(self) -> None:
         backend = self._backend
