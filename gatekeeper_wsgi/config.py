@@ -233,6 +233,8 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     mode: str = "enforce"
     on_backend_error: str = "allow"
+    #: key "ip": an IPv6 address counts by its network of this many bits
+    ipv6_prefix: int = 64
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     limits: Mapping[str, Limit] = field(default_factory=lambda: MappingProxyType({}))
     rejected_log: RejectedLogConfig = field(default_factory=RejectedLogConfig)
@@ -283,6 +285,7 @@ TOP_LEVEL: tuple[str, ...] = (
     "fault",
     "mode",
     "on_backend_error",
+    "ipv6_prefix",
     "reload",
     "limits",
     "rejected_log",
@@ -487,6 +490,7 @@ class _Checker:
             on_backend_error=self.choice(
                 "on_backend_error", get("on_backend_error", "allow"), ("allow", "reject")
             ),
+            ipv6_prefix=self.integer("ipv6_prefix", get("ipv6_prefix", 64), 1, 128),
             reload=self.reload(get("reload", {})),
             limits=MappingProxyType(
                 {path: self.limit(path, spec) for path, spec in limits.items()}

@@ -14,13 +14,22 @@ and is picked from a short pre-sorted candidate list.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from gatekeeper_wsgi.backends.base import Slot
 from gatekeeper_wsgi.config import CALLER_RE, Config, Limit, TimeoutHeader
 
-__all__ = ["MEMO_KEY_CHARS", "MEMO_SIZE", "Route", "key_segment", "remember", "resolve_route"]
+__all__ = [
+    "MEMO_KEY_CHARS",
+    "MEMO_SIZE",
+    "Route",
+    "ip_segment",
+    "key_segment",
+    "remember",
+    "resolve_route",
+]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -33,6 +42,11 @@ MEMO_SIZE = 16_384
 #: The longest request value (characters) a memo keeps: longer ones are computed afresh
 #: each time, so a memo holds at most MEMO_SIZE x ~1 KiB (SPEC §4.5: bounded in bytes).
 MEMO_KEY_CHARS = 256
+# (REMOTE_ADDR, ipv6_prefix) -> its key segment, for routes whose caller level is not
+# memoized whole (candidates reading different request values).
+_NETWORK_MEMO: dict[tuple[str, int], str] = {}
+# Longer than any textual IP address (45 chars, IPv4-mapped) with a zone id: not parsed.
+_ADDRESS_CHARS = 64
 
 
 def remember(memo: dict[K, V], key: K, value: V, size: int) -> V:
@@ -64,6 +78,39 @@ def key_segment(value: str | None) -> str:
     return "~" + digest.hexdigest()
 
 
+def ip_segment(value: object, ipv6_prefix: int) -> str:
+    """The key segment of a client address (``key = "ip"``).
+
+    An IPv4 address counts as itself; an IPv6 address by its network of ``ipv6_prefix``
+    bits, written ``2001:db8::-64`` (``/`` separates path segments), so one host cannot
+    spray the 2^64 addresses of its /64; an IPv4-mapped IPv6 address (``::ffff:10.0.0.7``)
+    as its IPv4 address. Anything else is made safe by :func:`key_segment`.
+    """
+    if not isinstance(value, str) or len(value) > _ADDRESS_CHARS:
+        return key_segment(value if isinstance(value, str) else None)
+    found = _NETWORK_MEMO.get((value, ipv6_prefix))
+    if found is None:
+        found = remember(
+            _NETWORK_MEMO, (value, ipv6_prefix), _network(value, ipv6_prefix), len(value)
+        )
+    return found
+
+
+def _network(value: str, ipv6_prefix: int) -> str:
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        return key_segment(value)
+    if isinstance(address, ipaddress.IPv4Address):
+        return str(address)
+    mapped = address.ipv4_mapped
+    if mapped is not None:
+        return str(mapped)
+    host_bits = 128 - ipv6_prefix
+    network = ipaddress.IPv6Address(int(address) >> host_bits << host_bits)
+    return f"{network}-{ipv6_prefix}"
+
+
 class _CallerCandidate:
     """A caller-level limit of one route, how to read its key from a request, and what
     its slot needs besides the key (computed once per route, not per request)."""
@@ -72,6 +119,7 @@ class _CallerCandidate:
         "counts",
         "enforce",
         "environ_key",
+        "ipv6_prefix",
         "kind",
         "limit",
         "prefix",
@@ -79,7 +127,7 @@ class _CallerCandidate:
         "source",
     )
 
-    def __init__(self, limit: Limit, prefix: str, enforce: bool) -> None:
+    def __init__(self, limit: Limit, prefix: str, enforce: bool, ipv6_prefix: int) -> None:
         self.limit = limit
         #: the concrete path before the key: "project/service/"
         self.prefix = prefix
@@ -89,6 +137,7 @@ class _CallerCandidate:
         self.segment = limit.segments[2]
         self.kind = limit.key
         self.environ_key = ""
+        self.ipv6_prefix = ipv6_prefix
         if limit.key == "ip":
             self.environ_key = "REMOTE_ADDR"
         elif limit.key.startswith("header:"):
@@ -140,7 +189,8 @@ class Route:
         callers = index.callers(project, service)
         prefix = f"{project}/{service}/"
         self.caller_candidates = tuple(
-            _CallerCandidate(limit, prefix, self.enforces(limit)) for limit in callers
+            _CallerCandidate(limit, prefix, self.enforces(limit), config.ipv6_prefix)
+            for limit in callers
         )
         # When every candidate reads the same request value, the caller level depends on
         # that value alone and is memoized by it: a repeat caller costs one dict lookup.
@@ -203,6 +253,8 @@ class Route:
                 value = caller
             elif kind == "user":
                 value = key_segment(user or environ.get("REMOTE_USER"))
+            elif kind == "ip":
+                value = ip_segment(environ.get("REMOTE_ADDR"), candidate.ipv6_prefix)
             else:
                 value = key_segment(environ.get(candidate.environ_key))
             segment = candidate.segment

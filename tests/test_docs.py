@@ -12,7 +12,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def documented_keys() -> set[str]:
     text = (DOCS / "configuration.md").read_text(encoding="utf-8")
-    return set(re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.MULTILINE))
+    return set(re.findall(r"^\| `([a-z0-9_]+)` \|", text, flags=re.MULTILINE))
 
 
 def test_every_configuration_key_is_documented() -> None:

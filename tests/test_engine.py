@@ -246,7 +246,7 @@ def test_caller_key_kinds(make: Make) -> None:
     assert refused(gk, "shop", "api", "y").limit_path == "shop/api/*"
     assert busy(gk) == {
         "shop/login/10.0.0.7": 1,
-        "shop/login/2001:db8::1": 1,
+        "shop/login/2001:db8::-64": 1,  # an IPv6 client counts by its /64
         "shop/me/bob": 1,
         "shop/me/carol": 1,
         "shop/api/k1": 1,
