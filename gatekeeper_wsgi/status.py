@@ -63,31 +63,19 @@ Allow = Callable[["WSGIEnvironment"], bool]
 # --- which configured limit counts a concrete path --------------------------------------
 
 
-def _matches(limit: Limit, segments: list[str]) -> bool:
-    return len(limit.segments) == len(segments) and all(
-        pattern == "*" or pattern == value
-        for pattern, value in zip(limit.segments, segments, strict=True)
-    )
-
-
 def limit_of(config: Config, path: str) -> Limit | None:
     """The configured limit a concrete path (``shop/login/alice``) is counted under.
 
-    Of the limits with a count (concurrency or rate) matching it, the most specific one,
-    as admission resolves them: an exact segment beats ``*``, from the left.
+    The limit admission resolves for it (the configuration's segment index: the most
+    specific matching path, an exact segment beating ``*`` from the left), if that limit
+    counts (a concurrency or a rate). O(segments), however many limits are configured, so
+    grouping a backend's keys (Redis, which keeps no totals) costs O(keys), not
+    O(keys x limits).
     """
-    segments = path.split("/")
-    candidates = [
-        limit
-        for limit in config.limits.values()
-        if (limit.concurrency is not None or limit.rate is not None) and _matches(limit, segments)
-    ]
-    if not candidates:
+    limit = config.limit_index.most_specific(tuple(path.split("/")))
+    if limit is None or (limit.concurrency is None and limit.rate is None):
         return None
-    return max(
-        candidates,
-        key=lambda limit: (tuple(seg != "*" for seg in limit.segments), limit.path),
-    )
+    return limit
 
 
 def inflight_by_limit(

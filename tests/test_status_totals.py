@@ -14,7 +14,7 @@ from werkzeug.test import EnvironBuilder
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import REFUSED_KEYS
-from gatekeeper_wsgi.status import KEYS_SHOWN_PER_LIMIT, StatusApp, inflight_by_limit
+from gatekeeper_wsgi.status import KEYS_SHOWN_PER_LIMIT, StatusApp, inflight_by_limit, limit_of
 from tests.conftest import FakeClock
 
 SETTINGS: dict[str, Any] = {
@@ -238,3 +238,34 @@ def test_status_carries_the_rejections_made_before_it_is_read(keeper: GateKeeper
     recent = status_of(keeper)["rejections_recent"]
     assert sum(bucket["counts"].get("GK-CONCURRENCY-LIMIT", 0) for bucket in recent) == 3
     assert all(0 <= bucket["ago"] < 300 for bucket in recent)
+
+
+def test_status_groups_every_key_under_the_limit_admission_counted_it_in() -> None:
+    """limit_of (how the status groups keys a backend lists) names, for every slot an
+    admission takes, the very limit that slot counts under: one rule for both."""
+    settings = {
+        "project": "shop",
+        "limits": {
+            "shop": {"concurrency": 100},
+            "*": {"concurrency": 100},
+            "shop/*": {"concurrency": 100},
+            "shop/login": {"concurrency": 100},
+            "shop/login/*": {"rate": "5/minute"},
+            "shop/login/admin": {"rate": "1/minute"},
+            "*/*/batch": {"concurrency": 1},
+            "shop/quiet/*": {"delay": 2.0},
+        },
+    }
+    gk = GateKeeper(settings)
+    try:
+        for project in ("shop", "other"):
+            for service in ("login", "quiet", "report", "*"):
+                route = gk.route(project, service)
+                for caller in ("admin", "bob", "batch", "*"):
+                    slots, _ = route.caller_level(caller, {}, None)
+                    for slot in slots:
+                        found = limit_of(gk.config, slot.key)
+                        assert found is not None and found.path == slot.limit.path, slot.key
+        assert limit_of(gk.config, "shop/quiet/bob") is None  # its limit only sets a delay
+    finally:
+        gk.close()
