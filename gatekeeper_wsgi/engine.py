@@ -270,7 +270,10 @@ class GateKeeper:
             logger.error(
                 "gatekeeper: reload of %s failed, keeping the previous configuration: %s",
                 escape_controls(self._file),
-                exc if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}",
+                # A ConfigError escapes what it quotes; anything else is escaped here.
+                exc
+                if isinstance(exc, ConfigError)
+                else escape_controls(f"{type(exc).__name__}: {exc}"),
             )
             return False
         finally:

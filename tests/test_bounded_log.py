@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,76 +16,47 @@ from gatekeeper_wsgi import GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.rejectlog import HEADER_VALUE_CAP, RECORD_CAP, flush, log_rejected
+from tests.logs import Lines, captured, ok_app
 
 BLOCKED = {"project": "site", "limits": {"site": {"concurrency": 0}}}
 
 
-def ok_app(environ: Any, start_response: Any) -> list[bytes]:
-    start_response("200 OK", [("Content-Type", "text/plain")])
-    return [b"ok"]
-
-
-class GatedHandler(logging.Handler):
-    """A handler as slow as the test wants: each record waits until `opened` is set."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.opened = threading.Event()
-        self.entered = threading.Event()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.entered.set()
-        self.opened.wait(60)
-        self.lines.append(record.getMessage())
+@pytest.fixture
+def held_log() -> Iterator[Lines]:
+    """A held (slow) handler on `gatekeeper.rejected` at INFO for the test."""
+    with captured("gatekeeper.rejected", logging.INFO, held=True) as lines:
+        yield lines
 
 
 @pytest.fixture
-def rejected_logger() -> Iterator[logging.Logger]:
-    """The `gatekeeper.rejected` logger at INFO without propagation, restored afterwards."""
-    logger = logging.getLogger("gatekeeper.rejected")
-    level, propagate = logger.level, logger.propagate
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        yield logger
-    finally:
-        for handler in list(logger.handlers):
-            if isinstance(handler, GatedHandler):
-                handler.opened.set()
-        assert flush()
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
+def rejected_log() -> Iterator[Lines]:
+    """The lines `gatekeeper.rejected` writes during the test."""
+    with captured("gatekeeper.rejected", logging.INFO) as lines:
+        yield lines
 
 
-def logged_line(rejected_logger: logging.Logger, **builder: Any) -> str:
-    handler = GatedHandler()
-    handler.opened.set()
-    rejected_logger.addHandler(handler)
+def logged_line(rejected_log: Lines, **builder: Any) -> str:
     env = EnvironBuilder(**{"path": "/x", **builder}).get_environ()
     assert log_rejected(env, Rejected("GK-CALLER-MISSING"), "rid", build_config({}))
     assert flush()
-    rejected_logger.removeHandler(handler)
-    (line,) = handler.lines
+    (line,) = rejected_log.lines
     return line
 
 
-def test_a_64_kib_header_is_logged_cut_at_1_kib(rejected_logger: logging.Logger) -> None:
+def test_a_64_kib_header_is_logged_cut_at_1_kib(rejected_log: Lines) -> None:
     """A 64 KiB header value is logged as its first 1 KiB and named as truncated."""
-    line = logged_line(rejected_logger, headers={"X-Junk": "j" * 65536, "X-Caller-Id": "crm"})
+    line = logged_line(rejected_log, headers={"X-Junk": "j" * 65536, "X-Caller-Id": "crm"})
     record = json.loads(line)
     assert record["headers"]["X-Junk"] == "j" * HEADER_VALUE_CAP
     assert record["headers_truncated"] == ["X-Junk"]
     assert record["headers"]["X-Caller-Id"] == "crm"
 
 
-def test_a_record_never_exceeds_16_kib(rejected_logger: logging.Logger) -> None:
+def test_a_record_never_exceeds_16_kib(rejected_log: Lines) -> None:
     """Sixty 8 KiB headers, a 60 KiB path, query and body: the line stays within 16 KiB."""
     headers = {f"X-H{index}": "\u00e9" * 8192 for index in range(60)}
     line = logged_line(
-        rejected_logger,
+        rejected_log,
         path="/" + "p" * 60000,
         query_string="q=" + "v" * 60000,
         headers=headers,
@@ -109,13 +79,10 @@ def test_queue_size_is_validated() -> None:
             build_config({"rejected_log": {"queue_size": bad}})
 
 
-def test_a_slow_handler_under_3000_rejections_drops_and_counts(
-    rejected_logger: logging.Logger,
-) -> None:
+def test_a_slow_handler_under_3000_rejections_drops_and_counts(held_log: Lines) -> None:
     """With the handler stuck, 3 000 refused requests all get their fault, at most
     queue_size records wait, and every other record is counted as dropped."""
-    handler = GatedHandler()
-    rejected_logger.addHandler(handler)
+    handler = held_log
     app = GateKeeperMiddleware(ok_app, {**BLOCKED, "rejected_log": {"queue_size": 100}})
     client = Client(app)
     # The first record reaches the handler and blocks the listener there.

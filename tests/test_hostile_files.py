@@ -366,3 +366,51 @@ def test_reload_waits_for_a_fresh_in_place_rewrite_to_settle(
     path.write_text(CHANGED, encoding="utf-8")
     assert gk.reload() is True
     assert concurrency(gk) == 2
+
+
+def test_many_request_threads_race_a_fifo_swapped_in(tmp_path: Path, clock: FakeClock) -> None:
+    """Sixteen threads released at once on a file just replaced by a FIFO, each request
+    checking the file: every request finishes with an admission or a refusal, the FIFO
+    is reported once, and the limit stays exact (never more than 1 in flight)."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    start = threading.Barrier(17)
+    errors: list[BaseException] = []
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    in_flight = [0, 0]  # now, most seen
+
+    def worker() -> None:
+        start.wait()
+        for _ in range(50):
+            try:
+                admission = gk.admit("shop", "svc", "crm")
+            except Rejected:
+                with lock:
+                    outcomes.append("refused")
+                continue
+            except BaseException as exc:  # anything else is the bug this test looks for
+                errors.append(exc)
+                return
+            with lock:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight)
+                outcomes.append("admitted")
+            with lock:
+                in_flight[0] -= 1
+            admission.release(200)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    replace_with(path, os.mkfifo)
+    start.wait()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a request blocked"
+    assert errors == []
+    assert len(outcomes) == 16 * 50
+    assert in_flight[1] <= 1
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert concurrency(gk) == 1

@@ -24,57 +24,23 @@ from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.redact import REDACTED, mask_text, mask_url
 from gatekeeper_wsgi.rejectlog import flush, rejection_record
 from gatekeeper_wsgi.status import StatusApp
+from tests.logs import Lines, captured, ok_app
 
 SECRET = "Hunter2-guess-5"
-
-
-def ok_app(environ: Any, start_response: Any) -> list[bytes]:
-    start_response("200 OK", [("Content-Type", "text/plain")])
-    return [b"ok"]
-
-
-class Lines(logging.Handler):
-    """Collects every formatted line it is given."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture
 def rejected_lines() -> Iterator[Lines]:
     """The lines the `gatekeeper.rejected` logger writes during the test."""
-    logger = logging.getLogger("gatekeeper.rejected")
-    level, propagate = logger.level, logger.propagate
-    handler = Lines()
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        assert flush()
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate
+    with captured("gatekeeper.rejected", logging.INFO) as lines:
+        yield lines
 
 
 @pytest.fixture
 def event_lines() -> Iterator[Lines]:
     """The lines the `gatekeeper` events logger writes during the test."""
-    logger = logging.getLogger("gatekeeper")
-    level = logger.level
-    handler = Lines()
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    with captured("gatekeeper", logging.DEBUG) as lines:
+        yield lines
 
 
 def record_of(config: dict[str, Any] | None = None, **builder: Any) -> dict[str, Any]:
