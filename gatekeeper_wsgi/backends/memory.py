@@ -349,7 +349,7 @@ class MemoryBackend(Backend):
                 at,
                 f"it tracks max_keys={limit.max_keys} keys and none is idle (each has a "
                 "request in flight or an entry in its rate window); raise max_keys (the "
-                "memory backend needs about 300 bytes per key of a rate limit)",
+                "memory backend needs about 450 bytes per key of a 5/minute limit)",
                 retry_after=1.0 if soonest is None else soonest,
                 kind="concurrency" if soonest is None else "rate",
             )
