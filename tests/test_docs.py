@@ -17,8 +17,8 @@ An HTML comment on the line before a block says more (it is invisible on GitHub)
   quick starts, run as an app by their own tests below.
 
 Snippets run in a temporary working directory, where the absolute paths the docs use
-(``/run/gatekeeper/…``, ``/etc/…``) are redirected, and may use the names in
-:data:`GIVENS` without defining them (``app``: the user's WSGI app).
+(``/run/gatekeeper/…``, ``/etc/…``) are redirected, with :data:`GIVEN_ENVIRONMENT` set, and
+may use the names in :data:`GIVENS` without defining them (``app``: the user's WSGI app).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ GIVENS: dict[str, Any] = {
     "token": "s3cret-frs-token",
     "body": b"<request><cmd_type>query</cmd_type><key>alice</key><biz_id>login</biz_id></request>",
 }
+#: environment variables the snippets read, as a deployment would set them
+GIVEN_ENVIRONMENT = {"FRS_TOKEN": "s3cret-frs-token"}
 #: files the snippets name, as they would exist on a deployed host
 GIVEN_FILES = {
     "/etc/gatekeeper.toml": '[gatekeeper]\nproject = "shop"\n\n[gatekeeper.limits]\n'
@@ -128,6 +130,8 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content, encoding="utf-8")
     (tmp_path / "run" / "gatekeeper").mkdir(parents=True, exist_ok=True)
+    for name, value in GIVEN_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
