@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 from urllib.parse import urlsplit
 
-from gatekeeper_wsgi.backends import backend_from_url
+from gatekeeper_wsgi.backends import backend_from_url, check_backend_url
 from gatekeeper_wsgi.config import DEFAULT_MAX_KEYS, Config, Limit, load_config
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.redact import REDACTED, mask_text
@@ -175,6 +175,8 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
     errors = err if err is not None else out
     try:
         config = load_config(source)
+        # The backend's own parsing, as at start-up: bad or unknown URL options fail here.
+        check_backend_url(config.backend)
     except ConfigError as exc:
         print(f"error: {mask_text(str(exc))}", file=errors)
         return 1
@@ -251,8 +253,9 @@ def run_status(
     except ConfigError as exc:
         return _status_error(out, as_json, None, mask_text(str(exc)), 2)
     try:
-        inflight = backend.inflight(time.monotonic())
-        delayed = backend.delayed_pending()
+        now = time.monotonic()
+        inflight = backend.inflight(now)
+        census = backend.census(now)
     except Exception as exc:
         return _status_error(out, as_json, shown_url, f"backend failed: {mask_text(str(exc))}", 1)
     finally:
@@ -267,7 +270,8 @@ def run_status(
             "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "backend": shown_url,
             "inflight": {entry.path: entry.inflight for entry in entries},
-            "delayed_pending": delayed,
+            "requests": None if census is None else census.requests,
+            "delayed_pending": None if census is None else census.delayed,
         }
         if loaded is not None:
             document["limits"] = {
@@ -280,8 +284,9 @@ def run_status(
         print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0
     busy = [entry for entry in entries if entry.inflight or show_all]
-    total = sum(entry.inflight for entry in entries)
-    print(f"backend {shown_url}: {total} in flight", file=out)
+    # Requests, not slots: a request limited on three levels holds three slots.
+    requests = "?" if census is None else str(census.requests)
+    print(f"backend {shown_url}: {requests} in flight (slots per path below)", file=out)
     if busy:
         width = max(len(_printable(entry.path)) for entry in busy)
         for entry in busy:
@@ -295,6 +300,7 @@ def run_status(
     idle = len(entries) - len(busy)
     if idle:
         print(f"  {idle} tracked path(s) at 0 not shown (--all shows them)", file=out)
+    delayed = "unknown" if census is None else str(census.delayed)
     print(f"delayed releases pending: {delayed}", file=out)
     return 0
 

@@ -18,7 +18,7 @@ from gatekeeper_wsgi.redact import mask_text, mask_url
 if TYPE_CHECKING:
     from gatekeeper_wsgi.config import Config
 
-__all__ = ["BACKENDS", "backend_from_url", "backend_scheme"]
+__all__ = ["BACKENDS", "backend_from_url", "backend_scheme", "check_backend_url"]
 
 #: URL scheme -> "module:class"
 BACKENDS: dict[str, str] = {
@@ -42,15 +42,9 @@ def backend_scheme(url: str) -> str:
     return scheme
 
 
-def backend_from_url(url: str, config: Config | None = None) -> Backend:
-    """Instantiate the backend a URL names; an unknown scheme raises ConfigError.
-
-    Backends other than memory are built by ``cls.from_url(url, config)``; the config lets
-    them size themselves (``max_keys``, rate limits) before the first request.
-    """
+def _backend_class(url: str) -> tuple[str, type[Backend]]:
     scheme = backend_scheme(url)
-    target = BACKENDS[scheme]
-    module_name, class_name = target.split(":")
+    module_name, class_name = BACKENDS[scheme].split(":")
     try:
         module = import_module(module_name)
     except ImportError as exc:
@@ -59,6 +53,30 @@ def backend_from_url(url: str, config: Config | None = None) -> Backend:
             "backend", f"backend {mask_url(url)!r} cannot be loaded: {mask_text(str(exc))}{hint}"
         ) from exc
     cls: type[Backend] = getattr(module, class_name)
+    return scheme, cls
+
+
+def check_backend_url(url: str) -> None:
+    """ConfigError for a backend URL that start-up would refuse (unknown scheme, bad or
+    unknown options), parsed by the backend's own code; nothing is created or connected."""
+    scheme, cls = _backend_class(url)
+    if scheme != "memory":
+        try:
+            urlsplit(url)
+        except ValueError as exc:
+            raise ConfigError(
+                "backend", f"malformed backend URL {mask_url(url)!r}: {exc}"
+            ) from None
+        cls.check_url(url)
+
+
+def backend_from_url(url: str, config: Config | None = None) -> Backend:
+    """Instantiate the backend a URL names; an unknown scheme raises ConfigError.
+
+    Backends other than memory are built by ``cls.from_url(url, config)``; the config lets
+    them size themselves (``max_keys``, rate limits) before the first request.
+    """
+    scheme, cls = _backend_class(url)
     if scheme == "memory":
         return cls()
     urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them

@@ -21,7 +21,17 @@ from typing import NamedTuple
 from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.monitor import Stage
 
-__all__ = ["NO_WATCH", "TOP_KEYS", "Backend", "Denial", "Grant", "KeyUsage", "LimitTotals", "Slot"]
+__all__ = [
+    "NO_WATCH",
+    "TOP_KEYS",
+    "Backend",
+    "Census",
+    "Denial",
+    "Grant",
+    "KeyUsage",
+    "LimitTotals",
+    "Slot",
+]
 
 #: Concrete keys :meth:`Backend.totals` details per limit by default (the busiest).
 TOP_KEYS = 50
@@ -66,6 +76,15 @@ class LimitTotals(NamedTuple):
     busy: int  #: keys with requests in flight
     #: details of its busiest keys (most in flight first), then of the watched ones
     top: tuple[KeyUsage, ...]
+
+
+class Census(NamedTuple):
+    """Who holds slots right now, across every process the backend spans."""
+
+    #: admitted requests not released yet, each counted once whatever its number of levels
+    requests: int
+    #: faulty responses released with a delay whose slots are still held
+    delayed: int
 
 
 class Grant:
@@ -185,6 +204,19 @@ class Backend(ABC):
         in its faults); ``initial`` until the backend has learned one."""
         assert limit.adaptive is not None
         return limit.adaptive.initial
+
+    def census(self, now: float) -> Census | None:
+        """Requests in flight and delayed releases of the whole backend (every process and
+        host it spans), for ``gatekeeper status``; None when it cannot tell. Not on the
+        request path: it may cost O(leases)."""
+        return None
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Raise :class:`~gatekeeper_wsgi.errors.ConfigError` for a URL this backend would
+        refuse at start-up, by the same parsing, without creating or connecting to
+        anything (``gatekeeper check``). The default accepts every URL of its scheme."""
+        return None
 
     def next_due(self) -> float | None:
         """When the next delayed release matures (engine clock), if known."""

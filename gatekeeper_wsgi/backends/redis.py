@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -39,7 +39,7 @@ from redis.commands.core import Script
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
-from gatekeeper_wsgi.backends.base import Backend, Denial, Grant, Slot
+from gatekeeper_wsgi.backends.base import Backend, Census, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import BackendError, ConfigError
 from gatekeeper_wsgi.redact import mask_text, mask_url
@@ -515,7 +515,8 @@ class RedisBackend(Backend):
         cluster = options.get("cluster", "0").strip().lower()
         if cluster not in _TRUE + _FALSE:
             raise ConfigError(
-                "backend", f"cluster: expected 1 or 0, got {cluster!r} in {mask_url(url)!r}"
+                "backend",
+                f"cluster: expected 1 or 0, got {cluster[:40]!r} in {mask_url(url)[:200]!r}",
             )
         kwargs: dict[str, Any] = {
             "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT,
@@ -532,6 +533,12 @@ class RedisBackend(Backend):
                 client = RedisCluster.from_url(redis_url, **kwargs)
             else:
                 client = redis.Redis.from_url(redis_url, **kwargs)
+                # redis-py hands options it does not know (a typo) to the connection,
+                # which refuses them only when it first connects - inside a request,
+                # failing open for good. One connection object (it connects lazily)
+                # refuses them now, at start-up and in `gatekeeper check`.
+                pool = client.connection_pool
+                pool.connection_class(**pool.connection_kwargs)
         except (ValueError, TypeError, redis.exceptions.RedisError) as exc:
             raise ConfigError(
                 "backend", f"invalid redis URL {mask_url(url)!r}: {mask_text(str(exc))}"
@@ -586,6 +593,13 @@ class RedisBackend(Backend):
                 "gatekeeper a dedicated instance (see docs/deployment.md)"
             )
         return logging.DEBUG, f"redis at {self.location}: maxmemory-policy noeviction"
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        # Building the client parses and checks everything and connects to nothing (a
+        # cluster client excepted: it asks a node for the slot map, as at start-up); the
+        # maxmemory-policy question is check_report's.
+        cls.from_url(url, check=False).close()
 
     # --- keys -----------------------------------------------------------------------------
 
@@ -848,12 +862,35 @@ class RedisBackend(Backend):
     def inflight(self, now: float) -> dict[str, int]:
         """Leases per concrete path, found by SCAN over the prefix (for status pages).
         Releases not yet confirmed are sent first, so none is counted as held."""
+        counts: dict[str, int] = {}
+        for key, held in self._each_key(
+            lambda pipe, key, now_us: pipe.zcount(key, f"({now_us}", "+inf")
+        ):
+            if held:
+                counts[key.split("}:z:", 1)[1]] = int(held)
+        return counts
+
+    def census(self, now: float) -> Census:
+        """Distinct live leases over every key under the prefix, whichever host placed
+        them: ``<lease>`` is a request in flight, ``<lease>:d`` a delayed release (see
+        ``lua/gate.lua``); window entries score below zero and are not read."""
+        leases: set[str] = set()
+        for _, members in self._each_key(
+            lambda pipe, key, now_us: pipe.zrangebyscore(key, f"({now_us}", "+inf")
+        ):
+            leases.update(_text(member) for member in members)
+        delayed = sum(1 for lease in leases if lease.endswith(":d"))
+        return Census(len(leases) - delayed, delayed)
+
+    def _each_key(self, command: Callable[[Any, str, int], Any]) -> list[tuple[str, Any]]:
+        """``command(pipeline, key, now_us)`` on every limit key under the prefix, in one
+        pipeline after a SCAN and after sending the releases still waiting; the (key,
+        reply) pairs. Failures are backend errors."""
         if len(self._outbox):
             self._outbox.flush()
         self._breaker.before()
-        prefix = self.prefix
-        pattern = _glob_escape(prefix) + ":{*}:z:*"
-        counts: dict[str, int] = {}
+        pattern = _glob_escape(self.prefix) + ":{*}:z:*"
+        replies: list[Any] = []
         try:
             seconds, micros = self.client.time()
             now_us = seconds * 1_000_000 + micros
@@ -861,11 +898,8 @@ class RedisBackend(Backend):
             if keys:
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
-                    pipe.zcount(key, f"({now_us}", "+inf")
-                for key, held in zip(keys, pipe.execute(), strict=True):
-                    path = key.split("}:z:", 1)[1]
-                    if held:
-                        counts[path] = int(held)
+                    command(pipe, key, now_us)
+                replies = pipe.execute()
         except Exception as exc:
             self._breaker.failure(exc)
             raise BackendError(f"redis at {self.location}: {exc}") from exc
@@ -873,7 +907,7 @@ class RedisBackend(Backend):
             self._breaker.abandon()
             raise
         self._breaker.success()
-        return counts
+        return list(zip(keys, replies, strict=True))
 
     def delayed_pending(self) -> int:
         """Delayed releases this process placed that have not matured yet (best effort:
@@ -923,7 +957,8 @@ def _seconds(
     if not (value >= 0 if zero else value > 0) or not value < float("inf"):
         bound = ">= 0" if zero else "> 0"
         raise ConfigError(
-            "backend", f"{name}: expected seconds {bound}, got {text!r} in {mask_url(url)!r}"
+            "backend",
+            f"{name}: expected seconds {bound}, got {text[:40]!r} in {mask_url(url)[:200]!r}",
         )
     return value
 

@@ -32,6 +32,7 @@ from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     TOP_KEYS,
     Backend,
+    Census,
     Denial,
     Grant,
     KeyUsage,
@@ -217,6 +218,16 @@ def _align(value: int, to: int) -> int:
 # O_NOFOLLOW: a symlink planted at the path is refused, not followed to its target;
 # O_NONBLOCK: opening a FIFO planted there does not wait for a writer.
 _OPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def _check_mode(path: str, mode: int) -> None:
+    """ConfigError unless ``mode`` is 0600 plus at most group read/write."""
+    if mode & ~_MODES_ALLOWED or mode & 0o600 != 0o600:
+        raise ConfigError(
+            "backend",
+            f"mode {mode:04o} for the shared table {path!r}: expected 0600 plus at "
+            f"most group read/write (e.g. 0660); others never get access",
+        )
 
 
 def _open_private(path: str, mode: int) -> int:
@@ -682,12 +693,7 @@ class SharedBackend(Backend):
         mode: int = DEFAULT_MODE,
     ) -> None:
         self.path = os.fspath(path)
-        if mode & ~_MODES_ALLOWED or mode & 0o600 != 0o600:
-            raise ConfigError(
-                "backend",
-                f"mode {mode:04o} for the shared table {self.path!r}: expected 0600 plus at "
-                f"most group read/write (e.g. 0660); others never get access",
-            )
+        _check_mode(self.path, mode)
         self._mode = mode
         self._wanted = _Layout.derive(
             config, size=size, leases=leases, procs=procs, windows=windows
@@ -725,6 +731,16 @@ class SharedBackend(Backend):
         ``?size=<keys>&leases=<n>&procs=<n>&windows=<chunks>`` overriding the sizes derived
         from ``config`` (a chunk holds 7 rate window entries), and ``?mode=0660`` (octal)
         for a table shared by the processes of one group."""
+        path, options = cls._parse_url(url)
+        return cls(path, config, **options)
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        cls._parse_url(url)
+
+    @staticmethod
+    def _parse_url(url: str) -> tuple[str, dict[str, int]]:
+        """The file path and options of a ``shared://`` URL; ConfigError if invalid."""
         parts = urlsplit(url)
         path = parts.netloc + parts.path
         if not path:
@@ -749,7 +765,9 @@ class SharedBackend(Backend):
                     "backend", f"option {name}={value[:40]!r} in {url[:200]!r}: expected {expected}"
                 )
             options[name] = number
-        return cls(path, config, **options)
+        if "mode" in options:
+            _check_mode(path, options["mode"])
+        return path, options
 
     # --- file, map, lock ------------------------------------------------------------------
 
@@ -1236,6 +1254,12 @@ class SharedBackend(Backend):
             return pending
         finally:
             self._leave()
+
+    def census(self, now: float) -> Census:
+        self.inflight(now)  # matures due delays and reclaims dead processes' leases first
+        usage = self.usage()
+        # A live lease is a request in flight or a delayed release still holding its slots.
+        return Census(usage["leases"] - usage["delayed"], usage["delayed"])
 
     def usage(self) -> dict[str, Any]:
         """How full the table is: keys, leases, delayed releases, processes, file size."""
