@@ -192,6 +192,19 @@ def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return new_backend_url(request, tmp_path)
 
 
+def status_json(url: str) -> dict[str, Any]:
+    """`gatekeeper status --json`, run as its own process."""
+    done = subprocess.run(
+        [gatekeeper_script(), "status", "--backend", url, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    document: dict[str, Any] = json.loads(done.stdout)
+    return document
+
+
 def test_status_reads_live_counts_from_another_process(shared_backend: str) -> None:
     """`gatekeeper status` in another process sees the requests held here, per path."""
     settings = {
@@ -206,14 +219,7 @@ def test_status_reads_live_counts_from_another_process(shared_backend: str) -> N
         keeper.admit("shop", "login", "alice"),
     ]
     try:
-        as_json = subprocess.run(
-            [gatekeeper_script(), "status", "--backend", shared_backend, "--json"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert as_json.returncode == 0, as_json.stdout + as_json.stderr
-        document = json.loads(as_json.stdout)
+        document = status_json(shared_backend)
         assert document["inflight"]["shop/checkout"] == 2
         assert document["inflight"]["shop/login/alice"] == 1
         out = io.StringIO()
@@ -229,6 +235,44 @@ def test_status_reads_live_counts_from_another_process(shared_backend: str) -> N
     out = io.StringIO()
     assert run_status(shared_backend, as_json=True, out=out) == 0
     assert all(count == 0 for count in json.loads(out.getvalue())["inflight"].values())
+
+
+def test_status_counts_requests_and_delayed_releases(shared_backend: str) -> None:
+    """Two requests limited on three levels are 2 in flight, not 6; a faulty response's
+    delayed release shows as 1 delayed, from another process, on shared and Redis alike."""
+    settings = {
+        "project": "shop",
+        "backend": shared_backend,
+        "limits": {
+            "shop": {"concurrency": 10, "delay": 600},
+            "shop/checkout": {"concurrency": 10},
+            "shop/checkout/*": {"concurrency": 10},
+        },
+    }
+    keeper = GateKeeper(settings)
+    try:
+        first = keeper.admit("shop", "checkout", "crm")
+        second = keeper.admit("shop", "checkout", "erp")
+        document = status_json(shared_backend)
+        assert (document["requests"], document["delayed_pending"]) == (2, 0)
+        assert sum(document["inflight"].values()) == 6  # the slots, per path
+        out = io.StringIO()
+        assert run_status(shared_backend, as_json=False, out=out, config=settings) == 0
+        assert "2 in flight" in out.getvalue()
+
+        first.release(500, faulty=True)  # holds its slots for the 600 s delay
+        assert keeper.stats()["counters"]["delayed_pending"] == 1
+        document = status_json(shared_backend)
+        assert (document["requests"], document["delayed_pending"]) == (1, 1)
+        assert document["inflight"]["shop/checkout"] == 2
+        out = io.StringIO()
+        assert run_status(shared_backend, as_json=False, out=out) == 0
+        assert "1 in flight" in out.getvalue()
+        assert "delayed releases pending: 1" in out.getvalue()
+        second.release(200)
+        assert (status_json(shared_backend)["requests"]) == 0
+    finally:
+        keeper.close()
 
 
 # --- replay -----------------------------------------------------------------------------
