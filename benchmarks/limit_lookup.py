@@ -1,4 +1,5 @@
-"""Cost of a request to a never-seen path, with 1 000 and 100 000 configured limits.
+"""Cost of a request to a never-seen path or from a never-seen caller, with 1 000 and
+100 000 configured limits.
 
 Run ``python benchmarks/limit_lookup.py`` (``--help`` for options). Each measured request
 names a (project, service) the engine has not seen before, so it pays for resolving its
@@ -9,6 +10,10 @@ service limits, caller limits per service, and ``*`` limits on every level.
 For reference it also times the rule the index replaced, a scan of every limit for each
 level (what a never-seen path cost before: issue 15 measured 1 ms with 1 000 limits and
 116 ms with 100 000). Target: the same few µs whatever the number of limits.
+
+The second table is a spray of new caller ids at one service that has that many per-caller
+limits (``shop/api/partner<i>``) besides ``shop/api/*``: each new caller used to be matched
+against every per-caller limit of its route; now by one lookup per key source.
 """
 
 from __future__ import annotations
@@ -49,6 +54,24 @@ def never_seen_us(gk: GateKeeper, requests: int, round_: int) -> float:
     for i in range(requests):
         admit(f"proj{i % 50}", f"new-{round_}-{i}", "crm").release(200)
     return (time.perf_counter() - started) / requests * 1e6
+
+
+def new_caller_us(per_caller_limits: int, requests: int, round_: int) -> float:
+    """µs per admit + release of a request from a caller id never seen before."""
+    limits: dict[str, dict[str, Any]] = {
+        f"shop/api/partner{i}": {"concurrency": 5} for i in range(per_caller_limits)
+    }
+    limits["shop/api/*"] = {"concurrency": 1_000_000}
+    gk = GateKeeper({"project": "shop", "limits": limits})
+    try:
+        admit = gk.admit
+        admit("shop", "api", "warm-up").release(200)
+        started = time.perf_counter()
+        for i in range(requests):
+            admit("shop", "api", f"new-{round_}-{i}").release(200)
+        return (time.perf_counter() - started) / requests * 1e6
+    finally:
+        gk.close()
 
 
 def scan_us(config: Config, requests: int) -> float:
@@ -103,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             scanned = f"{scan_us(gk.config, paths):14.1f} µs"
         print(f"{size:>8}  {indexed:>21.1f} µs  {scanned:>20}")
         gk.close()
+    print(f"{'per-caller limits':>17}  {'new caller':>12}")
+    for size in args.sizes:
+        cost = statistics.median(
+            new_caller_us(size, args.requests, round_) for round_ in range(args.rounds)
+        )
+        print(f"{size:>17}  {cost:>9.1f} µs")
     return 0
 
 

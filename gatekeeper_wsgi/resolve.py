@@ -8,7 +8,8 @@ the concrete path (``shop/login/*`` -> ``shop/login/10.0.0.7``).
 The project and service levels depend only on (project, service) and are resolved once
 per pair and cached, through the configuration's :class:`~gatekeeper_wsgi.limitindex.LimitIndex`
 (a never-seen pair costs O(segments), not O(limits)); the caller level depends on the request
-and is picked from a short pre-sorted candidate list.
+and is picked from the route's candidates, ordered by the same rule and indexed by exact
+segment (a never-seen caller costs one lookup per key source, not a scan).
 """
 
 from __future__ import annotations
@@ -151,8 +152,10 @@ class Route:
     """The limits of one (project, service), plus the effective delay and timeout markers."""
 
     __slots__ = (
+        "_exact",
         "_memo",
         "_source",
+        "_wildcard",
         "caller_candidates",
         "config",
         "delay",
@@ -192,6 +195,20 @@ class Route:
             _CallerCandidate(limit, prefix, self.enforces(limit), config.ipv6_prefix)
             for limit in callers
         )
+        # The first candidate in that order that matches the request wins. A `*` one always
+        # matches, so only the first of those can win; an exact one matches when its
+        # segment is the request's value for its key. Indexing the exact ones by (source,
+        # segment) - first in order kept - finds the winner in O(key sources), however
+        # many per-caller limits there are (a spray of new callers never scans them).
+        self._wildcard: tuple[int, _CallerCandidate] | None = None
+        self._exact: dict[str, dict[str, tuple[int, _CallerCandidate]]] = {}
+        for position, candidate in enumerate(self.caller_candidates):
+            if candidate.segment == "*":
+                if self._wildcard is None:
+                    self._wildcard = (position, candidate)
+            else:
+                by_segment = self._exact.setdefault(candidate.source, {})
+                by_segment.setdefault(candidate.segment, (position, candidate))
         # When every candidate reads the same request value, the caller level depends on
         # that value alone and is memoized by it: a repeat caller costs one dict lookup.
         sources = {candidate.source for candidate in self.caller_candidates}
@@ -247,25 +264,38 @@ class Route:
     def _caller_level(
         self, caller: str, environ: Mapping[str, Any], user: str | None
     ) -> tuple[tuple[Slot, ...], float | None]:
-        for candidate in self.caller_candidates:
-            kind = candidate.kind
-            if kind == "caller":
-                value = caller
-            elif kind == "user":
-                value = key_segment(user or environ.get("REMOTE_USER"))
-            elif kind == "ip":
-                value = ip_segment(environ.get("REMOTE_ADDR"), candidate.ipv6_prefix)
-            else:
-                value = key_segment(environ.get(candidate.environ_key))
-            segment = candidate.segment
-            if segment != "*" and segment != value:
-                continue
-            limit = candidate.limit
-            if not candidate.counts:
-                return self.slots, limit.delay
-            slot = _new_slot(Slot, (candidate.prefix + value, limit, candidate.enforce))
-            return (*self.slots, slot), limit.delay
-        return self.slots, None
+        best = self._wildcard
+        value = ""
+        ipv6 = self.config.ipv6_prefix
+        for source, by_segment in self._exact.items():
+            found = by_segment.get(_key_value(source, caller, environ, user, ipv6))
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+                value = found[1].segment
+        if best is None:
+            return self.slots, None
+        candidate = best[1]
+        limit = candidate.limit
+        if not candidate.counts:
+            return self.slots, limit.delay
+        if candidate.segment == "*":
+            value = _key_value(candidate.source, caller, environ, user, ipv6)
+        slot = _new_slot(Slot, (candidate.prefix + value, limit, candidate.enforce))
+        return (*self.slots, slot), limit.delay
+
+
+def _key_value(
+    source: str, caller: str, environ: Mapping[str, Any], user: str | None, ipv6_prefix: int
+) -> str:
+    """The request's value for a caller-level key read from ``source``, as a path segment
+    (an IPv6 address as its network of ``ipv6_prefix`` bits)."""
+    if source == "caller":
+        return caller
+    if source == "user":
+        return key_segment(user or environ.get("REMOTE_USER"))
+    if source == "REMOTE_ADDR":
+        return ip_segment(environ.get("REMOTE_ADDR"), ipv6_prefix)
+    return key_segment(environ.get(source))
 
 
 def resolve_route(config: Config, project: str, service: str) -> Route:

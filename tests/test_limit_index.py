@@ -153,3 +153,73 @@ def test_never_seen_path_still_gets_its_wildcard_limits() -> None:
         held.release(200)
     finally:
         gk.close()
+
+
+KEYED_LIMIT = st.fixed_dictionaries(
+    {"concurrency": st.integers(0, 3), "key": st.sampled_from(["caller", "ip", "header:X-K"])},
+    optional={"delay": st.sampled_from([0.5, 1.0])},
+)
+CALLER_PATH = st.tuples(SEGMENT, SEGMENT, SEGMENT).map("/".join)
+KEYED_LIMITS = st.dictionaries(CALLER_PATH, KEYED_LIMIT | st.just({"delay": 2.0}), max_size=25)
+REQUEST_VALUE = st.sampled_from(["a", "b", "c", "d"])
+
+
+def first_matching_candidate(route: Route, values: dict[str, str]) -> Limit | None:
+    """The caller-level rule by a scan: the first candidate, in the rule's order, whose
+    segment is `*` or the request's value for its key."""
+    for candidate in route.caller_candidates:
+        if candidate.segment in ("*", values[candidate.limit.key]):
+            return candidate.limit
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limits=KEYED_LIMITS,
+    project=VALUE,
+    service=VALUE,
+    caller=REQUEST_VALUE,
+    address=REQUEST_VALUE,
+    header=REQUEST_VALUE,
+)
+def test_indexed_caller_level_picks_what_a_scan_picks(
+    limits: dict[str, dict[str, object]],
+    project: str,
+    service: str,
+    caller: str,
+    address: str,
+    header: str,
+) -> None:
+    """With limits keyed by caller, address and header mixed, the indexed caller level
+    takes the slot and delay of the first matching candidate in the rule's order."""
+    route = Route(build_config({"limits": limits}), project, service)
+    environ = {"REMOTE_ADDR": address, "HTTP_X_K": header}
+    values = {"caller": caller, "ip": address, "header:X-K": header}
+    chosen = first_matching_candidate(route, values)
+    slots, delay = route.caller_level(caller, environ, None)
+    if chosen is None:
+        assert (slots, delay) == (route.slots, None)
+        return
+    assert delay == chosen.delay
+    if chosen.concurrency is None:
+        assert slots == route.slots
+    else:
+        key = f"{project}/{service}/{values[chosen.key]}"
+        assert (slots[:-1], slots[-1].key, slots[-1].limit) == (route.slots, key, chosen)
+
+
+def test_a_spray_of_new_callers_does_not_scan_per_caller_limits() -> None:
+    """100 000 per-caller limits: a new caller is resolved by lookups, not by a scan, and
+    the exact limits and the `*` one still apply to the callers they name."""
+    limits: dict[str, dict[str, object]] = {
+        f"shop/api/partner{i}": {"concurrency": 5} for i in range(100_000)
+    }
+    limits["shop/api/*"] = {"concurrency": 1}
+    route = Route(build_config({"limits": limits}), "shop", "api")
+    # The answers below cannot come from a scan of the candidates: there are none left.
+    route.caller_candidates = ()
+    for i in range(1_000):
+        (slot,) = route.caller_level(f"new{i}", {}, None)[0]
+        assert (slot.key, slot.limit.path) == (f"shop/api/new{i}", "shop/api/*")
+    (slot,) = route.caller_level("partner77", {}, None)[0]
+    assert slot.limit.path == "shop/api/partner77"
