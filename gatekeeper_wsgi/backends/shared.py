@@ -42,16 +42,11 @@ from gatekeeper_wsgi.backends.base import (
 from gatekeeper_wsgi.config import Config, Limit, Rate
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
 
-__all__ = ["LayoutMismatch", "SharedBackend", "TableFullError"]
+__all__ = ["LayoutMismatch", "SharedBackend"]
 
 logger = logging.getLogger("gatekeeper")
 
 _T = TypeVar("_T")
-
-
-class TableFullError(BackendError):
-    """The table has no room: all nodes, leases or rate windows that could be evicted are
-    in use (or a wildcard limit tracks ``max_keys`` keys, all in flight)."""
 
 
 class LayoutMismatch(BackendError):
@@ -440,10 +435,12 @@ class _Layout:
         procs: int | None = None,
         windows: int | None = None,
     ) -> _Layout:
-        """The table a configuration needs: a node per key (``max_keys`` per wildcard
-        limit), room for N admission times per key of an ``N/...`` limit (up to
-        ``DEFAULT_CHUNKS_CAP`` chunks), a lease per request in flight, room for limits a
-        reload may add."""
+        """The table a configuration needs (docs/deployment.md, "Sizing"): a node per key
+        (``max_keys`` per wildcard limit; ``DEFAULT_KEYS_CAP`` keys in all at most), room
+        for N admission times per key of an ``N/...`` limit (``DEFAULT_CHUNKS_CAP`` chunks
+        at most), a lease per request in flight (twice the sum of the concurrency limits,
+        a wildcard one counting ``concurrency x max_keys``; between ``MIN_LEASES`` and
+        ``DEFAULT_LEASES_CAP``), room for limits a reload may add."""
         keys = 0
         key_size = 64
         wildcards = 0
@@ -455,23 +452,21 @@ class _Layout:
             if limit.concurrency is None and limit.rate is None:
                 continue
             count = limit.max_keys if limit.wildcard else 1
-            if size is not None:
-                count = min(count, size)
+            count = min(count, DEFAULT_KEYS_CAP if size is None else size)
             keys += count
             wildcards += limit.wildcard
             # A wildcard segment takes a request value: at most 128 characters.
             length = sum(128 if seg == "*" else len(seg) for seg in limit.segments)
             key_size = max(key_size, length + len(limit.segments))  # separators + NUL
-            if limit.concurrency is not None and not limit.wildcard:
-                concurrency += limit.concurrency
+            if isinstance(limit.concurrency, int):
+                concurrency += limit.concurrency * count
             rate = limit.rate
             if rate is not None:
                 # A window of N entries spans at most this many chunks.
                 chunks += count * ((rate.limit + 2 * CHUNK_STAMPS - 2) // CHUNK_STAMPS)
                 if limit.count is not None:
                     longest_count = max(longest_count, rate.limit)
-        if size is not None:
-            keys = size
+        keys = size if size is not None else min(keys, DEFAULT_KEYS_CAP)
         nodes = keys * 3 // 2 + 64  # load <= 2/3: two-choice buckets of 8 ~never overflow
         if windows is None:
             windows = min(chunks + 1024, DEFAULT_CHUNKS_CAP)
@@ -480,12 +475,37 @@ class _Layout:
         return cls(
             key_size=_align(key_size, 8),
             buckets=-(-nodes // CHAIN),
-            leases=leases if leases is not None else min(max(16384, 2 * concurrency), 1 << 22),
+            leases=(
+                leases
+                if leases is not None
+                else min(max(MIN_LEASES, 2 * concurrency), DEFAULT_LEASES_CAP)
+            ),
             procs=procs if procs is not None else 1024,
             registry=2 * wildcards + 64,
             journal=_align(65536 + MAX_REFS * rewrite, 4096),
             chunks=windows,
         )
+
+
+def _idle(fields: tuple[Any, ...], now: float) -> bool:
+    """Whether an unpacked node may be evicted: nothing in flight (a delayed release keeps
+    its count) and nothing left in its rate window (its last entry has expired)."""
+    return not fields[0] and (not fields[5] or fields[9] <= now)
+
+
+def _lease_slot(slots: Sequence[Slot]) -> int:
+    """The slot a request is refused by when the host-wide lease (or process) table is
+    full, which no single limit owns: the most specific enforced concurrency limit (the
+    request would hold a slot there), else the most specific enforced limit, else 0."""
+    concurrency = enforced = 0
+    for index, slot in enumerate(slots):
+        if slot.enforce:
+            enforced = index
+            if slot.limit.concurrency is not None:
+                concurrency = index
+    if slots and slots[concurrency].enforce and slots[concurrency].limit.concurrency is not None:
+        return concurrency
+    return enforced
 
 
 def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
@@ -1032,7 +1052,8 @@ class SharedBackend(Backend):
         start = self._jlen
         end = start + JENTRY_SIZE + length
         if end > self._journal_cap:
-            raise TableFullError(f"shared table {self.path!r}: update too large for its journal")
+            # The journal is sized for the largest update (see _Layout.derive): a bug.
+            raise BackendError(f"shared table {self.path!r}: update too large for its journal")
         at = self._journal_off + start
         _JENTRY.pack_into(mm, at, offset, length)
         mm.move(at + JENTRY_SIZE, offset, length)
@@ -1132,7 +1153,10 @@ class SharedBackend(Backend):
         try:
             self._mature(now)
             if keep:
-                self._register()
+                try:
+                    self._register()
+                except _NoRoom as exc:
+                    raise self._capacity(_lease_slot(slots), exc) from None
                 self._commit()
             result = self._admit(slots, now)
             owners = self._owners() if isinstance(result, Denial) else []
@@ -1298,12 +1322,15 @@ class SharedBackend(Backend):
         shadowed: list[int] = []
         rate_full: list[int] = []
         for index, (key, limit, enforce) in enumerate(slots):
-            entry = self._key(key)
-            node = self._find(entry)
-            if node < 0:
-                node = self._create(entry, limit)
-            elif limit.wildcard:
-                self._touch(node, limit)
+            try:
+                entry = self._key(key)
+                node = self._find(entry)
+                if node < 0:
+                    node = self._create(entry, limit, now, nodes)
+                elif limit.wildcard:
+                    self._touch(node, limit, now, nodes)
+            except _NoRoom as exc:
+                raise self._capacity(index, exc) from None
             offset = nodes_off + node * node_size
             concurrency = limit.concurrency
             if concurrency is not None and _U32.unpack_from(mm, offset)[0] >= concurrency:
@@ -1333,12 +1360,26 @@ class SharedBackend(Backend):
             # Shadow over concurrency still counts in the window; only a full window is
             # not extended (as enforce mode would not have admitted).
             if rate is not None and index not in rate_full:
-                self._append(node, now, rate)
+                try:
+                    self._append(node, now, rate)
+                except _NoRoom as exc:
+                    raise self._capacity(index, exc) from None
                 stamps.append(now)
             else:
                 stamps.append(None)
-        lease, serial = self._new_lease(pid, nodes)
+        try:
+            lease, serial = self._new_lease(pid, nodes)
+        except _NoRoom as exc:
+            raise self._capacity(_lease_slot(slots), exc) from None
         return _SharedGrant(slots, tuple(shadowed), self._epoch, pid, lease, serial, nodes, stamps)
+
+    def _capacity(self, index: int, exc: _NoRoom) -> CapacityError:
+        """The CapacityError for slot ``index`` (the caller rolls the update back)."""
+        return CapacityError(
+            index,
+            f"shared table {self.path}: {exc.what}",
+            retry_after=1.0 if exc.retry_after is None else max(exc.retry_after, 0.001),
+        )
 
     def _soonest(self, node: int, now: float) -> float:
         """Seconds until a delayed release holding ``node`` matures; 0 when none does
@@ -1361,9 +1402,9 @@ class SharedBackend(Backend):
         if entry is None:
             raw = key.encode("utf-8", "surrogateescape")
             if len(raw) >= self._key_size:
-                raise TableFullError(
+                raise _NoRoom(
                     f"key {key[:40]!r}... is longer than the {self._key_size - 1} bytes the "
-                    f"shared table {self.path!r} was sized for"
+                    f"table was sized for (the longest limit path of the configuration)"
                 )
             digest = int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
             buckets = self._buckets
@@ -1396,7 +1437,11 @@ class SharedBackend(Backend):
                             return node
         return -1
 
-    def _create(self, entry: tuple[bytes, int, int, int], limit: Limit) -> int:
+    def _create(
+        self, entry: tuple[bytes, int, int, int], limit: Limit, now: float, pinned: list[int]
+    ) -> int:
+        """A node for a new key: a free one of its two buckets, else an idle one there
+        (never one of ``pinned``, the nodes this request already counts on)."""
         mm = self._mm
         assert mm is not None
         raw, tag, first, second = entry
@@ -1410,7 +1455,7 @@ class SharedBackend(Backend):
             else:
                 node = second * CHAIN + tags2.index(0)
         else:
-            node = self._chain_victim(first, second)
+            node = self._chain_victim(first, second, now, pinned)
             self._remove(node)
         offset = self._nodes_off + node * self._node_size
         self._save(offset, NODE_HEAD + len(raw))
@@ -1422,17 +1467,17 @@ class SharedBackend(Backend):
         self._save_header()
         _U32.pack_into(mm, H_NODES_USED, _U32.unpack_from(mm, H_NODES_USED)[0] + 1)
         if limit.wildcard:
-            self._track(node, limit)
+            self._track(node, limit, now, pinned)
         return node
 
-    def _track(self, node: int, limit: Limit) -> None:
-        """Count a node under a wildcard limit, evicting one of its keys at ``max_keys``."""
+    def _track(self, node: int, limit: Limit, now: float, pinned: list[int]) -> None:
+        """Count a node under a wildcard limit, evicting an idle key of it at ``max_keys``."""
         mm = self._mm
         assert mm is not None
         registry = self._registry(limit.path)
         count = _U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_COUNT)[0]
         if count >= limit.max_keys:
-            self._evict_lru(registry, limit.path, count)
+            self._evict_lru(registry, limit.path, count, now, [*pinned, node])
             registry = self._registry(limit.path)  # its entry goes with its last key
         at = self._registry_off + registry * REG_SIZE
         offset = self._nodes_off + node * self._node_size
@@ -1456,29 +1501,29 @@ class SharedBackend(Backend):
         self._save(offset, NODE_HEAD)
         _U32.pack_into(mm, offset + N_REG, 0)
 
-    def _chain_victim(self, first: int, second: int) -> int:
-        """A node of two full buckets to make room: one with nothing in flight and an empty
-        window, else the one with nothing in flight whose window empties first (losing
-        it, as a ``max_keys`` eviction would). Never a node with requests in flight."""
+    def _chain_victim(self, first: int, second: int, now: float, pinned: list[int]) -> int:
+        """An idle node of two full buckets to make room for a new key. Never a node with
+        requests in flight or entries left in its rate window: evicting it would reset its
+        limit (a spray of fresh keys could then free any caller), so without an idle one
+        the new key is refused (``_NoRoom``)."""
         mm = self._mm
         assert mm is not None
-        victim, empties_at = -1, 0.0
+        soonest: float | None = None
         for bucket in (first, second):
             for position in range(CHAIN):
                 node = bucket * CHAIN + position
                 fields = _NODE.unpack_from(mm, self._nodes_off + node * self._node_size)
-                if fields[0]:
+                if node in pinned:
                     continue
-                if not fields[5]:
+                if _idle(fields, now):
                     return node
-                if victim < 0 or fields[9] < empties_at:
-                    victim, empties_at = node, fields[9]
-        if victim >= 0:
-            return victim
-        raise TableFullError(
-            f"shared table {self.path!r} is full: both buckets of a new key hold keys with "
-            f"requests in flight; give it more room with ?size=<keys> "
-            f"(it holds {self._buckets * CHAIN})"
+                if not fields[0]:
+                    soonest = fields[9] if soonest is None else min(soonest, fields[9])
+        raise _NoRoom(
+            f"both hash buckets of a new key are full of keys in use (in flight or inside "
+            f"a rate window); give the table more room with ?size=<keys> (it holds "
+            f"{self._buckets * CHAIN})",
+            None if soonest is None else soonest - now,
         )
 
     def _remove(self, node: int) -> None:
@@ -1520,9 +1565,9 @@ class SharedBackend(Backend):
             if not stored and free < 0:
                 free = index
         if free < 0:
-            raise TableFullError(
-                f"shared table {self.path!r}: no room for wildcard limit {path!r} "
-                f"(it tracks {self._layout.registry} wildcard limits)"  # type: ignore[union-attr]
+            raise _NoRoom(
+                f"no room for wildcard limit {path!r} (the table tracks "
+                f"{self._layout.registry} wildcard limits; a reload added more)"  # type: ignore[union-attr]
             )
         at = base + free * REG_SIZE
         self._save(at, REG_SIZE)
@@ -1530,30 +1575,34 @@ class SharedBackend(Backend):
         self._regs[path] = (free, digest)
         return free
 
-    def _evict_lru(self, registry: int, path: str, count: int) -> None:
+    def _evict_lru(
+        self, registry: int, path: str, count: int, now: float, pinned: list[int]
+    ) -> None:
+        """Make room under a wildcard limit at ``max_keys``: evict the least recently used
+        idle key among its ``LRU_SCAN`` least recently used. A key in flight or inside its
+        rate window is never evicted (that would reset its limit): with none idle, the new
+        key is refused (``_NoRoom``), as nginx refuses when its zone cannot allocate."""
         mm = self._mm
         assert mm is not None
         node = _U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_HEAD)[0]
         nodes_off, node_size = self._nodes_off, self._node_size
-        victim = fallback = -1
-        seen = 0
-        while node != NIL:
-            fields = _NODE.unpack_from(mm, nodes_off + node * node_size)
-            if not fields[0]:
-                if not fields[5]:
-                    victim = node
-                    break
-                if fallback < 0:
-                    fallback = node
-            seen += 1
-            if seen >= LRU_SCAN and fallback >= 0:
+        soonest: float | None = None
+        for _ in range(LRU_SCAN):
+            if node == NIL:
                 break
+            fields = _NODE.unpack_from(mm, nodes_off + node * node_size)
+            if node not in pinned:
+                if _idle(fields, now):
+                    self._remove(node)
+                    return
+                if not fields[0]:
+                    soonest = fields[9] if soonest is None else min(soonest, fields[9])
             node = fields[8]
-        if victim < 0:
-            victim = fallback
-        if victim < 0:
-            raise TableFullError(f"limit {path!r} tracks max_keys={count} keys, all in flight")
-        self._remove(victim)
+        raise _NoRoom(
+            f"wildcard limit {path!r} tracks max_keys={count} keys and its least recently "
+            f"used are all in use (in flight or inside their rate window); raise its max_keys",
+            None if soonest is None else soonest - now,
+        )
 
     def _lru_append(self, registry: int, node: int) -> None:
         mm = self._mm
@@ -1593,7 +1642,7 @@ class SharedBackend(Backend):
         else:
             _U32.pack_into(mm, at + R_TAIL, prev)
 
-    def _touch(self, node: int, limit: Limit) -> None:
+    def _touch(self, node: int, limit: Limit, now: float, pinned: list[int]) -> None:
         """Mark a wildcard key most recently used in its limit's list. A key counted so far
         under another limit (an exact path a 'user' or 'header' value equals, or a pattern
         a reload replaced) moves to this limit's list, counted against its ``max_keys``."""
@@ -1609,7 +1658,7 @@ class SharedBackend(Backend):
             return
         if current >= 0:
             self._untrack(current, node)
-        self._track(node, limit)
+        self._track(node, limit, now, pinned)
 
     # --- rate windows: a log of admission times in a chain of chunks -------------------
 
@@ -1628,24 +1677,28 @@ class SharedBackend(Backend):
         stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
         left = length
         oldest: float = stamps[start]
+        passed = NIL  # the last chunk wholly expired
         while oldest <= cutoff:
             left -= 1
             start += 1
             if not left:
                 break
             if start == CHUNK_STAMPS:
-                following = _U32.unpack_from(mm, self._chunk_at(chunk))[0]
-                self._free_chunks(chunk, chunk)
-                chunk, start = following, 0
+                passed = chunk
+                chunk, start = _U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
                 stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
             oldest = stamps[start]
         if left == length:
             return left, oldest
         self._save(offset, NODE_HEAD)
+        # Expired chunks go back as one chain: a journal entry or two, however many
+        # thousand entries expired at once.
         if not left:
-            self._free_chunks(chunk, last)
+            self._free_chunks(first, last)
             self._clear_window(offset)
             return 0, 0.0
+        if passed != NIL:
+            self._free_chunks(first, passed)
         mm[offset + N_OFFSET] = start
         _U32.pack_into(mm, offset + N_FIRST, chunk)
         _U32.pack_into(mm, offset + N_LEN, left)
@@ -1665,12 +1718,12 @@ class SharedBackend(Backend):
         self._save(offset, NODE_HEAD)
         position = (start + length) % CHUNK_STAMPS
         if not length:
-            first = last = self._new_chunk()
+            first = last = self._new_chunk(now)
             start = position = 0
             mm[offset + N_OFFSET] = 0
             struct.pack_into("<II", mm, offset + N_FIRST, first, last)
         elif not position:
-            chunk = self._new_chunk()
+            chunk = self._new_chunk(now)
             self._save(self._chunk_at(last), 8)
             _U32.pack_into(mm, self._chunk_at(last), chunk)
             last = chunk
@@ -1722,8 +1775,9 @@ class SharedBackend(Backend):
             _U32.pack_into(mm, offset + N_LAST, last)
         _U32.pack_into(mm, offset + N_LEN, length - 1)
 
-    def _new_chunk(self) -> int:
-        """A window chunk off the free list (or never used yet), its link set to NIL."""
+    def _new_chunk(self, now: float) -> int:
+        """A window chunk off the free list (or never used yet), its link set to NIL. When
+        none is left, the chunks of wholly expired windows are reclaimed first."""
         mm = self._mm
         assert mm is not None
         free, high = struct.unpack_from("<II", mm, H_CHUNK_FREE)
@@ -1738,13 +1792,42 @@ class SharedBackend(Backend):
         elif high < self._chunks:
             chunk = high
             _U32.pack_into(mm, H_CHUNK_HIGH, high + 1)
+        elif self._reclaim_windows(now):
+            return self._new_chunk(now)
         else:
-            raise TableFullError(
-                f"shared table {self.path!r}: all {high * CHUNK_STAMPS} rate window entries "
-                f"are in use; give it more with ?windows=<chunks of {CHUNK_STAMPS}>"
+            raise _NoRoom(
+                f"all {high * CHUNK_STAMPS} rate window entries are in use; give the table "
+                f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>"
             )
         _U32.pack_into(mm, self._chunk_at(chunk), NIL)
         return chunk
+
+    def _reclaim_windows(self, now: float) -> bool:
+        """Free the chunks of windows that have wholly expired (their keys idle since) among
+        the ``LRU_SCAN`` least recently used keys of each wildcard limit, where such stale
+        windows collect; at most ``LRU_SCAN`` windows per call (a bounded journal). True if
+        any was freed. A window still live is never touched."""
+        mm = self._mm
+        assert mm is not None
+        base = self._registry_off
+        nodes_off, node_size = self._nodes_off, self._node_size
+        freed = 0
+        for index in range(self._layout.registry):  # type: ignore[union-attr]
+            digest, _, node, _ = _REG.unpack_from(mm, base + index * REG_SIZE)
+            if not digest:
+                continue
+            for _ in range(LRU_SCAN):
+                if node == NIL or freed >= LRU_SCAN:
+                    break
+                offset = nodes_off + node * node_size
+                fields = _NODE.unpack_from(mm, offset)
+                if fields[5] and fields[9] <= now:
+                    self._save(offset, NODE_HEAD)
+                    self._free_chunks(fields[3], fields[4])
+                    self._clear_window(offset)
+                    freed += 1
+                node = fields[8]
+        return freed > 0
 
     def _free_chunks(self, first: int, last: int) -> None:
         """Put the chain of chunks ``first`` .. ``last`` on the free list."""
@@ -1773,9 +1856,9 @@ class SharedBackend(Backend):
             lease = high
             _U32.pack_into(mm, H_LEASE_HIGH, high + 1)
         else:
-            raise TableFullError(
-                f"shared table {self.path!r}: all {high} leases are held; "
-                f"give it more with ?leases=<n>"
+            raise _NoRoom(
+                f"all {high} leases are held (one per request in flight on the host); give "
+                f"the table more with ?leases=<n>"
             )
         serial = serial % 0xFFFFFFFF + 1
         _U32.pack_into(mm, H_SERIAL, serial)
@@ -1938,9 +2021,9 @@ class SharedBackend(Backend):
                         free = index
         if free < 0:
             if high >= self._layout.procs:  # type: ignore[union-attr]
-                raise TableFullError(
-                    f"shared table {self.path!r}: all {high} process slots are taken; "
-                    f"give it more with ?procs=<n>"
+                raise _NoRoom(
+                    f"all {high} process slots are taken by live processes; give the table "
+                    f"more with ?procs=<n>"
                 )
             free = high
             self._save_header()
