@@ -164,17 +164,20 @@ def test_url_options_size_the_table(tmp_path: Path) -> None:
         SharedBackend.from_url(f"shared://{tmp_path}/missing/dir/c.shm")
 
 
-# --- a full table ------------------------------------------------------------------------
+# --- a full table: refused by the limit, never an outage (SPEC §4.5) ----------------------
+# More in tests/test_shared_capacity.py.
 
 
-def test_full_lease_table_applies_on_backend_error(table: Path) -> None:
-    """With every lease taken the next request gets on_backend_error; nothing is corrupted."""
+def test_full_lease_table_refuses_by_the_limit(table: Path) -> None:
+    """With every lease taken the next request is refused by its concurrency limit (not
+    on_backend_error, even "reject"); nothing is corrupted."""
     gk = GateKeeper(
         config(table, {"shop": {"concurrency": 100}}, "?leases=3", on_backend_error="reject")
     )
     held = [gk.admit("shop", "api", "c") for _ in range(3)]
-    assert refused(gk).code == "GK-BACKEND-UNAVAILABLE"
-    assert gk.stats()["counters"]["backend_errors"] == 1
+    assert refused(gk).code == "GK-CONCURRENCY-LIMIT"
+    counters = gk.stats()["counters"]
+    assert (counters["capacity_refused"], counters["backend_errors"]) == (1, 0)
     assert busy(gk) == {"shop": 3}
     for admission in held:
         admission.release(200)
@@ -183,17 +186,18 @@ def test_full_lease_table_applies_on_backend_error(table: Path) -> None:
     gk.close()
 
 
-def test_full_key_table_applies_on_backend_error(table: Path) -> None:
-    """Keys that fill their hash buckets with requests in flight: errors, exact counts,
-    and after release the idle keys make room again."""
+def test_full_key_table_refuses_new_keys(table: Path) -> None:
+    """Keys that fill their hash buckets with requests in flight: new keys are refused by
+    their limit, counts stay exact, and after release the idle keys make room again."""
     gk = GateKeeper(config(table, {"shop/api/*": {"concurrency": 1}}, "?size=1&leases=500"))
     held = []
     callers = [f"c{number}" for number in range(300)]
     for caller in callers:
-        admission = gk.admit("shop", "api", caller)
-        if gk.stats()["counters"]["backend_errors"]:
-            break  # allowed (on_backend_error), without a slot
-        held.append(admission)
+        try:
+            held.append(gk.admit("shop", "api", caller))
+        except Rejected as rejection:
+            assert rejection.code == "GK-CONCURRENCY-LIMIT"
+            break
     else:
         pytest.fail("the table never filled up")
     assert len(held) < len(callers)
@@ -204,18 +208,19 @@ def test_full_key_table_applies_on_backend_error(table: Path) -> None:
     # Idle nodes are evicted for new keys now.
     for caller in callers[len(held) :]:
         gk.admit("shop", "api", caller).release(200)
-    assert gk.stats()["counters"]["backend_errors"] == 1
+    assert gk.stats()["counters"]["capacity_refused"] == 1
+    assert gk.stats()["counters"]["backend_errors"] == 0
     gk.close()
 
 
-def test_max_keys_all_in_flight_applies_on_backend_error(table: Path) -> None:
-    """A wildcard limit tracking max_keys keys, all in flight, refuses a new key; an idle
-    key is evicted first."""
+def test_max_keys_all_in_flight_refuses_a_new_key(table: Path) -> None:
+    """A wildcard limit tracking max_keys keys, all in flight, refuses a new key by its
+    limit; an idle key is evicted first."""
     limits = {"shop/api/*": {"concurrency": 1, "max_keys": 2}}
     gk = GateKeeper(config(table, limits, on_backend_error="reject"))
     first = gk.admit("shop", "api", "a")
     second = gk.admit("shop", "api", "b")
-    assert refused(gk, "api", "c").code == "GK-BACKEND-UNAVAILABLE"
+    assert refused(gk, "api", "c").code == "GK-CONCURRENCY-LIMIT"
     first.release(200)
     third = gk.admit("shop", "api", "c")  # evicts idle 'a'
     assert busy(gk) == {"shop/api/b": 1, "shop/api/c": 1}

@@ -88,8 +88,8 @@ CHUNK_STAMPS = 7  #: admission times per window chunk (64 bytes)
 #: window chunks reserved by default at most (128 MiB); ``?windows=`` overrides
 DEFAULT_CHUNKS_CAP = 1 << 21
 MAX_REFS = 5  #: slots per lease
-#: how far an eviction for ``max_keys`` looks for an idle key before taking the least
-#: recently used key that has nothing in flight
+#: how far an eviction for ``max_keys`` looks for an idle key (from the least recently
+#: used) before the new key is refused
 LRU_SCAN = 64
 #: how often (seconds) the rejection path reads /proc for zombies and reused pids
 DEEP_CHECK_EVERY = 0.01
@@ -589,9 +589,15 @@ class SharedBackend(Backend):
     **Semantics** are those of :class:`~gatekeeper_wsgi.backends.memory.MemoryBackend`:
     all-or-nothing admission, exact concurrency, an exact sliding log per rate key, ``count``
     reservations confirmed or given back at release, shadow slots, delayed decreases,
-    ``max_keys`` with idle keys evicted first (an idle key is looked for among the
-    ``LRU_SCAN`` least recently used; then the least recently used key with nothing in
-    flight goes), never a key with requests in flight.
+    ``max_keys`` evicting only idle keys (nothing in flight, nothing left in the rate
+    window), looked for among the ``LRU_SCAN`` least recently used.
+
+    **Capacity** is never an outage: when the table cannot track what a request needs (a
+    key: both buckets or ``max_keys`` full of keys that are not idle; a lease; a window
+    entry; a process slot) ``acquire`` raises :class:`~gatekeeper_wsgi.errors.CapacityError`
+    for the slot that could not be tracked, having rolled the request back, and the engine
+    refuses it by that limit. The lease and process tables belong to no limit: the most
+    specific enforced concurrency slot is blamed (else the most specific enforced slot).
 
     **Locking.** Every read and write of the table happens under one exclusive Linux
     open-file-description lock (``F_OFD_SETLKW`` on byte 0) plus a ``threading.Lock`` (OFD
@@ -667,8 +673,8 @@ class SharedBackend(Backend):
 
         tags, m x 8 x u32: a node's 32-bit key hash, 0 = free slot. A key lives in one of
           two buckets (two-choice hashing on its blake2b digest), so a lookup reads 16
-          tags and compares at most a few keys; both buckets full -> a node of the 16
-          with nothing in flight is evicted (idle ones first), else TableFullError.
+          tags and compares at most a few keys; both buckets full -> an idle node of the
+          16 is evicted, else the new key is refused (CapacityError).
         nodes, m x 8 x (40 + K) bytes, node i belongs to tag i:
           0 u32 requests in flight       4 u16 key length
           6 u8  index of the oldest window entry in the first chunk      7 pad
