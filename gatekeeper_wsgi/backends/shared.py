@@ -2045,14 +2045,19 @@ class SharedBackend(Backend):
         return high
 
     def _owners(self) -> list[tuple[int, int, int]]:
-        """(slot, pid, start time) of the other processes in the table."""
+        """(slot, pid, start time) of every registration in the table but this process's
+        own. Ours is told by its slot, never by its pid: a dead process may have had the
+        pid this one has now (pids are reused, from only 32 768 by default), and taking
+        its registration for ours would keep its slots forever in this process's eyes
+        (an observer, which never registers, would report them in flight)."""
         mm = self._mm
         assert mm is not None
         base = self._procs_off
+        mine = self._proc_index
         owners = []
         for index in range(self._procs_high()):
             pid, _, start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
-            if pid and pid != self._pid:
+            if pid and (index != mine or pid != self._pid):
                 owners.append((index, pid, start))
         return owners
 
