@@ -327,3 +327,28 @@ def test_exhausted_windows_never_give_a_sixth_of_five_per_hour(
     assert gk.stats()["counters"]["capacity_refused"] == 14
     assert gk.stats()["counters"]["backend_errors"] == 0
     gk.close()
+
+
+def test_long_requests_at_the_head_of_the_lru_do_not_hide_idle_keys(
+    tables: list[Table], table_path: Path
+) -> None:
+    """70 keys in flight at the head of a limit's LRU list, 30 idle keys behind them: a
+    new key is tracked by its second try at the latest (the busy keys looked at move down
+    the list), not refused for as long as the long requests last."""
+    limits = {"shop/api/*": {"concurrency": 1, "max_keys": 100}}
+    table = open_table(tables, table_path, limits)
+    held = [table.grant(f"shop/api/long{n}") for n in range(70)]
+    for n in range(30):
+        table.backend.release(table.grant(f"shop/api/idle{n}"), 200, 0.0, NOW)
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            table.grant("shop/api/new")
+        except CapacityError:
+            assert tries < 2
+        else:
+            break
+    assert len(busy(table.backend.inflight(NOW))) == 71
+    for grant in held:
+        table.backend.release(grant, 200, 0.0, NOW)
