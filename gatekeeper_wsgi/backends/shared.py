@@ -182,7 +182,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
             text = file.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited while being read
         return None
     except OSError:
         return ("?", 0)
@@ -2027,7 +2027,9 @@ class SharedBackend(Backend):
     def _own_start(self) -> int:
         if self._start_time is None:
             stat = _proc_stat(os.getpid())
-            self._start_time = stat[1] if stat is not None else 0
+            if stat is None or not stat[1]:
+                return 0  # unknown this time (e.g. out of descriptors): asked again next time
+            self._start_time = stat[1]
         return self._start_time
 
     def _register(self) -> None:
