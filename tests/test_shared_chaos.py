@@ -48,21 +48,30 @@ def settings(path: Path) -> dict[str, Any]:
     return {"project": "p", "backend": f"shared://{path}", "limits": LIMITS}
 
 
-def kill_after(lines: int) -> None:
-    """SIGKILL this process when it has run ``lines`` more lines of backends/shared.py."""
-    left = [lines]
+def trace_backend(on_line: Callable[[], None]) -> None:
+    """Call ``on_line`` before each line this thread runs in backends/shared.py."""
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line":
-            left[0] -= 1
-            if left[0] <= 0:
-                os.kill(os.getpid(), signal.SIGKILL)
+            on_line()
         return local
 
     def calls(frame: FrameType, event: str, arg: Any) -> Any:
         return local if frame.f_code.co_filename == SHARED_FILE else None
 
     sys.settrace(calls)
+
+
+def kill_after(lines: int) -> None:
+    """SIGKILL this process when it has run ``lines`` more lines of backends/shared.py."""
+    left = [lines]
+
+    def count_down() -> None:
+        left[0] -= 1
+        if left[0] <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trace_backend(count_down)
 
 
 def _random_worker(path: str, seed: int) -> None:
@@ -149,14 +158,10 @@ def lines_of(run: Callable[[], None]) -> int:
     """How many lines of backends/shared.py ``run`` executes."""
     count = [0]
 
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        count[0] += event == "line"
-        return local
+    def count_up() -> None:
+        count[0] += 1
 
-    def calls(frame: FrameType, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename == SHARED_FILE else None
-
-    sys.settrace(calls)
+    trace_backend(count_up)
     try:
         run()
     finally:
