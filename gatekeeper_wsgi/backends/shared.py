@@ -129,7 +129,6 @@ _TAGS = struct.Struct(f"<{CHAIN}I")
 _CHUNK = struct.Struct(f"<I4x{CHUNK_STAMPS}d")
 _CHUNK_STAMPS = struct.Struct(f"<{CHUNK_STAMPS}d")
 _JENTRY = struct.Struct("<QI")
-_NO_ENTRY = bytes(_JENTRY.size)  # offset 0 is never journaled: an invalid entry
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
 _FLOCK = struct.Struct("hhxxxxqqixxxx")
 _LOCK = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
@@ -1085,8 +1084,7 @@ class SharedBackend(Backend):
             _U32.pack_into(mm, H_JLEN, 0)  # the commit point
             # The entries stay behind: void the first, so that a journal length corrupted
             # later is found invalid instead of undoing this committed update.
-            at = self._journal_off
-            mm[at : at + JENTRY_SIZE] = _NO_ENTRY
+            _JENTRY.pack_into(mm, self._journal_off, 0, 0)
             self._jlen = 0
             self._saved = {}
 
@@ -1133,7 +1131,7 @@ class SharedBackend(Backend):
         for offset, old in reversed(entries):
             mm[offset : offset + len(old)] = old
         _U32.pack_into(mm, H_JLEN, 0)
-        mm[base : base + JENTRY_SIZE] = _NO_ENTRY
+        _JENTRY.pack_into(mm, base, 0, 0)
         self._jlen = 0
         self._saved = {}
 
