@@ -27,8 +27,8 @@ from gatekeeper_wsgi.errors import Rejected
 from tests.conftest import FakeClock, busy
 from tests.servers import wait_until
 
-#: The backends that refuse a key they cannot track; "shared" joins once its table does.
-CAPACITY_BACKENDS = ["memory"]
+#: The backends that refuse a key they cannot track.
+CAPACITY_BACKENDS = ["memory", "shared"]
 #: The backends of the spray property test.
 SPRAY_BACKENDS = CAPACITY_BACKENDS
 
@@ -82,8 +82,7 @@ def test_new_key_refused_when_all_keys_are_in_flight(make: Make) -> None:
     code, not admitted uncounted, whatever on_backend_error says."""
     for policy in ("allow", "reject"):
         gk = make({"shop/api/*": {"concurrency": 1, "max_keys": 2}}, on_backend_error=policy)
-        gk.admit("shop", "api", "a")
-        gk.admit("shop", "api", "b")
+        held = [gk.admit("shop", "api", "a"), gk.admit("shop", "api", "b")]
         fault = refused(gk, "api", "c")
         assert (fault.code, fault.level, fault.limit_path, fault.limit_value) == (
             "GK-CONCURRENCY-LIMIT",
@@ -98,6 +97,8 @@ def test_new_key_refused_when_all_keys_are_in_flight(make: Make) -> None:
         assert stats["capacity_refused"] == 1
         assert stats["backend_errors"] == 0
         assert stats["rejected_by_limit"] == {"shop/api/*": 2}
+        for admission in held:  # the shared backend's keepers share one table
+            admission.release(200)
 
 
 def test_new_key_refused_by_rate_when_all_windows_are_live(make: Make, clock: FakeClock) -> None:

@@ -514,10 +514,9 @@ MIRROR_LIMITS: dict[str, Any] = {
     "shop/a": {"concurrency": 2},
     "shop/b": {"rate": "3/10s"},
     "shop/c": {"concurrency": 1, "rate": "2/4s", "mode": "shadow"},
-    # max_keys 3 of 3 callers: until the shared table refuses an untrackable key as memory
-    # does (issue 14), a full table would be decided differently; then back to 2.
-    "shop/a/*": {"rate": "2/5s", "count": [401], "max_keys": 3},
-    "shop/b/*": {"concurrency": 1, "max_keys": 3},
+    # max_keys 2 of 3 callers: full wildcard limits are decided alike too (SPEC §4.5)
+    "shop/a/*": {"rate": "2/5s", "count": [401], "max_keys": 2},
+    "shop/b/*": {"concurrency": 1, "max_keys": 2},
 }
 
 _admit = st.tuples(st.just("admit"), st.sampled_from("abc"), st.sampled_from("xyz"))

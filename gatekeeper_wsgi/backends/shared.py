@@ -56,12 +56,16 @@ class LayoutMismatch(BackendError):
 class _NoRoom(Exception):
     """The table has no room for what a request needs (a key, a lease, a window entry);
     :meth:`SharedBackend._admit` turns it into a :class:`CapacityError` for the slot it was
-    working on. ``retry_after``: seconds until room is expected, None if unknown."""
+    working on. ``retry_after``: seconds until room is expected, None if unknown;
+    ``kind``: the count that could not be kept ("concurrency", "rate"), None if either."""
 
-    def __init__(self, what: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, what: str, retry_after: float | None = None, kind: str | None = None
+    ) -> None:
         super().__init__(what)
         self.what = what
         self.retry_after = retry_after
+        self.kind = kind
 
 
 class _Recreated(BackendError):
@@ -1402,6 +1406,7 @@ class SharedBackend(Backend):
             index,
             f"shared table {self.path}: {exc.what}",
             retry_after=1.0 if exc.retry_after is None else max(exc.retry_after, 0.001),
+            kind=exc.kind,
         )
 
     def _soonest(self, node: int, now: float) -> float:
@@ -1539,6 +1544,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         soonest: float | None = None
+        in_flight = False
         for bucket in (first, second):
             for position in range(CHAIN):
                 node = bucket * CHAIN + position
@@ -1547,6 +1553,7 @@ class SharedBackend(Backend):
                     continue
                 if _idle(fields, now):
                     return node
+                in_flight = in_flight or bool(fields[0])
                 if not fields[0]:
                     soonest = fields[9] if soonest is None else min(soonest, fields[9])
         raise _NoRoom(
@@ -1554,6 +1561,7 @@ class SharedBackend(Backend):
             f"a rate window); give the table more room with ?size=<keys> (it holds "
             f"{self._buckets * CHAIN})",
             None if soonest is None else soonest - now,
+            "concurrency" if in_flight else "rate",
         )
 
     def _remove(self, node: int) -> None:
@@ -1620,6 +1628,7 @@ class SharedBackend(Backend):
         node = _U32.unpack_from(mm, at + R_HEAD)[0]
         nodes_off, node_size = self._nodes_off, self._node_size
         soonest: float | None = None
+        in_flight = False
         for _ in range(LRU_SCAN):
             if node == NIL:
                 break
@@ -1630,6 +1639,7 @@ class SharedBackend(Backend):
             if _idle(fields, now):
                 self._remove(node)
                 return
+            in_flight = in_flight or bool(fields[0])
             if not fields[0]:
                 soonest = fields[9] if soonest is None else min(soonest, fields[9])
             following = fields[8]
@@ -1641,6 +1651,7 @@ class SharedBackend(Backend):
             f"wildcard limit {path!r} tracks max_keys={count} keys and its least recently "
             f"used are all in use (in flight or inside their rate window); raise its max_keys",
             None if soonest is None else soonest - now,
+            "concurrency" if in_flight else "rate",
         )
 
     def _lru_append(self, registry: int, node: int) -> None:
@@ -1837,7 +1848,8 @@ class SharedBackend(Backend):
         else:
             raise _NoRoom(
                 f"all {high * CHUNK_STAMPS} rate window entries are in use; give the table "
-                f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>"
+                f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>",
+                kind="rate",
             )
         _U32.pack_into(mm, self._chunk_at(chunk), NIL)
         return chunk
@@ -1898,7 +1910,8 @@ class SharedBackend(Backend):
         else:
             raise _NoRoom(
                 f"all {high} leases are held (one per request in flight on the host); give "
-                f"the table more with ?leases=<n>"
+                f"the table more with ?leases=<n>",
+                kind="concurrency",
             )
         serial = serial % 0xFFFFFFFF + 1
         _U32.pack_into(mm, H_SERIAL, serial)
