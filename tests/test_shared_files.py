@@ -150,6 +150,13 @@ def test_symlink_at_the_path_is_never_followed(tmp_path: Path, table: Path) -> N
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_hard_linked_table_is_refused(tmp_path: Path, table: Path) -> None:
+    """A table file with a second name (a hard link planted elsewhere) is refused."""
+    GateKeeper(settings_for(table)).close()
+    os.link(table, tmp_path / "other-name")
+    assert "2 hard links" in refusal(table)
+
+
 def test_fifo_directory_and_device_are_refused_without_blocking(tmp_path: Path) -> None:
     """A FIFO, a directory or a device at the path: ConfigError at once, nothing opened."""
     fifo = tmp_path / "fifo"

@@ -276,9 +276,9 @@ def _open_private(path: str, mode: int) -> int:
 
 def _unfit(info: os.stat_result, mode: int) -> str | None:
     """Why an existing file must not be used as the table, None if it may: it must be a
-    regular file owned by this process's user (or, when ``mode`` shares it with the group,
-    by the group), writable by nobody else. Checked on the open descriptor (``fstat``), so
-    the file cannot be swapped between the check and the use."""
+    regular file with one name, owned by this process's user (or, when ``mode`` shares it
+    with the group, by the group), writable by nobody else. Checked on the open
+    descriptor (``fstat``), so the file cannot be swapped between the check and the use."""
     if not stat.S_ISREG(info.st_mode):
         kind = (
             "a FIFO"
@@ -298,6 +298,9 @@ def _unfit(info: os.stat_result, mode: int) -> str | None:
         return f"it is owned by uid {info.st_uid}, not by this process's user (uid {euid})" + (
             "" if group_shared else "; ?mode=0660 shares a table within a group"
         )
+    if info.st_nlink != 1:
+        # Another name for the same file (a hard link someone made) could be anything.
+        return f"it has {info.st_nlink} hard links; a table has exactly one name"
     writable = info.st_mode & 0o022 & ~mode
     if writable:
         who = "group and others" if writable == 0o022 else "group" if writable & 0o020 else "others"
@@ -1784,9 +1787,10 @@ class SharedBackend(Backend):
         _U32.pack_into(mm, offset + N_LEN, length + 1)
         _F64.pack_into(mm, offset + N_IDLE, max(idle, now + rate.seconds))
 
-    def _give_back(self, node: int, stamp: float) -> None:
+    def _give_back(self, node: int, stamp: float, seconds: float) -> None:
         """Remove the first window entry equal to ``stamp`` (it may have slid out): the
-        entries after it move up one place, keeping the log in order."""
+        entries after it move up one place, keeping the log in order; the time the window
+        empties follows its newest entry left (``seconds``: the window's length)."""
         mm = self._mm
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
@@ -1825,6 +1829,7 @@ class SharedBackend(Backend):
             _U32.pack_into(mm, self._chunk_at(last), NIL)
             _U32.pack_into(mm, offset + N_LAST, last)
         _U32.pack_into(mm, offset + N_LEN, length - 1)
+        _F64.pack_into(mm, offset + N_IDLE, values[start + length - 2] + seconds)
 
     def _new_chunk(self, now: float) -> int:
         """A window chunk off the free list (or never used yet), its link set to NIL. When
@@ -1950,9 +1955,9 @@ class SharedBackend(Backend):
         for index, stamp in enumerate(grant.stamps):
             if stamp is None:
                 continue
-            count = grant.slots[index].limit.count
-            if count is not None and status not in count:
-                self._give_back(grant.nodes[index], stamp)
+            limit = grant.slots[index].limit
+            if limit.count is not None and status not in limit.count and limit.rate is not None:
+                self._give_back(grant.nodes[index], stamp, limit.rate.seconds)
         if delay > 0:
             self._save(at, LEASE_SIZE)
             _U32.pack_into(mm, at, 0)
