@@ -338,7 +338,13 @@ def test_middleware_answers_on_a_corrupt_journal(table: Path) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     writes=st.lists(
-        st.tuples(st.integers(0, HEADER - 1), st.binary(min_size=1, max_size=64)),
+        st.tuples(
+            # Any byte but the mutable counters at 24..63: those are checked where they
+            # are used (out of range: test_garbage_over_the_counters_of_a_live_table);
+            # garbage that stays in range there is not detected.
+            st.one_of(st.integers(0, 23), st.integers(64, HEADER - 1)),
+            st.binary(min_size=1, max_size=64),
+        ),
         min_size=1,
         max_size=4,
     )
@@ -346,9 +352,9 @@ def test_middleware_answers_on_a_corrupt_journal(table: Path) -> None:
 def test_any_garbage_in_the_header_is_never_a_crash(
     tmp_path_factory: pytest.TempPathFactory, writes: list[tuple[int, bytes]]
 ) -> None:
-    """Whatever bytes land in the header of a live table, admitting, releasing and reading
-    raise nothing but a refusal (no struct.error, no IndexError), and afterwards a keeper
-    on the file counts exactly."""
+    """Whatever bytes land in the header of a live table (outside its mutable counters),
+    admitting, releasing and reading raise nothing but a refusal (no struct.error, no
+    IndexError), and afterwards a keeper on the file counts exactly."""
     table = tmp_path_factory.mktemp("garbage") / "t.shm"
     gk = GateKeeper(settings_for(table))
     held = [gk.admit("shop", "api", "c") for _ in range(2)]

@@ -94,7 +94,7 @@ MAGIC = b"GKSHARED"
 #: written first when a table is (re)initialised, replaced by MAGIC when done: a process
 #: killed half-way leaves a file that is recognisably ours and unfinished.
 MAGIC_INIT = b"GKSHINIT"
-VERSION = 1
+VERSION = 2  #: 2: the epoch's copy at 64
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF
@@ -119,7 +119,7 @@ DEFAULT_MODE = 0o600
 _MODES_ALLOWED = 0o660
 
 _U32 = struct.Struct("<I")
-_STATE = struct.Struct("<8s4xIQ")  # at 0: magic, journal bytes, epoch
+_STATE = struct.Struct("<8sIIQ")  # at 0: magic, version, journal bytes, epoch
 _F64 = struct.Struct("<d")
 _MAGIC_VERSION = struct.Struct("<8sI")  # at 0
 _GEOMETRY = struct.Struct("<8I")  # at 272
@@ -151,6 +151,9 @@ H_NODES_USED = 48
 H_CHUNK_FREE = 56
 H_CHUNK_HIGH = 60
 MUT_START, MUT_END = H_LIVE, 64
+#: a copy of the epoch: a corrupted epoch would otherwise pass for a re-created table and
+#: orphan every grant of the live one
+H_EPOCH_COPY = 64
 H_BOOT = 256
 H_GEOMETRY = 272
 H_FILE_BYTES = 304
@@ -530,6 +533,8 @@ def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
         return f"it was cut to {size} bytes (its table needs {layout.total})"
     if struct.unpack_from("<Q", head, H_FILE_BYTES)[0] != layout.total:
         return "its size field disagrees with its geometry"
+    if head[H_EPOCH : H_EPOCH + 8] != head[H_EPOCH_COPY : H_EPOCH_COPY + 8]:
+        return "its epoch disagrees with its copy"
     jlen = _U32.unpack_from(head, H_JLEN)[0]
     live, lease_free, lease_high, heap_len, _, procs_high, nodes_used, _, chunk_free, chunk_high = (
         struct.unpack_from("<10I", head, H_LIVE)
@@ -661,7 +666,7 @@ class SharedBackend(Backend):
 
         header, 4096 bytes
           0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-          8   4  u32 layout version (1)
+          8   4  u32 layout version (2)
          12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
          16   8  u64 epoch: random, new at every initialisation; grants of another epoch
                  are void
@@ -675,6 +680,7 @@ class SharedBackend(Backend):
          52   4  (reserved)
          56   4  u32 first free window chunk, or 0xFFFFFFFF
          60   4  u32 window chunks ever used (bump mark)
+         64   8  u64 a copy of the epoch (they differ: the header is damaged)
         256  16  boot id (/proc/sys/kernel/random/boot_id): another boot = stale table
         272   4  u32 key bytes per node (K, including a NUL terminator)
         276   4  u32 hash buckets (m)
@@ -876,8 +882,8 @@ class SharedBackend(Backend):
                 if mm is None or os.lseek(self._fd, 0, os.SEEK_END) < self._total:
                     self._attach()
                 else:
-                    magic, jlen, epoch = _STATE.unpack_from(mm, 0)
-                    if epoch != self._epoch or magic != MAGIC:
+                    magic, version, jlen, epoch = _STATE.unpack_from(mm, 0)
+                    if epoch != self._epoch or magic != MAGIC or version != VERSION:
                         self._attach()
                     elif jlen:
                         self._recover(jlen)
@@ -902,6 +908,7 @@ class SharedBackend(Backend):
     def _attach(self) -> None:
         """Map the table the file holds, or (re)initialise it. Under the file lock. Reads
         the header with ``pread``, never through a map that could reach past the end."""
+        previous = self._epoch
         self._unmap()
         fd = self._fd
         info = os.fstat(fd)
@@ -951,6 +958,10 @@ class SharedBackend(Backend):
                 self._recreate(f"it was zeroed or cut to {size} bytes")
             else:
                 self._initialise(wanted, size)  # new, or created empty by an operator
+        elif magic == MAGIC and ours and previous in struct.unpack_from("<Q40xQ", head, H_EPOCH):
+            # Another layout version re-creates the table with a new epoch (and nothing at
+            # 64): this is ours, its version field overwritten.
+            self._recreate(f"its layout version was overwritten ({version})")
         elif magic == MAGIC:
             live = _U32.unpack_from(head, H_LIVE)[0]
             if live:
@@ -1041,6 +1052,7 @@ class SharedBackend(Backend):
         mm[H_BOOT : H_BOOT + 16] = _BOOT_ID
         layout.write(mm)
         epoch = secrets.randbits(63) | 1
+        struct.pack_into("<Q", mm, H_EPOCH_COPY, epoch)
         struct.pack_into("<Q", mm, H_EPOCH, epoch)
         _MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
         self._epoch = epoch
