@@ -2283,7 +2283,7 @@ class SharedBackend(Backend):
         """(key, node fields) of a key the table holds, else None. Under the lock."""
         try:
             node = self._find(self._key(key))
-        except TableFullError:  # longer than any key the table can hold
+        except _NoRoom:  # longer than any key the table can hold
             return None
         return None if node < 0 else (key, self._node_fields(node)[0])
 
