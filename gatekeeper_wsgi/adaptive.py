@@ -209,7 +209,8 @@ class Controller:
         count = self._count
         drop_share = self._drops / count
         good = count - self._drops
-        latency = self._total / good if good else self.latency
+        # A clock that does not move (or moves back) gives 0 or less: no queue to see.
+        latency = max(self._total / good, 0.0) if good else self.latency
         peak = self._peak
         self.latency = latency
         self._reset_window(now)
@@ -231,6 +232,8 @@ class Controller:
         no-load latency, ``peak`` requests in flight, ``drop_share`` of faulty responses)."""
         algorithm = self.spec.algorithm
         busy = 2 * peak >= estimate
+        # How much faster the backend was unloaded; 1 when a latency of 0 says nothing.
+        ratio = baseline / latency if latency > 0.0 else 1.0
         if algorithm == "aimd":
             if drop_share or latency > _AIMD_TOLERANCE * baseline:
                 self._slow_start = False
@@ -242,7 +245,7 @@ class Controller:
             # Slow start (as TCP): multiply until a queue forms, then add one.
             return estimate * _SLOW_START_GROWTH if self._slow_start else estimate + 1.0
         if algorithm == "vegas":
-            queue = estimate * (1.0 - baseline / latency)
+            queue = estimate * (1.0 - ratio)
             step = max(1.0, math.log10(estimate))
             if queue <= step:
                 target = estimate + 4.0 * step if busy else estimate
@@ -254,7 +257,7 @@ class Controller:
             else:
                 target = estimate
             return target * max(_DROP_FLOOR, 1.0 - drop_share)
-        gradient = min(max(_GRADIENT_TOLERANCE * baseline / latency, _GRADIENT_FLOOR), 1.0)
+        gradient = min(max(_GRADIENT_TOLERANCE * ratio, _GRADIENT_FLOOR), 1.0)
         wanted = estimate * gradient + math.sqrt(estimate)
         if not busy:
             wanted = min(wanted, estimate)
@@ -287,7 +290,7 @@ class Controller:
         self._probe_total += latency
         if self._probe_count < PROBE_SAMPLES:
             return
-        self.min_latency = self._probe_total / self._probe_count
+        self.min_latency = max(self._probe_total / self._probe_count, 0.0)
         self._probing = None
         self._next_probe = now + PROBE_EVERY * (0.85 + 0.3 * self._seed)
         self.limit = self._rounded()

@@ -101,9 +101,12 @@ class Admission:
         if grant is not None:
             try:
                 now = started if keeper._perf_clock else keeper._clock()
-                if grant.adaptive:
-                    keeper.backend.observe(grant, faulty, now)
-                keeper.backend.release(grant, status, delay, now)
+                try:
+                    if grant.adaptive:
+                        keeper.backend.observe(grant, faulty, now)
+                finally:
+                    # Whatever a sample does, the slots come back.
+                    keeper.backend.release(grant, status, delay, now)
             except BackendError as exc:
                 # The backend's own expiry (lease) gives these slots back; never fail a
                 # response.

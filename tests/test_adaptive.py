@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gatekeeper_wsgi.adaptive import ALGORITHMS, PROBE_EVERY, AdaptiveSpec, Controller
 
@@ -187,3 +189,42 @@ def test_requests_admitted_before_a_probe_do_not_count_as_probe_samples() -> Non
     for index in range(10):
         controller.sample(0.02, 2, False, 0.2 + index * 0.02, 0.22 + index * 0.02)
     assert controller.min_latency == pytest.approx(0.02)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    algorithm=st.sampled_from(ALGORITHMS),
+    bounds=st.tuples(st.integers(1, 50), st.integers(0, 50), st.integers(0, 50)),
+    samples=st.lists(
+        st.tuples(
+            st.floats(-1.0, 1e6, allow_nan=False),  # latency, a clock may even step back
+            st.integers(0, 10_000),  # in flight
+            st.booleans(),  # faulty
+            st.floats(0.0, 100.0, allow_nan=False),  # seconds until this release
+        ),
+        max_size=300,
+    ),
+)
+def test_any_samples_keep_the_limit_within_bounds(
+    algorithm: str, bounds: tuple[int, int, int], samples: list[tuple[float, int, bool, float]]
+) -> None:
+    """Whatever the samples (zero, negative or huge latencies, bursts of failures, long
+    silences), sampling never raises and the limit stays an int within [min, max]."""
+    low, extra, start = bounds
+    spec = AdaptiveSpec(algorithm, low, low + extra, low + min(start, extra))  # type: ignore[arg-type]
+    controller = Controller(spec, 0.0)
+    now = 0.0
+    for latency, inflight, faulty, gap in samples:
+        now += gap
+        controller.sample(latency, inflight, faulty, now - latency, now)
+        assert isinstance(controller.limit, int)
+        assert spec.min <= controller.limit <= spec.max
+        assert controller.min_latency >= 0.0
+
+
+def test_a_clock_that_does_not_move_is_no_signal() -> None:
+    """Latencies of exactly 0 (an injected clock nobody advances) change nothing."""
+    controller = Controller(AdaptiveSpec("gradient", initial=10), 0.0)
+    for _ in range(1000):
+        controller.sample(0.0, 10, False, 0.0, 0.0)
+    assert controller.limit == 10
