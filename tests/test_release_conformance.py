@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.wsgi import WSGIHandler
 from django.http import HttpResponse, StreamingHttpResponse
 from django.urls import path
@@ -28,6 +27,7 @@ from werkzeug.test import EnvironBuilder
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from tests.conftest import busy
 from tests.django_project import configure
+from tests.test_django_asgi import Exchange
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
@@ -231,36 +231,9 @@ def test_uncounted_statuses_give_their_reservation_back_without_close(served: Se
 
 def asgi_get(path: str) -> tuple[int, bytes]:
     """One request through Django's ASGI handler: (status, body)."""
-    sent: list[dict[str, Any]] = []
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await asyncio.Event().wait()  # the client stays until the handler is done
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"testserver")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("testserver", 80),
-    }
-    asyncio.run(ASGIHandler()(scope, receive, send))
-    return int(sent[0]["status"]), b"".join(m.get("body", b"") for m in sent[1:])
+    exchange = Exchange(path)
+    asyncio.run(exchange.run())
+    return exchange.status, exchange.body
 
 
 # Django consumes a synchronous stream under ASGI, and says so.

@@ -8,6 +8,7 @@ count at entry is the number of requests inside across all hosts at that moment.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from multiprocessing.synchronize import Barrier, Event
@@ -18,6 +19,7 @@ import redis
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.redis import RedisBackend
 from tests.apps.redis_host import inside_now
+from tests.servers import wait_until
 
 
 def run_load(
@@ -89,9 +91,8 @@ def run_load(
     for thread in workers:
         thread.join()
     # Every release placed must reach Redis by itself (no help from later admissions).
-    deadline = time.monotonic() + 30.0
-    while backend.pending_releases() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not backend.pending_releases(), 30.0, "the releases to be sent")
     report["pending"] = backend.pending_releases()
     report["slowest"] = slowest[0]
     report["backend_errors"] = keeper.stats()["counters"]["backend_errors"]
