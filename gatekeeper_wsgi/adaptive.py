@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 __all__ = [
     "ALGORITHMS",
@@ -90,6 +90,8 @@ _SLOW_START_GROWTH = 1.5
 _SLOW_START_EXIT = 1.1
 # One window of faulty responses never cuts the limit by more than half.
 _DROP_FLOOR = 0.5
+# The attributes of Controller.STATE that are counts.
+_INTEGERS = frozenset({"limit", "_count", "_drops", "_peak", "_probe_count"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,56 @@ class Controller:
         self._slow_start = True
         self._probe_count = 0
         self._probe_total = 0.0
+
+    #: The attributes :meth:`state` lists, in order: everything a controller has learned
+    #: and is gathering (its window, its probe), as numbers. A backend that shares one
+    #: controller between processes or hosts stores these (doubles in a file, fields of a
+    #: Redis hash) and rebuilds the controller with :meth:`restore` to feed it a sample.
+    STATE: ClassVar[tuple[str, ...]] = (
+        "estimate",
+        "limit",
+        "latency",
+        "min_latency",
+        "_next_probe",
+        "_due",
+        "_count",
+        "_total",
+        "_drops",
+        "_peak",
+        "_probing",
+        "_slow_start",
+        "_probe_count",
+        "_probe_total",
+    )
+
+    def state(self) -> tuple[float, ...]:
+        """The numbers :data:`STATE` names (``_probing`` None as NaN, booleans as 0/1)."""
+        probing = self._probing
+        return tuple(
+            math.nan if name == "_probing" and probing is None else float(getattr(self, name))
+            for name in self.STATE
+        )
+
+    @classmethod
+    def restore(cls, spec: AdaptiveSpec, state: tuple[float, ...], *, key: str = "") -> Controller:
+        """The controller :meth:`state` described, under ``spec`` (a reloaded table's
+        bounds apply at once, as :meth:`respec`). Integers come back as ``int``."""
+        if len(state) != len(cls.STATE):
+            raise ValueError(f"an adaptive state has {len(cls.STATE)} numbers, not {len(state)}")
+        controller = cls(spec, 0.0, key=key)
+        # Only spec and seed are not part of the state; __init__ set both from its arguments.
+        for name, value in zip(cls.STATE, state, strict=True):
+            if name == "_probing":
+                controller._probing = None if math.isnan(value) else value
+            elif name == "_slow_start":
+                controller._slow_start = bool(value)
+            elif name in _INTEGERS:
+                setattr(controller, name, int(value))
+            else:
+                setattr(controller, name, value)
+        controller.estimate = min(max(controller.estimate, float(spec.min)), float(spec.max))
+        controller.limit = min(max(controller.limit, spec.min), spec.max)
+        return controller
 
     def respec(self, spec: AdaptiveSpec) -> None:
         """Take a reloaded ``adaptive`` table: keep what was learned, within the new bounds."""

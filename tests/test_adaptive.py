@@ -228,3 +228,50 @@ def test_a_clock_that_does_not_move_is_no_signal() -> None:
     for _ in range(1000):
         controller.sample(0.0, 10, False, 0.0, 0.0)
     assert controller.limit == 10
+
+
+@given(
+    algorithm=st.sampled_from(ALGORITHMS),
+    samples=st.lists(
+        st.tuples(
+            st.floats(0.0, 2.0),
+            st.integers(0, 200),
+            st.booleans(),
+            st.floats(0.0, 0.5),
+        ),
+        max_size=60,
+    ),
+)
+def test_a_restored_state_behaves_exactly_as_the_controller_it_came_from(
+    algorithm: str, samples: list[tuple[float, int, bool, float]]
+) -> None:
+    """A controller rebuilt from its state after every sample (as a backend that shares it
+    between processes does) makes the same decisions as one that was never stored."""
+    spec = AdaptiveSpec(algorithm, min=2, max=300, initial=20)  # type: ignore[arg-type]
+    kept = Controller(spec, 0.0, key="shop")
+    stored = Controller(spec, 0.0, key="shop").state()
+    now = 0.0
+    for latency, inflight, faulty, step in samples:
+        now += step
+        kept.sample(latency, inflight, faulty, now - latency, now)
+        shared = Controller.restore(spec, stored, key="shop")
+        shared.sample(latency, inflight, faulty, now - latency, now)
+        stored = shared.state()
+        assert shared.limit == kept.limit
+        assert shared.report() == kept.report()
+    # repr, because NaN (no probe running) never equals itself
+    assert repr(Controller.restore(spec, stored, key="shop").state()) == repr(kept.state())
+
+
+def test_a_restored_state_takes_the_new_bounds() -> None:
+    """Restored under a reloaded, narrower table, the limit is within its bounds at once."""
+    controller, _backend = settled("gradient", capacity=40.0)
+    narrow = AdaptiveSpec("gradient", min=1, max=5, initial=3)
+    restored = Controller.restore(narrow, controller.state(), key="shop")
+    assert 1 <= restored.limit <= 5
+
+
+def test_a_state_of_the_wrong_length_is_refused() -> None:
+    """A state from another version of the controller is an error, not a silent misread."""
+    with pytest.raises(ValueError, match="numbers"):
+        Controller.restore(AdaptiveSpec(), (1.0, 2.0))
