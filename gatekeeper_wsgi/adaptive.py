@@ -62,7 +62,7 @@ __all__ = [
 
 Algorithm = Literal["gradient", "aimd", "vegas"]
 #: The known algorithms, in the order the docs list them.
-ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
+ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 
 #: A window closes after at least this many samples ...
 WINDOW_SAMPLES = 10

@@ -13,23 +13,29 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, Literal, TypeVar, get_args
 
 from werkzeug.routing import Map, Rule
 from werkzeug.utils import import_string
 
-from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec, Algorithm
-from gatekeeper_wsgi.errors import LEVELS, ConfigError
+from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec
+from gatekeeper_wsgi.errors import LEVELS, ConfigError, Level
 from gatekeeper_wsgi.limitindex import LimitIndex
 
 __all__ = [
     "CALLER_RE",
+    "FAULT_FORMATS",
+    "MODES",
+    "ON_BACKEND_ERROR",
+    "BackendErrorPolicy",
     "CallerConfig",
     "Config",
+    "FaultFormat",
     "Limit",
+    "Mode",
     "QueueSpec",
     "Rate",
     "TimeoutHeader",
@@ -38,6 +44,17 @@ __all__ = [
     "load_config",
     "merge_settings",
 ]
+
+#: ``mode`` (global and per limit): refuse over-limit requests, or only report them.
+Mode = Literal["enforce", "shadow"]
+#: ``on_backend_error``: admit (fail open) or refuse (fail closed) while the backend is down.
+BackendErrorPolicy = Literal["allow", "reject"]
+#: ``fault.format``: negotiated by ``Accept``, or forced.
+FaultFormat = Literal["auto", "xml", "json"]
+# The accepted values, derived from the types so the two cannot drift apart.
+MODES: tuple[Mode, ...] = get_args(Mode)
+ON_BACKEND_ERROR: tuple[BackendErrorPolicy, ...] = get_args(BackendErrorPolicy)
+FAULT_FORMATS: tuple[FaultFormat, ...] = get_args(FaultFormat)
 
 #: SPEC §4.7: what a caller name may be.
 CALLER_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
@@ -131,12 +148,12 @@ class Limit:
     timeout_body: re.Pattern[bytes] | None = None
     queue: QueueSpec | None = None
     #: "enforce" / "shadow"; None follows the global mode
-    mode: str | None = None
+    mode: Mode | None = None
     #: set for ``concurrency = "auto"``: the backend enforces the limit its controller finds
     adaptive: AdaptiveSpec | None = None
 
     #: ``"project"``, ``"service"`` or ``"caller"`` (derived from the path)
-    level: str = field(init=False, compare=False)
+    level: Level = field(init=False, compare=False)
     #: whether a segment is ``*`` (one counter per value; derived from the path)
     wildcard: bool = field(init=False, compare=False)
     #: ``concurrency``, or no bound when None (derived; one comparison per admission);
@@ -181,6 +198,8 @@ class Limit:
 
 @dataclass(frozen=True)
 class CallerConfig:
+    """The ``caller`` section: where the third level's name comes from."""
+
     header: str = "X-Caller-Id"
     required: bool = False
     default: str = "anonymous"
@@ -190,6 +209,8 @@ class CallerConfig:
 
 @dataclass(frozen=True)
 class ReloadConfig:
+    """The ``reload`` section: the operators' file and how often it is checked."""
+
     file: str | None = None
     every_seconds: float = 5.0
     every_requests: int = 1000
@@ -197,7 +218,9 @@ class ReloadConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    format: str = "auto"
+    """The ``fault`` section: how a ServiceFault is rendered."""
+
+    format: FaultFormat = "auto"
     #: callable(rejected, request_id, environ) -> (content_type, body) (a dotted path in
     #: settings is imported)
     renderer: Callable[..., Any] | None = None
@@ -205,6 +228,8 @@ class FaultConfig:
 
 @dataclass(frozen=True)
 class RejectedLogConfig:
+    """The ``rejected_log`` section: what a ``gatekeeper.rejected`` record may hold."""
+
     #: header names redacted besides Authorization, Cookie (and Proxy-Authorization)
     redact_headers: tuple[str, ...] = ()
     #: form / JSON / query field names redacted besides SPEC §4.8's list
@@ -217,6 +242,8 @@ class RejectedLogConfig:
 
 @dataclass(frozen=True)
 class DashboardConfig:
+    """The ``dashboard`` section: access to the status endpoint and the dashboard."""
+
     #: bearer token for the status endpoint / dashboard outside Django/Flask auth; None = off
     token: str | None = None
 
@@ -231,8 +258,8 @@ class Config:
     backend: str = "memory"
     routes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     fault: FaultConfig = field(default_factory=FaultConfig)
-    mode: str = "enforce"
-    on_backend_error: str = "allow"
+    mode: Mode = "enforce"
+    on_backend_error: BackendErrorPolicy = "allow"
     #: key "ip": an IPv6 address counts by its network of this many bits
     ipv6_prefix: int = 64
     reload: ReloadConfig = field(default_factory=ReloadConfig)
@@ -267,46 +294,50 @@ def _plain(value: Any) -> Any:
     return dict(value) if isinstance(value, Mapping) else value
 
 
-# --- the schema: key -> allowed fields, used for "did you mean" and by the docs test ------
+# --- the schema, derived from the dataclasses above: accepted keys and their defaults ------
 
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "caller": ("header", "required", "default", "resolver"),
-    "fault": ("format", "renderer"),
-    "reload": ("file", "every_seconds", "every_requests"),
-    "rejected_log": ("redact_headers", "redact_fields", "body_bytes", "queue_size"),
-    "dashboard": ("token",),
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The settings key -> default of a section's dataclass. A nested section's default
+    is an empty table: its own dataclass supplies its defaults."""
+    result: dict[str, Any] = {}
+    for item in fields(cls):
+        if not item.init:
+            continue
+        if item.default is not MISSING:
+            result[item.name] = item.default
+        elif item.default_factory is not MISSING:
+            value = item.default_factory()
+            result[item.name] = {} if is_dataclass(value) else value
+    return result
+
+
+#: section -> the dataclass it becomes
+SECTION_TYPES: dict[str, type] = {
+    "caller": CallerConfig,
+    "fault": FaultConfig,
+    "reload": ReloadConfig,
+    "rejected_log": RejectedLogConfig,
+    "dashboard": DashboardConfig,
 }
-TOP_LEVEL: tuple[str, ...] = (
-    "project",
-    "caller",
-    "request_id_header",
-    "backend",
-    "routes",
-    "fault",
-    "mode",
-    "on_backend_error",
-    "ipv6_prefix",
-    "reload",
-    "limits",
-    "rejected_log",
-    "dashboard",
-)
-LIMIT_FIELDS: tuple[str, ...] = (
-    "concurrency",
-    "rate",
-    "key",
-    "count",
-    "max_keys",
-    "delay",
-    "timeout_status",
-    "timeout_header",
-    "timeout_body",
-    "queue",
-    "mode",
-    "adaptive",
+# The defaults of the top level and of each section, written once: in the dataclasses.
+_TOP_DEFAULTS = _defaults(Config)
+_SECTION_DEFAULTS = {name: _defaults(cls) for name, cls in SECTION_TYPES.items()}
+#: The keys of each section (for "did you mean" and the docs test).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    name: tuple(defaults) for name, defaults in _SECTION_DEFAULTS.items()
+}
+#: The top-level keys.
+TOP_LEVEL: tuple[str, ...] = tuple(_TOP_DEFAULTS)
+#: The fields of a limit: the Limit dataclass's own, but its address.
+LIMIT_FIELDS: tuple[str, ...] = tuple(
+    item.name for item in fields(Limit) if item.init and item.name not in ("path", "segments")
 )
 #: The keys of a limit's ``adaptive`` table.
-ADAPTIVE_FIELDS: tuple[str, ...] = ("algorithm", "min", "max", "initial")
+ADAPTIVE_FIELDS: tuple[str, ...] = tuple(item.name for item in fields(AdaptiveSpec))
+_QUEUE_FIELDS: tuple[str, ...] = tuple(item.name for item in fields(QueueSpec))
+_MARKERS = frozenset({"timeout_status", "timeout_header", "timeout_body"})
+_Choice = TypeVar("_Choice", bound=str)
 # An adaptive limit's max beyond this is surely a typo, not a concurrency.
 _ADAPTIVE_MAX = 1_000_000
 _DEFAULT_ADAPTIVE = AdaptiveSpec()
@@ -438,10 +469,13 @@ class _Checker:
             raise self.bad(key, value, "a non-empty list of HTTP status codes")
         return frozenset(result)
 
-    def choice(self, key: str, value: object, choices: tuple[str, ...]) -> str:
-        if not isinstance(value, str) or value.strip() not in choices:
-            raise self.bad(key, value, " or ".join(repr(c) for c in choices))
-        return value.strip()
+    def choice(self, key: str, value: object, choices: tuple[_Choice, ...]) -> _Choice:
+        """One of ``choices`` (a Literal type's ``get_args``), typed as that Literal."""
+        text = value.strip() if isinstance(value, str) else None
+        for choice in choices:
+            if choice == text:
+                return choice
+        raise self.bad(key, value, " or ".join(repr(c) for c in choices))
 
     def pattern(self, key: str, value: object) -> re.Pattern[str]:
         text = self.string(key, value)
@@ -471,52 +505,48 @@ class _Checker:
         for name in settings:
             if name not in TOP_LEVEL:
                 raise self.unknown(name, name, TOP_LEVEL)
-        get = settings.get
-        project = self.string("project", get("project", "default"))
+        values = {**_TOP_DEFAULTS, **settings}
+        project = self.string("project", values["project"])
         if not _SEGMENT_RE.fullmatch(project) or project == "*":
             raise self.bad("project", project, "a name of [A-Za-z0-9._:@-], at most 128 chars")
-        mode = self.choice("mode", get("mode", "enforce"), ("enforce", "shadow"))
-        limits = self.mapping("limits", get("limits", {}))
+        limits = self.mapping("limits", values["limits"])
         return Config(
             project=project,
-            caller=self.caller(get("caller", {})),
-            request_id_header=self.header_name(
-                "request_id_header", get("request_id_header", "X-Request-Id")
-            ),
-            backend=self.backend(get("backend", "memory")),
-            routes=self.routes(get("routes", {})),
-            fault=self.fault(get("fault", {})),
-            mode=mode,
+            caller=self.caller(values["caller"]),
+            request_id_header=self.header_name("request_id_header", values["request_id_header"]),
+            backend=self.backend(values["backend"]),
+            routes=self.routes(values["routes"]),
+            fault=self.fault(values["fault"]),
+            mode=self.choice("mode", values["mode"], MODES),
             on_backend_error=self.choice(
-                "on_backend_error", get("on_backend_error", "allow"), ("allow", "reject")
+                "on_backend_error", values["on_backend_error"], ON_BACKEND_ERROR
             ),
-            ipv6_prefix=self.integer("ipv6_prefix", get("ipv6_prefix", 64), 1, 128),
-            reload=self.reload(get("reload", {})),
+            ipv6_prefix=self.integer("ipv6_prefix", values["ipv6_prefix"], 1, 128),
+            reload=self.reload(values["reload"]),
             limits=MappingProxyType(
                 {path: self.limit(path, spec) for path, spec in limits.items()}
             ),
-            rejected_log=self.rejected_log(get("rejected_log", {})),
-            dashboard=self.dashboard(get("dashboard", {})),
+            rejected_log=self.rejected_log(values["rejected_log"]),
+            dashboard=self.dashboard(values["dashboard"]),
         )
 
-    def section(self, name: str, value: object) -> Mapping[str, Any]:
+    def section(self, name: str, value: object) -> dict[str, Any]:
+        """A section's keys, checked against its dataclass, over that dataclass's defaults."""
         section = self.mapping(name, value)
         for key in section:
             if key not in SECTIONS[name]:
                 raise self.unknown(f"{name}.{key}", key, SECTIONS[name])
-        return section
+        return {**_SECTION_DEFAULTS[name], **section}
 
     def caller(self, value: object) -> CallerConfig:
         section = self.section("caller", value)
-        default = self.string("caller.default", section.get("default", "anonymous"))
+        default = self.string("caller.default", section["default"])
         if not CALLER_RE.fullmatch(default):
             raise self.bad("caller.default", default, "a caller name of [A-Za-z0-9._:@-]")
-        resolver = self.dotted(
-            "caller.resolver", section.get("resolver"), "(environ) -> str | None"
-        )
+        resolver = self.dotted("caller.resolver", section["resolver"], "(environ) -> str | None")
         return CallerConfig(
-            header=self.header_name("caller.header", section.get("header", "X-Caller-Id")),
-            required=self.boolean("caller.required", section.get("required", False)),
+            header=self.header_name("caller.header", section["header"]),
+            required=self.boolean("caller.required", section["required"]),
             default=default,
             resolver=resolver,
         )
@@ -571,61 +601,51 @@ class _Checker:
         section = self.section("fault", value)
         renderer = self.dotted(
             "fault.renderer",
-            section.get("renderer"),
+            section["renderer"],
             "(rejected, request_id, environ) -> (content_type, body)",
         )
         return FaultConfig(
-            format=self.choice(
-                "fault.format", section.get("format", "auto"), ("auto", "xml", "json")
-            ),
+            format=self.choice("fault.format", section["format"], FAULT_FORMATS),
             renderer=renderer,
         )
 
     def reload(self, value: object) -> ReloadConfig:
         section = self.section("reload", value)
         return ReloadConfig(
-            file=self.optional_string("reload.file", section.get("file")),
+            file=self.optional_string("reload.file", section["file"]),
             every_seconds=self.number(
                 "reload.every_seconds",
-                section.get("every_seconds", 5.0),
+                section["every_seconds"],
                 positive=True,
                 maximum=MAX_RELOAD_SECONDS,
             ),
-            every_requests=self.integer(
-                "reload.every_requests", section.get("every_requests", 1000), 1
-            ),
+            every_requests=self.integer("reload.every_requests", section["every_requests"], 1),
         )
 
     def rejected_log(self, value: object) -> RejectedLogConfig:
         section = self.section("rejected_log", value)
         names = tuple(
             self.header_name("rejected_log.redact_headers", name)
-            for name in self.items("rejected_log.redact_headers", section.get("redact_headers", []))
+            for name in self.items("rejected_log.redact_headers", section["redact_headers"])
         )
         fields = tuple(
             self.field_name("rejected_log.redact_fields", name)
-            for name in self.items("rejected_log.redact_fields", section.get("redact_fields", []))
+            for name in self.items("rejected_log.redact_fields", section["redact_fields"])
         )
         return RejectedLogConfig(
             redact_headers=names,
             redact_fields=fields,
             body_bytes=self.integer(
-                "rejected_log.body_bytes",
-                section.get("body_bytes", 2048),
-                0,
-                maximum=MAX_LOGGED_BODY,
+                "rejected_log.body_bytes", section["body_bytes"], 0, maximum=MAX_LOGGED_BODY
             ),
             queue_size=self.integer(
-                "rejected_log.queue_size",
-                section.get("queue_size", 10_000),
-                1,
-                maximum=MAX_LOG_QUEUE,
+                "rejected_log.queue_size", section["queue_size"], 1, maximum=MAX_LOG_QUEUE
             ),
         )
 
     def dashboard(self, value: object) -> DashboardConfig:
         section = self.section("dashboard", value)
-        return DashboardConfig(token=self.optional_string("dashboard.token", section.get("token")))
+        return DashboardConfig(token=self.optional_string("dashboard.token", section["token"]))
 
     def limit(self, path: str, value: object) -> Limit:
         base = f"limits.{path}"
@@ -661,11 +681,7 @@ class _Checker:
             )
         if "rate" in spec:
             fields["rate"] = self.rate(f"{base}.rate", spec["rate"])
-        if (
-            "concurrency" not in spec
-            and "rate" not in spec
-            and not ({"delay", "timeout_status", "timeout_header", "timeout_body"} & set(spec))
-        ):
+        if not ({"concurrency", "rate", "delay", *_MARKERS} & set(spec)):
             raise self.error(
                 base,
                 "a limit needs 'concurrency' or 'rate' (or sets delay/markers), "
@@ -692,7 +708,7 @@ class _Checker:
             fields["max_keys"] = self.integer(f"{base}.max_keys", spec["max_keys"], 1)
         if "delay" in spec:
             fields["delay"] = self.number(f"{base}.delay", spec["delay"])
-        markers = {"timeout_status", "timeout_header", "timeout_body"} & set(spec)
+        markers = _MARKERS & set(spec)
         if markers and level == "caller":
             marker = sorted(markers)[0]
             raise self.error(
@@ -714,7 +730,7 @@ class _Checker:
         if "queue" in spec:
             fields["queue"] = self.queue(f"{base}.queue", spec["queue"])
         if "mode" in spec:
-            fields["mode"] = self.choice(f"{base}.mode", spec["mode"], ("enforce", "shadow"))
+            fields["mode"] = self.choice(f"{base}.mode", spec["mode"], MODES)
         return Limit(path=path, segments=segments, **fields)
 
     def adaptive(self, key: str, value: object) -> AdaptiveSpec:
@@ -754,7 +770,7 @@ class _Checker:
         else:
             # The default start (10) moved into the bounds the user gave.
             initial = min(max(default.initial, low), high)
-        return AdaptiveSpec(cast("Algorithm", algorithm), low, high, initial)
+        return AdaptiveSpec(algorithm, low, high, initial)
 
     def rate(self, key: str, value: object) -> Rate:
         match = _RATE_RE.fullmatch(value) if isinstance(value, str) else None
@@ -796,8 +812,8 @@ class _Checker:
         else:
             spec = self.mapping(key, value)
             for name in spec:
-                if name not in ("size", "wait"):
-                    raise self.unknown(f"{key}.{name}", name, ("size", "wait"))
+                if name not in _QUEUE_FIELDS:
+                    raise self.unknown(f"{key}.{name}", name, _QUEUE_FIELDS)
             if "size" not in spec or "wait" not in spec:
                 raise self.bad(key, value, "{'size': int, 'wait': seconds}")
             size, wait = spec["size"], spec["wait"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 __all__ = [
     "FAULT_CODES",
@@ -12,9 +13,15 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "GateKeeperError",
+    "Level",
+    "LimitKind",
     "RateInfo",
     "Rejected",
 ]
+
+
+#: Which count of a limit refused a request (a Denial's, a CapacityError's ``kind``).
+LimitKind = Literal["concurrency", "rate"]
 
 
 class GateKeeperError(Exception):
@@ -76,7 +83,7 @@ class CapacityError(GateKeeperError):
     """
 
     def __init__(
-        self, at: int, what: str, *, retry_after: float = 1.0, kind: str | None = None
+        self, at: int, what: str, *, retry_after: float = 1.0, kind: LimitKind | None = None
     ) -> None:
         #: position of the slot that could not be tracked, in the slots given to ``acquire``
         self.at = at
@@ -101,7 +108,9 @@ FAULT_CODES: dict[str, tuple[int, str]] = {
     "GK-BACKEND-UNAVAILABLE": (503, "Limit backend unavailable"),
 }
 
-LEVELS = ("project", "service", "caller")
+#: The three levels a request is identified at (SPEC §1), outermost first.
+Level = Literal["project", "service", "caller"]
+LEVELS: tuple[Level, ...] = get_args(Level)
 
 
 @dataclass(frozen=True)

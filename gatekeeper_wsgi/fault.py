@@ -21,6 +21,7 @@ from xml.sax.saxutils import escape
 from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
+from gatekeeper_wsgi.config import FAULT_FORMATS, FaultFormat
 from gatekeeper_wsgi.errors import FAULT_CODES, Rejected
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ JSON_CONTENT_TYPE = "application/problem+json"
 SOAP11_CONTENT_TYPE = "text/xml; charset=utf-8"
 SOAP12_CONTENT_TYPE = "application/soap+xml; charset=utf-8"
 
-#: the values of the ``fault.format`` setting
-FAULT_FORMATS = ("auto", "xml", "json")
 _XML_MIMETYPES = ("application/xml", "text/xml")
 _JSON_MIMETYPES = ("application/json", "application/problem+json")
 
@@ -265,7 +264,7 @@ def render_fault(
     environ: WSGIEnvironment,
     request_id: str,
     *,
-    fault_format: str = "auto",
+    fault_format: FaultFormat = "auto",
     request_id_header: str = "X-Request-Id",
     renderer: Renderer | None = None,
 ) -> tuple[str, list[tuple[str, str]], bytes]:

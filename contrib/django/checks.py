@@ -30,7 +30,7 @@ from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
 
 from gatekeeper_wsgi.backends import BACKENDS
-from gatekeeper_wsgi.config import load_config
+from gatekeeper_wsgi.config import SECTIONS, load_config
 from gatekeeper_wsgi.errors import ConfigError
 
 from .conf import SETTING, effective_config
@@ -46,7 +46,7 @@ MIDDLEWARE_PATHS = frozenset(
 _DOCS = "docs/configuration.md"
 _SETTINGS_HINT = f"See {_DOCS} (the configuration reference) in the gatekeeper-wsgi source."
 # Settings documented in a section of their own.
-_SECTIONS = frozenset({"caller", "fault", "reload", "rejected_log", "dashboard", "limits"})
+_SECTIONS = frozenset({*SECTIONS, "limits"})
 
 
 def _hint_for(key: str) -> str:

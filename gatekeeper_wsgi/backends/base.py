@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from gatekeeper_wsgi.config import Limit
+from gatekeeper_wsgi.errors import LimitKind
 from gatekeeper_wsgi.monitor import Stage
 
 __all__ = [
@@ -52,7 +53,7 @@ class Denial(NamedTuple):
     """Why ``acquire`` refused: the first enforcing slot that did not fit."""
 
     at: int  #: position of the refusing slot in the slots given
-    kind: str  #: ``"concurrency"`` or ``"rate"``
+    kind: LimitKind  #: ``"concurrency"`` or ``"rate"``
     retry_after: float  #: seconds until a retry may succeed (>= 0)
     remaining: int  #: rate limits: admissions still possible now
 

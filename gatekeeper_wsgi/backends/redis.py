@@ -41,7 +41,7 @@ from redis.retry import Retry
 
 from gatekeeper_wsgi.backends.base import Backend, Census, Denial, Grant, Slot
 from gatekeeper_wsgi.config import Config
-from gatekeeper_wsgi.errors import BackendError, ConfigError
+from gatekeeper_wsgi.errors import BackendError, ConfigError, LimitKind
 from gatekeeper_wsgi.redact import mask_text, mask_url
 
 __all__ = ["RedisBackend", "check_report"]
@@ -72,7 +72,7 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
-_KINDS = {1: "concurrency", 2: "rate"}
+_KINDS: dict[int, LimitKind] = {1: "concurrency", 2: "rate"}
 
 
 def _load_script(name: str) -> str:

@@ -40,7 +40,7 @@ from gatekeeper_wsgi.backends.base import (
     Slot,
 )
 from gatekeeper_wsgi.config import Config, Limit, Rate
-from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
+from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
 
 __all__ = ["LayoutMismatch", "SharedBackend"]
 
@@ -60,7 +60,7 @@ class _NoRoom(Exception):
     ``kind``: the count that could not be kept ("concurrency", "rate"), None if either."""
 
     def __init__(
-        self, what: str, retry_after: float | None = None, kind: str | None = None
+        self, what: str, retry_after: float | None = None, kind: LimitKind | None = None
     ) -> None:
         super().__init__(what)
         self.what = what
