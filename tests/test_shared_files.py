@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from werkzeug.test import Client
 
@@ -312,6 +312,94 @@ def test_journal_entry_aimed_at_the_header(table: Path, worker: Worker) -> None:
     assert table.read_bytes()[:8] == b"GKSHARED"
 
 
+@pytest.mark.parametrize(
+    "writes",
+    [
+        [(16, b"\x00"), (64, b"\x00")],  # the epoch and its copy, changed alike
+        [(8, b"\x00"), (16, b"\x00"), (65, b"\x00")],  # the version and both epochs
+        [(8, b"\x02")],  # an older layout version, the epochs intact
+    ],
+    ids=["epoch-pair", "version-and-epochs", "old-version"],
+)
+def test_garbage_that_looks_like_a_recreated_table(
+    table: Path, worker: Worker, writes: list[tuple[int, bytes]]
+) -> None:
+    """Garbage that makes the header look like a table another process (or another layout
+    version) re-created, under a worker holding leases, is damage: re-created with one
+    ERROR, no grant left counted, exact at once (not refused or unlimited for good)."""
+
+    def damage() -> None:
+        for offset, data in writes:
+            _write(table, offset, data)
+
+    _damage_then_check(table, worker, damage)
+
+
+@pytest.mark.parametrize(
+    ("offset", "value"),
+    [(28, 0), (32, 1), (36, 3)],
+    ids=["free-list-at-a-held-lease", "lease-mark-below-a-held-lease", "heap-grown"],
+)
+def test_in_range_garbage_over_the_lease_counters(
+    table: Path, worker: Worker, offset: int, value: int
+) -> None:
+    """A lease counter changed to a value still in range (the free list pointing at a
+    held lease, the bump mark below one, a delay heap longer than its entries) is caught
+    before a lease is handed out or freed twice: re-created, exact at once."""
+    _damage_then_check(table, worker, lambda: _write(table, offset, struct.pack("<I", value)))
+
+
+def test_in_range_garbage_over_the_window_chunk_counters(table: Path, worker: Worker) -> None:
+    """The window chunk counters set back to a value in range (which would hand a chunk
+    in use to a second window, dropping admission times) fail their check word: the
+    next window to need a chunk re-creates the table, and rate limits are exact again."""
+    assert worker("release") == "released"
+    full = ["admitted", "admitted", "GK-RATE-LIMIT"]  # 2/hour
+    assert [worker("admit", "login", "c") for _ in range(3)] == full
+    assert worker("release") == "released"
+    _write(table, 56, struct.pack("<II", 0xFFFFFFFF, 0))  # no chunk used, none free
+    assert [worker("admit", "login", "d") for _ in range(3)] == full
+    errors = worker("errors")
+    assert len(errors) == 1 and "window chunk counters" in errors[0], errors
+
+
+def test_in_range_garbage_over_the_process_mark(
+    table: Path, worker: Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The process mark set below a registered worker would give its slot to the next
+    process to register (the worker's leases then never reclaimed after it dies): the
+    newcomer finds the slot taken and re-creates the table instead."""
+    _write(table, 44, struct.pack("<I", 0))
+    with caplog.at_level(logging.ERROR, "gatekeeper"):
+        parent = GateKeeper(settings_for(table))
+        admissions = [parent.admit("shop", "api", "c") for _ in range(3)]
+    assert "process mark is below a registered process" in caplog.text
+    assert worker("admit", "api", "c") == "GK-CONCURRENCY-LIMIT"
+    assert worker("busy") == {"shop": 3}
+    for admission in admissions:
+        admission.release(200)
+    parent.close()
+
+
+def test_table_recreated_by_another_process_is_followed_not_recreated_again(
+    table: Path, worker: Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Garbage a running worker does not read (the geometry) is found by the next process
+    to attach, which re-creates the table with one ERROR; the worker, holding leases of
+    the old table, takes the new one for what it is (its checksum is valid) and follows
+    it without re-creating it again: both count on one table."""
+    _write(table, 276, b"\xff\xff")
+    with caplog.at_level(logging.ERROR, "gatekeeper"):
+        parent = GateKeeper(settings_for(table))
+        admission = parent.admit("shop", "api", "c")
+    assert caplog.text.count("is damaged") == 1
+    assert worker.admit_all(3) == ["admitted", "admitted", "GK-CONCURRENCY-LIMIT"]
+    assert worker("errors") == []
+    assert {k: v for k, v in parent.inflight().items() if v} == {"shop": 3}
+    admission.release(200)
+    parent.close()
+
+
 def _write(path: Path, offset: int, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -335,26 +423,27 @@ def test_middleware_answers_on_a_corrupt_journal(table: Path) -> None:
     middleware.gatekeeper.close()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     writes=st.lists(
         st.tuples(
-            # Any byte but the mutable counters at 24..63: those are checked where they
-            # are used (out of range: test_garbage_over_the_counters_of_a_live_table);
-            # garbage that stays in range there is not detected.
-            st.one_of(st.integers(0, 23), st.integers(64, HEADER - 1)),
+            # Any byte of the header, mostly where its fields are: the state and counters
+            # (0..80) and the boot id, geometry and size (256..312).
+            st.one_of(st.integers(0, 80), st.integers(256, 312), st.integers(0, HEADER - 1)),
             st.binary(min_size=1, max_size=64),
         ),
         min_size=1,
         max_size=4,
     )
 )
+@example(writes=[(11, b"\x00" * 6), (64, b"\x00")])
+@example(writes=[(8, b"\x00"), (16, b"\x00"), (65, b"\x00")])
 def test_any_garbage_in_the_header_is_never_a_crash(
     tmp_path_factory: pytest.TempPathFactory, writes: list[tuple[int, bytes]]
 ) -> None:
-    """Whatever bytes land in the header of a live table (outside its mutable counters),
-    admitting, releasing and reading raise nothing but a refusal (no struct.error, no
-    IndexError), and afterwards a keeper on the file counts exactly."""
+    """Whatever bytes land in the header of a live table, admitting, releasing and reading
+    raise nothing but a refusal (no struct.error, no IndexError, no assertion), no grant
+    is left counted, and afterwards a keeper on the file counts exactly."""
     table = tmp_path_factory.mktemp("garbage") / "t.shm"
     gk = GateKeeper(settings_for(table))
     held = [gk.admit("shop", "api", "c") for _ in range(2)]

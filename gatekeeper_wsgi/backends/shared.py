@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -94,7 +95,7 @@ MAGIC = b"GKSHARED"
 #: written first when a table is (re)initialised, replaced by MAGIC when done: a process
 #: killed half-way leaves a file that is recognisably ours and unfinished.
 MAGIC_INIT = b"GKSHINIT"
-VERSION = 2  #: 2: the epoch's copy at 64
+VERSION = 3  #: 2: the epoch's copy at 64; 3: the checksums at 52 and 72
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF
@@ -148,12 +149,19 @@ H_HEAP_LEN = 36
 H_SERIAL = 40
 H_PROCS_HIGH = 44
 H_NODES_USED = 48
+#: crc32 of the window chunk counters at 56..64: in-range garbage there would hand one
+#: chunk to two windows (and so drop admission times), which no other check can see
+H_CHUNK_CHECK = 52
 H_CHUNK_FREE = 56
 H_CHUNK_HIGH = 60
 MUT_START, MUT_END = H_LIVE, 64
 #: a copy of the epoch: a corrupted epoch would otherwise pass for a re-created table and
 #: orphan every grant of the live one
 H_EPOCH_COPY = 64
+#: blake2b of the fields written once when the table is created (magic, version, epoch
+#: and its copy, boot id, geometry, file size): a new epoch with a valid checksum is a
+#: table another process re-created; any other change to them is damage
+H_CHECK = 72
 H_BOOT = 256
 H_GEOMETRY = 272
 H_FILE_BYTES = 304
@@ -527,8 +535,23 @@ def _lease_slot(slots: Sequence[Slot]) -> int:
     return enforced
 
 
+def _fixed_digest(head: bytes | bytearray) -> int:
+    """The checksum of a header's fixed fields (stored at ``H_CHECK``)."""
+    fixed = b"".join(
+        (head[0:12], head[H_EPOCH : H_EPOCH + 8], head[H_EPOCH_COPY:H_CHECK], head[H_BOOT:312])
+    )
+    return int.from_bytes(hashlib.blake2b(fixed, digest_size=8).digest(), "little")
+
+
+def _chunk_check(counters: bytes) -> int:
+    """The check word (at ``H_CHUNK_CHECK``) of the window chunk counters' 8 bytes."""
+    return zlib.crc32(counters)
+
+
 def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
     """What in a header of a valid magic no correct process writes, None if nothing."""
+    if struct.unpack_from("<Q", head, H_CHECK)[0] != _fixed_digest(head):
+        return "its fixed fields fail their checksum"
     if size < layout.total:
         return f"it was cut to {size} bytes (its table needs {layout.total})"
     if struct.unpack_from("<Q", head, H_FILE_BYTES)[0] != layout.total:
@@ -541,6 +564,8 @@ def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
     )
     if jlen > layout.journal:
         return f"its journal length {jlen} exceeds the journal ({layout.journal} bytes)"
+    if _U32.unpack_from(head, H_CHUNK_CHECK)[0] != _chunk_check(head[H_CHUNK_FREE:MUT_END]):
+        return "its window chunk counters fail their check"
     if (
         max(live, lease_high, heap_len) > layout.leases
         or (lease_free != NIL and lease_free >= lease_high)
@@ -634,9 +659,17 @@ class SharedBackend(Backend):
 
     **Damage.** Each lock acquisition checks the file size (one ``lseek``: the map is never
     touched past the end of a truncated file, which would be SIGBUS), the magic and the
-    epoch; rolling a journal back checks every entry first; counters out of range are caught
-    where they are used. A damaged table is re-created with one ERROR and the operation runs
-    again on it; anything else that goes wrong leaves as a BackendError.
+    epoch. A new epoch is a table another process re-created only if the checksum of the
+    fields written at creation (at 72) holds; another layout version only if this process
+    holds no lease of the table (no version re-creates a table with live leases). Rolling a
+    journal back checks every entry first. The header's counters are checked where they
+    are used, also when garbage left them in range: a free or never used lease, heap entry
+    or process slot must look free, the window chunk counters carry a check word (at 52).
+    A damaged table is re-created with one ERROR and the operation runs again on it;
+    anything else that goes wrong leaves as a BackendError. Not detected: in-range garbage
+    in the live-lease count (read by ``usage()`` only) and the key count (shown only), and
+    garbage in the key, lease or window regions (their values are range-checked where
+    used, not checksummed).
 
     **Crash safety.** Each update is a transaction: before a byte range is changed, its old
     bytes go to the undo journal; the journal is emptied when the update is complete. The
@@ -666,7 +699,7 @@ class SharedBackend(Backend):
 
         header, 4096 bytes
           0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-          8   4  u32 layout version (2)
+          8   4  u32 layout version (3)
          12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
          16   8  u64 epoch: random, new at every initialisation; grants of another epoch
                  are void
@@ -677,10 +710,12 @@ class SharedBackend(Backend):
          40   4  u32 last lease serial
          44   4  u32 process slots ever used (bump mark)
          48   4  u32 keys in the table
-         52   4  (reserved)
+         52   4  u32 crc32 of the 8 bytes at 56 (they disagree: damaged)
          56   4  u32 first free window chunk, or 0xFFFFFFFF
          60   4  u32 window chunks ever used (bump mark)
          64   8  u64 a copy of the epoch (they differ: the header is damaged)
+         72   8  u64 blake2b (8 bytes, little-endian) of bytes 0..12, 16..24, 64..72
+                 and 256..312 with the final magic: written once at creation
         256  16  boot id (/proc/sys/kernel/random/boot_id): another boot = stale table
         272   4  u32 key bytes per node (K, including a NUL terminator)
         276   4  u32 hash buckets (m)
@@ -822,6 +857,10 @@ class SharedBackend(Backend):
     def _reset_state(self) -> None:
         self._layout: _Layout | None = None
         self._epoch = 0
+        #: leases this process holds (admitted, not yet released) in the table of epoch
+        #: ``_held_epoch``: while it holds any, no other layout version re-creates it
+        self._held = 0
+        self._held_epoch = 0
         self._jlen = 0
         self._saved: dict[int, int] = {}
         self._keys: dict[str, tuple[bytes, int, int, int]] = {}
@@ -909,6 +948,7 @@ class SharedBackend(Backend):
         """Map the table the file holds, or (re)initialise it. Under the file lock. Reads
         the header with ``pread``, never through a map that could reach past the end."""
         previous = self._epoch
+        held = self._held
         self._unmap()
         fd = self._fd
         info = os.fstat(fd)
@@ -958,9 +998,15 @@ class SharedBackend(Backend):
                 self._recreate(f"it was zeroed or cut to {size} bytes")
             else:
                 self._initialise(wanted, size)  # new, or created empty by an operator
-        elif magic == MAGIC and ours and previous in struct.unpack_from("<Q40xQ", head, H_EPOCH):
-            # Another layout version re-creates the table with a new epoch (and nothing at
-            # 64): this is ours, its version field overwritten.
+        elif (
+            magic == MAGIC
+            and ours
+            and (held or previous in struct.unpack_from("<Q40xQ", head, H_EPOCH))
+        ):
+            # Another layout version re-creates the table only when it has no live leases
+            # (the count at 24 is where every version keeps it), and with a new epoch: this
+            # process holding leases of it, or the epoch unchanged, means it is ours with
+            # its version field overwritten.
             self._recreate(f"its layout version was overwritten ({version})")
         elif magic == MAGIC:
             live = _U32.unpack_from(head, H_LIVE)[0]
@@ -1007,6 +1053,9 @@ class SharedBackend(Backend):
         info = os.fstat(self._fd)
         self._ours = (info.st_dev, info.st_ino)
         self._epoch = struct.unpack_from("<Q", head, H_EPOCH)[0]
+        if self._epoch != self._held_epoch:
+            self._held = 0
+            self._held_epoch = self._epoch
         self._jlen = 0
         self._saved = {}
         self._keys = {}
@@ -1028,32 +1077,32 @@ class SharedBackend(Backend):
         self._chunks = g.chunks
 
     def _initialise(self, layout: _Layout, size: int) -> None:
+        """Write an empty table of ``layout`` into the file (``size`` bytes now). Under the
+        file lock, which every process holds to touch its map: none can meet the file
+        while it is cut to nothing and grown back."""
         fd = self._fd
-        if size < layout.total:
-            # Never shrink: another process may still map the old, larger size.
-            os.ftruncate(fd, layout.total)
-        fresh = size == 0
+        if size:
+            # All zero again, and its pages given back, in two calls: the checks of the
+            # lease and process tables rely on nothing past their bump marks ever having
+            # been written since the table was created.
+            os.ftruncate(fd, 0)
+        # Never shrink: another process may still map the old, larger size.
+        os.ftruncate(fd, max(size, layout.total))
         self._map(layout, bytes(HEADER))
         mm = self._mm
         assert mm is not None
         mm[0:8] = MAGIC_INIT
-        mm[8:HEADER] = bytes(HEADER - 8)
-        if not fresh:
-            for start, length in (
-                (layout.tags_off, layout.nodes * 4),
-                (layout.procs_off, layout.procs * PROC_SIZE),
-                (layout.registry_off, layout.registry * REG_SIZE),
-            ):
-                for chunk in range(start, start + length, 1 << 20):
-                    end = min(start + length, chunk + (1 << 20))
-                    mm[chunk:end] = bytes(end - chunk)
         _U32.pack_into(mm, H_LEASE_FREE, NIL)
-        _U32.pack_into(mm, H_CHUNK_FREE, NIL)
+        mm[H_CHUNK_FREE:MUT_END] = _U32.pack(NIL) + bytes(4)
+        _U32.pack_into(mm, H_CHUNK_CHECK, _chunk_check(mm[H_CHUNK_FREE:MUT_END]))
         mm[H_BOOT : H_BOOT + 16] = _BOOT_ID
         layout.write(mm)
         epoch = secrets.randbits(63) | 1
         struct.pack_into("<Q", mm, H_EPOCH_COPY, epoch)
         struct.pack_into("<Q", mm, H_EPOCH, epoch)
+        head = bytearray(mm[0:HEADER])
+        _MAGIC_VERSION.pack_into(head, 0, MAGIC, VERSION)
+        struct.pack_into("<Q", mm, H_CHECK, _fixed_digest(head))
         _MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
         self._epoch = epoch
         logger.info("gatekeeper: initialised shared table %s: %s", self.path, layout.describe())
@@ -1202,6 +1251,7 @@ class SharedBackend(Backend):
             owners = self._owners() if isinstance(result, Denial) else []
             if keep:
                 self._commit()
+                self._held += isinstance(result, _SharedGrant)
             else:
                 self._rollback()
             return result, owners
@@ -1249,6 +1299,7 @@ class SharedBackend(Backend):
             if grant.epoch == self._epoch:
                 self._release(grant, status, delay, now)
                 self._commit()
+                self._held = max(0, self._held - 1)
             self._mature(now)
         except BaseException as exc:
             self._fail(exc)
@@ -1848,18 +1899,16 @@ class SharedBackend(Backend):
         none is left, the chunks of wholly expired windows are reclaimed first."""
         mm = self._mm
         assert mm is not None
-        free, high = struct.unpack_from("<II", mm, H_CHUNK_FREE)
-        if high > self._chunks or (free != NIL and free >= high):
-            raise _Damaged("its window chunk counters are out of range")
+        free, high = self._chunk_counters()
         self._save_header()
         chunk: int
         if free != NIL:
             chunk = free
             self._save(self._chunk_at(chunk), 8)
-            _U32.pack_into(mm, H_CHUNK_FREE, _U32.unpack_from(mm, self._chunk_at(chunk))[0])
+            self._set_chunk_counters(_U32.unpack_from(mm, self._chunk_at(chunk))[0], high)
         elif high < self._chunks:
             chunk = high
-            _U32.pack_into(mm, H_CHUNK_HIGH, high + 1)
+            self._set_chunk_counters(free, high + 1)
         elif self._reclaim_windows(now):
             return self._new_chunk(now)
         else:
@@ -1902,10 +1951,32 @@ class SharedBackend(Backend):
         """Put the chain of chunks ``first`` .. ``last`` on the free list."""
         mm = self._mm
         assert mm is not None
+        free, high = self._chunk_counters()
         self._save_header()
         self._save(self._chunk_at(last), 8)
-        _U32.pack_into(mm, self._chunk_at(last), _U32.unpack_from(mm, H_CHUNK_FREE)[0])
-        _U32.pack_into(mm, H_CHUNK_FREE, first)
+        _U32.pack_into(mm, self._chunk_at(last), free)
+        self._set_chunk_counters(first, high)
+
+    def _chunk_counters(self) -> tuple[int, int]:
+        """(first free chunk, chunks ever used), checked against their check word."""
+        mm = self._mm
+        assert mm is not None
+        free, high = struct.unpack_from("<II", mm, H_CHUNK_FREE)
+        if (
+            high > self._chunks
+            or (free != NIL and free >= high)
+            or _U32.unpack_from(mm, H_CHUNK_CHECK)[0] != _chunk_check(mm[H_CHUNK_FREE:MUT_END])
+        ):
+            raise _Damaged("its window chunk counters are out of range")
+        return free, high
+
+    def _set_chunk_counters(self, free: int, high: int) -> None:
+        """Write the chunk counters and their check word (the header is journaled)."""
+        mm = self._mm
+        assert mm is not None
+        counters = struct.pack("<II", free, high)
+        mm[H_CHUNK_FREE:MUT_END] = counters
+        _U32.pack_into(mm, H_CHUNK_CHECK, _chunk_check(counters))
 
     # --- leases ---------------------------------------------------------------------------
 
@@ -1919,10 +1990,15 @@ class SharedBackend(Backend):
         if free != NIL:
             lease = free
             at = self._leases_off + lease * LEASE_SIZE
+            if _LEASE_HEAD.unpack_from(mm, at)[1]:
+                raise _Damaged("its list of free leases holds a lease in use")
             self._save(at, LEASE_SIZE)
             _U32.pack_into(mm, H_LEASE_FREE, _U32.unpack_from(mm, at + L_REFS)[0])
         elif high < self._layout.leases:  # type: ignore[union-attr]
             lease = high
+            # Leases past the mark have never been written since the table was created.
+            if _LEASE_HEAD.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)[1]:
+                raise _Damaged("its lease mark is below a lease in use")
             _U32.pack_into(mm, H_LEASE_HIGH, high + 1)
         else:
             raise _NoRoom(
@@ -2007,7 +2083,9 @@ class SharedBackend(Backend):
         base = self._heap_off
         size = _U32.unpack_from(mm, H_HEAP_LEN)[0] - 1
         top: tuple[float, int, int] = _HEAP.unpack_from(mm, base)
-        if size >= self._layout.leases or top[1] >= self._layout.leases:  # type: ignore[union-attr]
+        if size >= self._layout.leases or top[1] >= self._layout.leases or not top[2]:  # type: ignore[union-attr]
+            # Serial 0 marks a free lease: freeing one again would count its old slots
+            # down twice (a heap length grown by garbage reads such entries).
             raise _Damaged("its delay heap is out of range")
         self._save_header()
         _U32.pack_into(mm, H_HEAP_LEN, size)
@@ -2098,6 +2176,9 @@ class SharedBackend(Backend):
                     f"more with ?procs=<n>"
                 )
             free = high
+            if _U32.unpack_from(mm, base + free * PROC_SIZE)[0]:
+                # Slots past the mark have never been written since the table was created.
+                raise _Damaged("its process mark is below a registered process")
             self._save_header()
             _U32.pack_into(mm, H_PROCS_HIGH, high + 1)
         self._save(base + free * PROC_SIZE, PROC_SIZE)
@@ -2190,8 +2271,12 @@ class SharedBackend(Backend):
         for index, pid, start in self._owners():
             if _dead(pid, start, deep=True):
                 self._drop_process(index, pid, start)
-        live: int = _U32.unpack_from(mm, H_LIVE)[0]
-        return live
+        # Counted from the lease table, not read from the header: a live count garbage
+        # made too high would keep a table too small for the configuration forever.
+        base = self._leases_off
+        high = min(_U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
+        leases = mm[base : base + high * LEASE_SIZE]
+        return sum(1 for (serial,) in struct.iter_unpack("<4xI32x", leases) if serial)
 
     # --- observation ----------------------------------------------------------------------
 
