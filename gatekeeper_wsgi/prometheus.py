@@ -131,7 +131,7 @@ class _Observation:
     def limits(self) -> tuple[Config, dict[str, int], dict[str, int], bool, int]:
         """(config, in flight per limit path, wildcard keys in flight, backend up, delayed).
 
-        O(limits) with backends that keep totals (memory, shared), whatever the keys."""
+        O(limits) with backends that keep totals (all three), whatever the keys."""
         keeper = self.gatekeeper
         config = keeper.config
         try:

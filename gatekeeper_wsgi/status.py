@@ -69,7 +69,7 @@ def limit_of(config: Config, path: str) -> Limit | None:
     The limit admission resolves for it (the configuration's segment index: the most
     specific matching path, an exact segment beating ``*`` from the left), if that limit
     counts (a concurrency or a rate). O(segments), however many limits are configured, so
-    grouping a backend's keys (Redis, which keeps no totals) costs O(keys), not
+    grouping a backend's keys (one that keeps no totals) costs O(keys), not
     O(keys x limits).
     """
     limit = config.limit_index.most_specific(tuple(path.split("/")))
@@ -129,8 +129,8 @@ def limit_totals(
     """Per counting limit path: in flight summed over its keys, keys tracked and in
     flight, and details of up to ``top`` of its busiest keys plus those refused lately.
 
-    Read from the totals the backend keeps (memory, shared: O(limits)); a backend that
-    keeps none (Redis) is read whole with ``inflight()`` and grouped here, O(tracked keys),
+    Read from the totals the backend keeps (memory, shared, Redis: O(limits)); a backend
+    that keeps none is read whole with ``inflight()`` and grouped here, O(tracked keys),
     without rate usage. Raises what the backend raises.
     """
     kept = gatekeeper.totals(top=top)

@@ -179,13 +179,18 @@ def test_hash_tags_put_all_keys_of_a_project_in_one_cluster_slot(prefixed: str) 
         ]
     ]
     raw = redis.Redis.from_url(prefixed.split("?", 1)[0])
-    keys = [key.decode() for key in raw.scan_iter(f"{prefix}:*")]
+    every = [key.decode() for key in raw.scan_iter(f"{prefix}:*")]
+    keys = [key for key in every if ":z:" in key]
     assert len(keys) == 5  # one sorted set per concrete limit path
     for key in keys:
         match = re.fullmatch(rf"{re.escape(prefix)}:\{{([a-z]+)\}}:z:(\1(/.*)?)", key)
         assert match, key
+    # and one totals set per configured limit and project
+    assert sorted(key.split("}", 1)[1] for key in every if ":z:" not in key) == sorted(
+        [":t:*", ":t:*", ":t:*/login/*", ":t:*/login/*", ":t:*/*/batch"]
+    )
     slots: dict[str, set[int]] = {}
-    for key in keys:
+    for key in every:
         slots.setdefault(key.split("{")[1].split("}")[0], set()).add(key_slot(key.encode()))
     assert {project: len(found) for project, found in slots.items()} == {"shop": 1, "blog": 1}
     assert gk.inflight() == {
@@ -417,7 +422,7 @@ def test_releases_failed_in_an_outage_are_replayed(own_redis: ControlledRedis) -
     # The lease set is back (the sender may replay the releases at once, so look at what
     # the restart loaded rather than at what is there now).
     loaded = redis.Redis.from_url(own_redis.url).info("persistence")
-    assert loaded["rdb_last_load_keys_loaded"] == 1
+    assert loaded["rdb_last_load_keys_loaded"] == 2  # the lease set and its totals set
     first = wait_until(lambda: admitted(gk), what="recovery")
     second = gk.admit("shop", "work", "c")
     with pytest.raises(Rejected):

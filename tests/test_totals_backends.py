@@ -1,6 +1,6 @@
 """Per-limit totals on every backend (SPEC §7): what memory and shared keep agrees with a
 full count of their keys, locked-out rate keys show their window use, and the leases of
-a killed worker leave the totals; Redis, which keeps none, is read whole instead."""
+a killed worker leave the totals (Redis's own totals: tests/test_redis_totals.py)."""
 
 from __future__ import annotations
 
@@ -98,8 +98,7 @@ def test_a_locked_out_key_reports_its_window(keeper: GateKeeper, clock: FakeCloc
 
 
 def test_status_totals_on_every_backend(backend_url: str) -> None:
-    """limit_totals() gives the same in-flight totals on memory, shared and Redis (which
-    keeps none and is counted from inflight())."""
+    """limit_totals() gives the same in-flight totals on memory, shared and Redis."""
     gk = GateKeeper({**SETTINGS, "backend": backend_url})
     try:
         held = [gk.admit("shop", "search", f"c{n % 3}") for n in range(6)]

@@ -184,7 +184,7 @@ class Backend(ABC):
         ``watch[path]`` that it tracks (e.g. keys refused lately, locked out by a rate
         limit with nothing in flight). Due delayed releases are applied first.
 
-        Backends that keep the totals as they count (memory, shared) answer in
+        Backends that keep the totals as they count (memory, shared, Redis) answer in
         O(limits + keys in flight + watched keys), however many keys they track, so a
         status read or a scrape cannot stall admissions. This default returns None: the
         caller then derives what it can from :meth:`inflight` (O(tracked keys)).

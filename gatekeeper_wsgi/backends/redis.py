@@ -4,13 +4,16 @@ Keys (``<prefix>`` from ``?prefix=``, default ``gatekeeper``; ``<project>`` is t
 segment of the concrete path, so every key of one request shares one hash tag and one
 Redis Cluster slot)::
 
-    <prefix>:{<project>}:l:<path>   lease set: member = lease id, score = expiry (µs, Redis TIME)
-    <prefix>:{<project>}:w:<path>   window log: member = lease id, score = admission time (µs)
+    <prefix>:{<project>}:z:<path>    the path's leases, delayed releases and rate window
+    <prefix>:{<project>}:t:<limit>   the totals of a configured limit: its paths' leases
+                                     and which of its paths have a live rate window
 
-Admission is one ``EVALSHA`` of ``lua/acquire.lua`` for all slots of a request: it drops
-expired leases and slid-out window entries, checks every slot and takes all or none.
-Release is one ``EVALSHA`` of ``lua/release.lua``. All time is Redis ``TIME``, so host
-clocks do not matter (``engine_clock = False``).
+Admission is one ``EVALSHA`` of ``lua/gate.lua`` for all slots of a request, carrying the
+releases the process placed since (a release sender thread sends the others): it drops
+expired entries, checks every slot and takes all or none, keeping the totals sets in the
+same call. Status reads and scrapes read the totals sets (:meth:`RedisBackend.totals`),
+O(limits + requests in flight), not the keys. All time is Redis ``TIME``, so host clocks do
+not matter (``engine_clock = False``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import re
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -39,8 +42,18 @@ from redis.commands.core import Script
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
-from gatekeeper_wsgi.backends.base import Backend, Census, Denial, Grant, Slot
-from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.backends.base import (
+    NO_WATCH,
+    TOP_KEYS,
+    Backend,
+    Census,
+    Denial,
+    Grant,
+    KeyUsage,
+    LimitTotals,
+    Slot,
+)
+from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.errors import BackendError, ConfigError, LimitKind
 from gatekeeper_wsgi.redact import mask_text, mask_url
 
@@ -124,7 +137,7 @@ class _Input(NamedTuple):
     """What gate.lua needs about the slots of one route, packed once (redis-py would encode
     every argument anew on every call, which costs more than the round trip)."""
 
-    keys: list[str]  #: the sorted set of every slot
+    keys: list[str]  #: per slot: its path's sorted set, then its limit's totals set
     key_bulks: list[bytes]  #: the same, packed
     spec_words: list[str]  #: every slot's spec (see gate.lua)
     specs: list[bytes]  #: the same, packed
@@ -607,6 +620,13 @@ class RedisBackend(Backend):
         """The sorted set of a concrete path: its leases, delayed releases and window."""
         return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:z:{path}"
 
+    def totals_key(self, limit_path: str, path: str) -> str:
+        """The totals set of configured limit ``limit_path`` for its concrete ``path``:
+        the leases and rate-windowed keys of all its paths (see ``lua/gate.lua``). It
+        shares the hash tag of ``path``'s own set; a limit whose project segment is ``*``
+        thus has one totals set per project."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:t:{limit_path}"
+
     def _input(self, slots: Sequence[Slot]) -> _Input:
         """The packed gate.lua input of ``slots``, memoized per route (bounded)."""
         route = slots if type(slots) is tuple else tuple(slots)
@@ -625,7 +645,7 @@ class RedisBackend(Backend):
             window_us = 0 if rate is None else round(rate.seconds * 1_000_000)
             concurrency = -1 if limit.concurrency is None else limit.concurrency
             quota = 0 if rate is None else rate.limit
-            keys.append(self.key_of(slot.key))
+            keys += (self.key_of(slot.key), self.totals_key(limit.path, slot.key))
             specs.append(f"{concurrency} {quota} {window_us} {int(slot.enforce)}")
             values.append(-(-window_us // 1000) * 2)
             if limit.count is not None and rate is not None:
@@ -869,6 +889,132 @@ class RedisBackend(Backend):
             if held:
                 counts[key.split("}:z:", 1)[1]] = int(held)
         return counts
+
+    def totals(
+        self,
+        limits: Sequence[Limit],
+        now: float,
+        *,
+        top: int = TOP_KEYS,
+        watch: Mapping[str, Collection[str]] = NO_WATCH,
+    ) -> dict[str, LimitTotals]:
+        """Per limit, from its totals sets (``lua/gate.lua``): the live leases (held and
+        delayed) grouped by key, and the count of keys with a live rate window; then the
+        window use of the keys shown. Two pipelined round trips of O(limits + requests in
+        flight + keys shown) commands and replies, however many keys Redis tracks.
+        Releases still waiting are sent first, so none is counted as held.
+
+        "Keys tracked" are the keys that hold state in Redis: a request in flight or an
+        entry in the rate window (an idle key is gone, as its set expired)."""
+        if len(self._outbox):
+            self._outbox.flush()
+        self._breaker.before()
+        try:
+            seconds, micros = self.client.time()
+            now_us = seconds * 1_000_000 + micros
+            sets = self._totals_sets(limits)
+            pipe = self.client.pipeline(transaction=False)
+            for names in sets:
+                for name in names:
+                    # Read, and drop what ended (what admissions leave between two prunes).
+                    pipe.zremrangebyscore(name, -now_us, now_us)
+                    pipe.zrangebyscore(name, f"({now_us}", "+inf")
+                    pipe.zcount(name, "-inf", f"({-now_us}")
+            replies = iter(pipe.execute())
+            found: list[tuple[Limit, Counter[str], int]] = []
+            for limit, names in zip(limits, sets, strict=True):
+                held: Counter[str] = Counter()
+                windowed = 0
+                for _ in names:
+                    next(replies)
+                    held.update(_text(member).split("|", 1)[1] for member in next(replies))
+                    windowed += int(next(replies))
+                found.append((limit, held, windowed))
+            totals = self._summed(found, now_us, top, watch)
+        except Exception as exc:
+            self._breaker.failure(exc)
+            raise BackendError(f"redis at {self.location}: {exc}") from exc
+        except BaseException:
+            self._breaker.abandon()
+            raise
+        self._breaker.success()
+        return totals
+
+    def _totals_sets(self, limits: Sequence[Limit]) -> list[list[str]]:
+        """The totals sets of each limit: one, or for a limit whose project segment is
+        ``*``, one per project that used it (found by SCAN: such limits are rare)."""
+        sets: list[list[str]] = []
+        for limit in limits:
+            project = limit.path.split("/", 1)[0]
+            if project != "*":
+                sets.append([self.totals_key(limit.path, limit.path)])
+                continue
+            pattern = f"{_glob_escape(self.prefix)}:{{*}}:t:{_glob_escape(limit.path)}"
+            sets.append(sorted({_text(key) for key in self.client.scan_iter(match=pattern)}))
+        return sets
+
+    def _summed(
+        self,
+        found: list[tuple[Limit, Counter[str], int]],
+        now_us: int,
+        top: int,
+        watch: Mapping[str, Collection[str]],
+    ) -> dict[str, LimitTotals]:
+        """The LimitTotals of each (limit, leases per key, keys with a live window). The
+        keys shown are the busiest ``top`` and the watched ones (an exact limit's own
+        key always); for a rate limit one more pipeline reads their window use and which
+        keys in flight have no live window (a window shorter than the request)."""
+        plans: list[tuple[list[tuple[str, int]], dict[str, list[str]]]] = []
+        pipe = self.client.pipeline(transaction=False)
+        for limit, held, _ in found:
+            keys = heapq.nsmallest(top, held.items(), key=lambda item: (-item[1], item[0]))
+            listed = {key for key, _ in keys}
+            wanted = watch.get(limit.path, ()) if limit.wildcard else (limit.path,)
+            keys += [(key, held.get(key, 0)) for key in wanted if key not in listed]
+            by_set: dict[str, list[str]] = {}
+            if limit.rate is None:
+                keys = [(key, count) for key, count in keys if count]
+            else:
+                window_us = round(limit.rate.seconds * 1_000_000)
+                for key, _ in keys:
+                    name = self.key_of(key)
+                    pipe.zcount(name, "-inf", f"({window_us - now_us}")
+                    pipe.zrevrangebyscore(
+                        name, f"({window_us - now_us}", "-inf", start=0, num=1, withscores=True
+                    )
+                for key in held:
+                    by_set.setdefault(self.totals_key(limit.path, key), []).append(key)
+                for name, members in by_set.items():
+                    pipe.zmscore(name, members)
+            plans.append((keys, by_set))
+        replies = iter(pipe.execute())
+        totals: dict[str, LimitTotals] = {}
+        for (limit, held, windowed), (keys, by_set) in zip(found, plans, strict=True):
+            usages: list[KeyUsage] = []
+            tracked = len(held)
+            if limit.rate is None:
+                usages = [KeyUsage(key, count, None, 0.0) for key, count in keys]
+            else:
+                span_us = limit.rate.seconds * 1_000_000
+                for key, count in keys:
+                    used = int(next(replies))
+                    oldest = next(replies)
+                    if not (count or used):
+                        continue  # idle: not tracked, as memory lists only keys it tracks
+                    resets_in = 0.0
+                    if used and oldest:
+                        resets_in = max(0.0, (span_us - oldest[0][1] - now_us) / 1e6)
+                    usages.append(KeyUsage(key, count, used, resets_in))
+                # Keys with a live window, plus those in flight whose window has ended.
+                tracked = windowed
+                for _ in by_set:
+                    tracked += sum(
+                        1 for score in next(replies) if score is None or score >= -now_us
+                    )
+            totals[limit.path] = LimitTotals(
+                inflight=sum(held.values()), keys=tracked, busy=len(held), top=tuple(usages)
+            )
+        return totals
 
     def census(self, now: float) -> Census:
         """Distinct live leases over every key under the prefix, whichever host placed

@@ -11,6 +11,14 @@
 -- ZREMRANGEBYSCORE [window - now, now] drops both slid-out entries and ended leases. Scores
 -- are whole microseconds, passed as numbers (Lua's tostring would round them).
 --
+-- Next to it, one totals set per configured limit path (the status page and scrapes read
+-- it in O(limits + requests in flight), not O(keys)). Members:
+--   <lease>|<path>  a lease of one of its keys (held or delayed); score = when it ends
+--   <path>          a key with a rate window; score = MINUS when its newest entry slides out
+-- Every member carries its own end, so a lease that expires by max_hold (a crashed holder)
+-- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
+-- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
+--
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per key it
 --            owns in KEYS order: window in ms * 2, + 1 when its window entry is given back
@@ -21,13 +29,27 @@
 --   then one spec per slot: "<concurrency (-1: none)> <rate quota (0: none)>
 --   <rate window in us> <enforce (1/0)>"
 -- (Specs in words keep the command short: the client packs each argument anew.)
--- KEYS: the keys of the releases in order, then one key per slot.
+-- KEYS: the keys of the releases in order, then those of the admission: two per slot, its
+-- path's sorted set and its limit's totals set.
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
 -- {1, {shadowed slot indexes}, {slot indexes whose full window was not extended}}
 -- (0-based); a refused one
 -- {0, refusing slot index (0-based), kind (1 concurrency, 2 rate), retry after (us)}.
+
+-- The concrete path of a path's sorted set "<prefix>:{<project>}:z:<path>" (no path
+-- segment holds a '}').
+local function path_of(key)
+  return string.sub(key, string.find(key, '}:z:', 1, true) + 4)
+end
+
+-- Ended members of a totals set are dropped on one admission in 16 (the lease id's last
+-- hex digit) rather than on each: readers skip them anyway, and what accumulates between
+-- two prunes is what 16 admissions leave.
+local function prune_due(lease)
+  return string.byte(lease, -1) == 48 -- '0'
+end
 
 local now
 local function clock()
@@ -46,10 +68,19 @@ for r = 2, releases + 1 do
   delay = tonumber(delay)
   for word in string.gmatch(codes, '%d+') do
     local key = KEYS[k]
+    local totals = KEYS[k + 1]
     local code = tonumber(word)
-    k = k + 1
+    k = k + 2
+    local path = path_of(key)
     if code % 2 == 1 then
       redis.call('ZREM', key, lease .. ':w')
+      -- The key's window now ends with the newest entry left (the lowest score), if any.
+      local newest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+      if newest[2] and tonumber(newest[2]) < 0 then
+        redis.call('ZADD', totals, tonumber(newest[2]) - (code - 1) / 2 * 1000, path)
+      else
+        redis.call('ZREM', totals, path)
+      end
     end
     if delay > 0 then
       if redis.call('ZSCORE', key, lease) then
@@ -59,6 +90,9 @@ for r = 2, releases + 1 do
         redis.call('ZREMRANGEBYSCORE', key, '(0', t)
         redis.call('ZADD', key, t + delay, lease .. ':d')
         redis.call('ZREM', key, lease)
+        redis.call('ZREMRANGEBYSCORE', totals, -t, t)
+        redis.call('ZADD', totals, t + delay, lease .. '|' .. path)
+        redis.call('PEXPIRE', totals, math.floor(delay / 1000) + 1, 'GT')
         -- The key lives as long as its latest member and not longer: when this was its last
         -- lease, it vanishes as the delay matures, not max_hold later.
         local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
@@ -71,6 +105,7 @@ for r = 2, releases + 1 do
       end
     else
       redis.call('ZREM', key, lease)
+      redis.call('ZREM', totals, lease .. '|' .. path)
       local window_ms = (code - code % 2) / 2
       -- A rate key lives max_hold after an admission, for its lease; once no request is
       -- in flight on it, only its window entries are left to keep, for one window at most.
@@ -104,7 +139,7 @@ for i = 1, slots do
   quota = tonumber(quota)
   window = tonumber(window)
   specs[i] = {quota, window}
-  local key = KEYS[first_key + i - 1]
+  local key = KEYS[first_key + 2 * i - 2]
   local held
   local entries = 0
   if quota > 0 then
@@ -147,20 +182,28 @@ end
 
 local shadowed = {}
 local unrecorded = {}
+local prune = prune_due(lease)
 for i = 1, slots do
-  local key = KEYS[first_key + i - 1]
+  local key = KEYS[first_key + 2 * i - 2]
+  local totals = KEYS[first_key + 2 * i - 1]
+  local path = path_of(key)
   local quota, window = specs[i][1], specs[i][2]
   local ttl = hold_ms
+  if prune then
+    redis.call('ZREMRANGEBYSCORE', totals, -t, t)
+  end
   -- A shadow slot over its concurrency still counts in its window; a full window is not
   -- extended (enforce mode would not have admitted).
   if quota > 0 and not full[i] then
     redis.call('ZADD', key, t + hold, lease, -t, lease .. ':w')
+    redis.call('ZADD', totals, t + hold, lease .. '|' .. path, -t - window, path)
     local window_ms = math.floor(window / 1000) + 1
     if window_ms > ttl then
       ttl = window_ms
     end
   else
     redis.call('ZADD', key, t + hold, lease)
+    redis.call('ZADD', totals, t + hold, lease .. '|' .. path)
   end
   -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
   -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
@@ -169,6 +212,12 @@ for i = 1, slots do
     redis.call('PEXPIRE', key, ttl)
   else
     redis.call('PEXPIRE', key, ttl, 'GT')
+  end
+  -- The totals set must outlive its latest member. Its expiry is pushed an eighth
+  -- further than needed, so most admissions find it long enough and only read it (a first
+  -- admission finds none: -1).
+  if redis.call('PTTL', totals) < ttl then
+    redis.call('PEXPIRE', totals, ttl + math.floor(ttl / 8))
   end
   if over[i] then
     shadowed[#shadowed + 1] = i - 1
