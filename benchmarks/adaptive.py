@@ -26,6 +26,7 @@ The machine is shared: figures are noisy, and the run says so.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -87,7 +88,7 @@ def make_app() -> Any:
                     "delayed_pending": stats["counters"]["delayed_pending"],
                 }
             ).encode()
-            start_response("200 OK", [("Content-Type", "application/json")])
+            start_response("200 OK", _headers(body, "application/json"))
             return [body]
         with lock:
             state["count"] += 1
@@ -95,10 +96,10 @@ def make_app() -> Any:
             faulty = state["count"] % 100 < state["faulty"] * 100
         if faulty:
             # A failing backend answers fast: latency alone would say "grow".
-            start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
+            start_response("500 Internal Server Error", _headers(b"failed", "text/plain"))
             return [b"failed"]
         capacity.call()
-        start_response("200 OK", [("Content-Type", "text/plain")])
+        start_response("200 OK", _headers(b"ok", "text/plain"))
         return [b"ok"]
 
     mode = os.environ.get("GK_BENCH_LIMIT", "none")
@@ -113,7 +114,55 @@ def make_app() -> Any:
     if "bench/work" in limits and os.environ.get("GK_BENCH_DELAY"):
         limits["bench/work"]["delay"] = float(os.environ["GK_BENCH_DELAY"])
     app = GateKeeperMiddleware(backend, {"project": "bench", "limits": limits})
-    return app
+    # The server's own record of each admitted /work request: from the call into
+    # GateKeeper (admission included) to the close() after its body, as the release
+    # sees it. What the clients measure on top of it is the sockets' and their own share.
+    served: list[tuple[float, float]] = []
+
+    def timed(environ: dict[str, Any], start_response: Any) -> Any:
+        path = environ["PATH_INFO"]
+        if path == "/records":
+            with lock:
+                taken = served[:]
+                del served[:]
+            body = json.dumps(taken).encode()
+            start_response("200 OK", _headers(body, "application/json"))
+            return [body]
+        if path != "/work":
+            return app(environ, start_response)
+        started = time.monotonic()
+        statuses: list[str] = []
+
+        def starting(status: str, headers: Any, exc_info: Any = None) -> Any:
+            statuses.append(status)
+            return start_response(status, headers, exc_info)
+
+        return _recorded(app(environ, starting), started, statuses, served, lock)
+
+    return timed
+
+
+def _headers(body: bytes, kind: str) -> list[tuple[str, str]]:
+    # The clients read a body by its length: never chunked.
+    return [("Content-Type", kind), ("Content-Length", str(len(body)))]
+
+
+def _recorded(
+    body: Any,
+    started: float,
+    statuses: list[str],
+    served: list[tuple[float, float]],
+    lock: threading.Lock,
+) -> Iterator[bytes]:
+    try:
+        yield from body
+    finally:
+        if hasattr(body, "close"):
+            body.close()
+        if statuses and statuses[-1].startswith("200"):
+            ended = time.monotonic()
+            with lock:
+                served.append((ended, ended - started))
 
 
 # --- the load -------------------------------------------------------------------------
@@ -121,47 +170,60 @@ def make_app() -> Any:
 
 @dataclass
 class Load:
-    """Client threads hammering ``/work``; they record (end time, latency, status)."""
+    """``clients`` keep-alive connections hammering ``/work``, each recording (end time,
+    latency, status) of its requests.
+
+    The clients are coroutines on one event loop in a thread of their own, not one OS
+    thread each: a hundred Python threads fighting for the GIL in the load generator
+    would add their own scheduling delays to the latencies they measure (the server's
+    own record, ``/records``, is there to check that they do not).
+    """
 
     port: int
     clients: int
     stop: threading.Event = field(default_factory=threading.Event)
     records: list[tuple[float, float, int]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def client(self) -> None:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        mine: list[tuple[float, float, int]] = []
+    async def client(self) -> None:
+        request = b"GET /work HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        mine = self.records
         while not self.stop.is_set():
-            started = time.perf_counter()
+            started = time.monotonic()
             try:
-                connection.request("GET", "/work")
-                response = connection.getresponse()
-                response.read()
-                status = response.status
-            except (OSError, http.client.HTTPException):
-                connection.close()
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                status = int(head[9:12])
+                # Every answer of the app under test (and every fault) has a length.
+                found = _LENGTH.search(head)
+                if found is None:
+                    raise ValueError(f"no Content-Length: {head!r}")
+                await reader.readexactly(int(found.group(1)))
+            except (OSError, asyncio.IncompleteReadError, ValueError):
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
                 status = 0
-            ended = time.perf_counter()
+            ended = time.monotonic()
             mine.append((ended, ended - started, status))
             if status != 200:
-                self.stop.wait(PAUSE)
-        connection.close()
-        with self.lock:
-            self.records.extend(mine)
+                await asyncio.sleep(PAUSE)
+        writer.close()
+
+    async def _all(self) -> None:
+        await asyncio.gather(*(self.client() for _ in range(self.clients)))
 
     @contextmanager
     def running(self) -> Iterator[Load]:
-        threads = [threading.Thread(target=self.client, daemon=True) for _ in range(self.clients)]
-        for thread in threads:
-            thread.start()
+        thread = threading.Thread(target=asyncio.run, args=(self._all(),), daemon=True)
+        thread.start()
         try:
             yield self
         finally:
             self.stop.set()
-            for thread in threads:
-                thread.join(timeout=60)
+            thread.join(timeout=60)
+
+
+_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
 
 
 @contextmanager
@@ -261,36 +323,67 @@ def percentile(values: list[float], share: float) -> float:
 
 
 @dataclass
-class Steady:
-    way: str
-    goodput: float
-    p50: float
-    p99: float
-    refused: float
-    limit: int | None
+class Round:
+    """One measured stretch of one way under full load."""
+
+    seconds: float
+    admitted: list[float]  # latencies of admitted (200) requests, as the clients saw them
+    served: list[float]  # the same requests' latencies as the server recorded them
+    refused: int
+    limits: list[int]  # the adaptive limit, polled every 0.25 s (empty for the others)
 
 
-def steady(limit: str, seconds: float, warmup: float) -> Steady:
-    """Goodput and admitted latencies after ``warmup`` seconds under full load."""
+def measure(limit: str, seconds: float, warmup: float) -> Round:
+    """One round: ``warmup`` seconds under full load, then ``seconds`` measured."""
     with server(limit) as port:
         load = Load(port, CLIENTS)
+        limits: list[int] = []
         with load.running():
             time.sleep(warmup)
-            begin = time.perf_counter()
-            time.sleep(seconds)
-            end = time.perf_counter()
-            final = current_limit(port)
+            get(port, "/records")  # the server's record starts now too
+            begin = time.monotonic()
+            while time.monotonic() - begin < seconds:
+                value = current_limit(port)
+                if value is not None:
+                    limits.append(value)
+                time.sleep(0.25)
+            end = time.monotonic()
+            served = json.loads(get(port, "/records"))
     window = [(latency, status) for ended, latency, status in load.records if begin <= ended < end]
-    admitted = [latency for latency, status in window if status == 200]
-    refused = sum(1 for _, status in window if status != 200)
-    return Steady(
-        limit,
-        len(admitted) / (end - begin),
-        percentile(admitted, 0.50),
-        percentile(admitted, 0.99),
-        refused / (end - begin),
-        final,
+    return Round(
+        end - begin,
+        [latency for latency, status in window if status == 200],
+        [latency for ended, latency in served if begin <= ended < end],
+        sum(1 for _, status in window if status != 200),
+        limits,
     )
+
+
+@dataclass
+class Steady:
+    """A way's rounds, summed up: medians over rounds, so one stall of the shared machine
+    in one round does not decide a figure."""
+
+    way: str
+    rounds: list[Round]
+
+    def _median(self, figure: Any) -> float:
+        return statistics.median(figure(r) for r in self.rounds)
+
+    @property
+    def goodput(self) -> float:
+        return self._median(lambda r: len(r.admitted) / r.seconds)
+
+    @property
+    def refused(self) -> float:
+        return self._median(lambda r: r.refused / r.seconds)
+
+    def latency(self, share: float, *, served: bool = False) -> float:
+        return self._median(lambda r: percentile(r.served if served else r.admitted, share))
+
+    @property
+    def limits(self) -> list[int]:
+        return [value for r in self.rounds for value in r.limits]
 
 
 def halving(algorithm: str, phase: float) -> list[tuple[float, int | None, int]]:
@@ -352,10 +445,20 @@ def faults(algorithm: str, phase: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter phases (about 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="shorter phases (about 3 minutes)")
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds per way (3; --quick 2)"
+    )
+    parser.add_argument(
+        "--ways", default=None, help="only these steady-state ways, comma-separated (a partial run)"
+    )
+    parser.add_argument(
+        "--steady-only", action="store_true", help="skip the halving and fault phases"
+    )
     args = parser.parse_args(argv)
-    seconds, warmup, phase = (5.0, 3.0, 6.0) if args.quick else (10.0, 5.0, 10.0)
+    seconds, warmup, phase = (4.0, 3.0, 6.0) if args.quick else (6.0, 4.0, 10.0)
+    rounds = args.rounds or (2 if args.quick else 3)
 
     lines: list[str] = []
 
@@ -364,41 +467,69 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(text)
 
     base = unloaded_latency(2.0)
+    load_average = os.getloadavg()[0]
     say(
         f"Backend capacity C = {CAPACITY}, service time {SERVICE * 1000:.0f} ms, "
-        f"{CLIENTS} clients (refused ones pause {PAUSE * 1000:.0f} ms), gunicorn gthread, "
-        f"1 worker, memory backend, Python {platform.python_version()}; "
-        f"unloaded latency {base * 1000:.1f} ms. Shared, loaded 2-core machine: noisy."
+        f"{CLIENTS} clients (keep-alive connections on one asyncio loop; refused ones pause "
+        f"{PAUSE * 1000:.0f} ms), gunicorn gthread, 1 worker, memory backend, Python "
+        f"{platform.python_version()}; unloaded latency {base * 1000:.1f} ms. {rounds} "
+        f"interleaved rounds per way of {warmup:.0f} s warm-up + {seconds:.0f} s measured; "
+        "each figure is the median over the rounds. Shared 2-core machine (load average "
+        f"{load_average:.1f} at the start): noisy."
     )
     say()
-    say("| way | goodput (2xx/s) | p50 ms | p99 ms | p99 ÷ unloaded | refused/s | final limit |")
-    say("|---|---:|---:|---:|---:|---:|---:|")
     ways = ["none", *(f"static:{n}" for n in (CAPACITY // 2, CAPACITY, 2 * CAPACITY))]
     ways += [f"auto:{algorithm}" for algorithm in ALGORITHMS]
-    results: dict[str, Steady] = {}
-    for way in ways:
-        result = results[way] = steady(way, seconds, warmup)
+    if args.ways:
+        ways = args.ways.split(",")
+    measured: dict[str, list[Round]] = {way: [] for way in ways}
+    # Interleaved (every way once per round), so a slow stretch of the machine hits them
+    # all alike instead of one way's whole measurement.
+    for _ in range(rounds):
+        for way in ways:
+            measured[way].append(measure(way, seconds, warmup))
+    results = {way: Steady(way, taken) for way, taken in measured.items()}
+    say(
+        "| way | goodput (2xx/s) | p50 ms | p99 ms | p99 ÷ unloaded | server p50 ms | "
+        "server p99 ms | refused/s | limit min / median / max |"
+    )
+    say("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for way, result in results.items():
+        limits = sorted(result.limits)
+        spread = f"{limits[0]} / {statistics.median(limits):.0f} / {limits[-1]}" if limits else "—"
         say(
-            f"| {way} | {result.goodput:.0f} | {result.p50 * 1000:.1f} | "
-            f"{result.p99 * 1000:.1f} | {result.p99 / base:.2f} | {result.refused:.0f} | "
-            f"{'—' if result.limit is None else result.limit} |"
+            f"| {way} | {result.goodput:.0f} | {result.latency(0.5) * 1000:.1f} | "
+            f"{result.latency(0.99) * 1000:.1f} | {result.latency(0.99) / base:.2f} | "
+            f"{result.latency(0.5, served=True) * 1000:.1f} | "
+            f"{result.latency(0.99, served=True) * 1000:.1f} | {result.refused:.0f} | {spread} |"
         )
-    statics = [results[way] for way in ways if way.startswith("static:")]
-    best = max(statics, key=lambda result: result.goodput)
-    exact = results[f"static:{CAPACITY}"]
     say()
     say(
-        f"static:{CAPACITY} never queues at the backend, so its p99 "
-        f"({exact.p99 / base:.2f} x unloaded) is what this machine adds by itself."
+        "p50/p99: admitted requests as the clients saw them; server p50/p99: the same "
+        "requests from the call into GateKeeper to its close(), as the server recorded "
+        "them (the difference is the sockets' and the load generator's share)."
     )
-    say(f"Best static limit by goodput: {best.way} ({best.goodput:.0f}/s).")
-    for algorithm in ALGORITHMS:
-        result = results[f"auto:{algorithm}"]
+    statics = [results[way] for way in ways if way.startswith("static:")]
+    if f"static:{CAPACITY}" in results:
+        exact = results[f"static:{CAPACITY}"]
         say(
-            f"- auto:{algorithm}: goodput {result.goodput / best.goodput * 100:.0f} % of the "
-            f"best static (target >= 85 %), p99 {result.p99 / base:.2f} x unloaded "
-            "(target <= 3)"
+            f"static:{CAPACITY} never queues at the backend, so its p99 "
+            f"({exact.latency(0.99) / base:.2f} x unloaded) is what this machine adds by itself."
         )
+    best = max(statics, key=lambda result: result.goodput) if statics else None
+    if best is not None:
+        say(f"Best static limit by goodput: {best.way} ({best.goodput:.0f}/s).")
+    for algorithm in ALGORITHMS:
+        result = results.get(f"auto:{algorithm}")
+        if result is None:
+            continue
+        share = "" if best is None else f"goodput {result.goodput / best.goodput * 100:.0f} % "
+        say(
+            f"- auto:{algorithm}: {share}of the best static (target >= 85 %), p99 "
+            f"{result.latency(0.99) / base:.2f} x unloaded (target <= 3)"
+        )
+    if args.steady_only:
+        return 0
     say()
     say(
         f"Capacity halving: C = {CAPACITY} for {phase:.0f} s, {CAPACITY // 2} for {phase:.0f} s, "
