@@ -11,16 +11,19 @@ Samples are gathered into windows (at least ``WINDOW_SAMPLES`` samples and
 the previous change). When a window closes, the algorithm moves the limit:
 
 ``gradient`` (after Netflix's Gradient2 and Envoy's gradient controller)
-    ``limit x clamp(min_latency / latency, 0.5, 1) + √limit``, smoothed. Settles a little
-    above the concurrency the backend serves without queueing; reacts in proportion.
+    ``limit x clamp(min_latency / latency, 0.5, 1) + headroom``, smoothed, where the
+    headroom is ``√limit`` less the queue the window saw (``limit x (1 - min_latency /
+    latency)``), at least 1. Climbs by ``√limit`` while nothing queues, then settles with
+    about ``√limit / 2`` requests queued above the concurrency the backend serves without
+    queueing (22 for a capacity of 20, 105 for 100); reacts in proportion.
 ``vegas`` (after TCP Vegas / Netflix's VegasLimit)
     estimates the queue ``limit x (1 - min_latency / latency)`` and steps the limit by
     ``log10(limit)``-sized amounts (at least 1) to keep it between ``2·log10`` and
     ``4·log10`` requests.
 ``aimd`` (additive increase, multiplicative decrease)
     grows x 1.5 per busy window until latency rises 10 % (slow start), then ``+1`` per
-    busy window; ``x 0.9`` when a window saw a faulty response or a mean latency above 1.3 x the
-    minimum. Loss-driven: simple, settles higher, slower to recover.
+    busy window; ``x 0.9`` when a window saw a faulty response or a mean latency above 1.2 x the
+    minimum. Loss-driven: simple, a sawtooth up to 20 % over capacity, slower to recover.
 
 Gradient and vegas multiply their next limit by ``1 - share of faulty responses``, so a
 backend that starts failing sheds load in proportion, while a steady trickle of errors does
@@ -81,8 +84,16 @@ PROBE_CONCURRENCY = 3
 _GRADIENT_TOLERANCE = 1.0
 _GRADIENT_FLOOR = 0.5
 _GRADIENT_SMOOTHING = 0.5
-# AIMD: the latency ratio it treats like a drop, and its multiplicative backoff.
-_AIMD_TOLERANCE = 1.3
+# Vegas: the queue (in log10(limit) steps) below which the limit grows and above which it
+# shrinks. Lower than Netflix's 3 and 6, as the queue is latency every admitted request
+# pays; not lower, as its queue estimate (limit x noise) grows with the limit: at 1 and 2 a
+# limit of 100 under noisy latencies mistook noise for a queue and halved itself.
+_VEGAS_ALPHA = 2.0
+_VEGAS_BETA = 4.0
+# AIMD: the latency ratio it treats like a drop (1.2: its sawtooth peaks 20 % over the
+# backend's capacity; 1.3 let every admitted request queue up to 30 % longer), and its
+# multiplicative backoff.
+_AIMD_TOLERANCE = 1.2
 _AIMD_BACKOFF = 0.9
 # AIMD's slow start: growth per busy window, and the latency ratio that ends it. Gentler
 # than TCP's doubling: latency shows an increase only a window later.
@@ -299,18 +310,23 @@ class Controller:
         if algorithm == "vegas":
             queue = estimate * (1.0 - ratio)
             step = max(1.0, math.log10(estimate))
-            if queue <= step:
+            if queue <= _VEGAS_ALPHA * step / 2.0:
                 target = estimate + 4.0 * step if busy else estimate
-            elif queue < 2.0 * step:
+            elif queue < _VEGAS_ALPHA * step:
                 target = estimate + step if busy else estimate
-            elif queue > 4.0 * step:
+            elif queue > _VEGAS_BETA * step:
                 # Far over: shed half the excess queue at once, not log10 per window.
-                target = estimate - max(step, (queue - 4.0 * step) / 2.0)
+                target = estimate - max(step, (queue - _VEGAS_BETA * step) / 2.0)
             else:
                 target = estimate
             return target * max(_DROP_FLOOR, 1.0 - drop_share)
         gradient = min(max(_GRADIENT_TOLERANCE * ratio, _GRADIENT_FLOOR), 1.0)
-        wanted = estimate * gradient + math.sqrt(estimate)
+        # The headroom (requests allowed to queue) is √limit while no queue shows, so the
+        # limit climbs fast to where one forms; each request seen waiting takes one off it,
+        # so it settles with a queue of about √limit / 2 instead of √limit (+12 % of 20,
+        # not +23 %): that standing queue is latency every admitted request pays.
+        queue = estimate * (1.0 - min(ratio, 1.0))
+        wanted = estimate * gradient + max(1.0, math.sqrt(estimate) - queue)
         if not busy:
             wanted = min(wanted, estimate)
         wanted *= max(_DROP_FLOOR, 1.0 - drop_share)
