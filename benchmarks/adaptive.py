@@ -6,15 +6,20 @@ behind GateKeeper models a backend of capacity C (``example_site.common.Capacity
 request holds one of C slots for a service time S; beyond C concurrent requests they queue
 for a slot, so latency grows by queueing (about clients / C times S with no limit). It
 runs under gunicorn (gthread, one worker, memory backend) on 127.0.0.1; the load is many
-more client threads than C, each on a keep-alive connection, each pausing ``PAUSE``
-seconds after a refusal (a client that backs off a little, as a retrying client does).
-Everything is bounded in time.
+more clients than C, each on a keep-alive connection, each pausing ``PAUSE`` seconds after
+a refusal (a client that backs off a little, as a retrying client does). The clients are
+coroutines on one asyncio loop, so the load generator's own scheduling stays out of the
+latencies; the server records each admitted request's latency too (from the call into
+GateKeeper to its ``close()``), and both are reported. Everything is bounded in time.
 
 It prints, and writes to ``benchmarks/RESULTS.md`` (a section of its own):
 
-1. steady state, per way (no limit, static limits around C, auto with each algorithm):
-   goodput (admitted 2xx per second), p50/p99 latency of admitted requests and p99 as a
-   multiple of the unloaded latency; auto's goodput as a share of the best static limit's;
+1. steady state, per way (no limit, static limits around C, auto with each algorithm),
+   in interleaved rounds (every way once per round; figures are medians over rounds, so
+   one stall of a shared machine does not decide them): goodput (admitted 2xx per
+   second), p50/p99 latency of admitted requests as the clients and as the server saw
+   them, p99 as a multiple of the unloaded latency, the adaptive limit's spread; auto's
+   goodput as a share of the best static limit's;
 2. the limit over time while the capacity halves mid-run and comes back, with the time
    until the limit is within 50 % of the new right value (C/2) and back near C;
 3. a phase of faulty responses (a share of 5xx, with ``delay`` set): the limit falls, and
