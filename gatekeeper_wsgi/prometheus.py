@@ -1,7 +1,7 @@
 """Prometheus metrics of a GateKeeper; the optional extra ``gatekeeper-wsgi[prometheus]``.
 
-Metrics (label values are configured limit *paths*, never concrete keys, so a client
-spraying caller ids cannot grow the number of series):
+Metrics (label values are configured limit *paths*, so a client spraying caller ids
+cannot grow the number of series; the one exception is bounded, see below):
 
 =========================================  =========  =================================
 ``gatekeeper_admitted_total``              counter    admitted requests
@@ -15,10 +15,20 @@ spraying caller ids cannot grow the number of series):
                                                       limits: summed over their keys)
 ``gatekeeper_inflight_keys``               gauge      wildcard limits: keys in flight
 ``gatekeeper_limit_concurrency``           gauge      the configured concurrency
+``gatekeeper_adaptive_limit``              gauge      an adaptive limit's current value
+                                                      (wildcards: per ``key``, see below)
 ``gatekeeper_delayed_pending``             gauge      delayed releases not yet due
 ``gatekeeper_backend_up``                  gauge      1 when the backend answered
 ``gatekeeper_stage_duration_seconds``      histogram  self-monitoring stage timings
 =========================================  =========  =================================
+
+An adaptive limit with ``*`` has one limit per key: ``gatekeeper_adaptive_limit{limit=
+"shop/login/*", key="shop/login/alice"}`` is exported for at most ``ADAPTIVE_KEYS`` of its
+keys per scrape, the busiest (most in flight, then those refused lately), so a spray of
+callers cannot grow a scrape; a limit without ``*`` is ``{limit="shop"}`` alone. In
+multiprocess mode, where prometheus_client cannot remove a series, a worker labels at most
+``4 x ADAPTIVE_KEYS`` keys per limit in its lifetime; a key that is no longer among the
+busiest reads NaN until it is again.
 
 One process (threads, or ``runserver``)::
 
@@ -55,7 +65,7 @@ import weakref
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.monitor import STAGES
@@ -65,9 +75,21 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
+    from gatekeeper_wsgi.backends.base import LimitTotals
     from gatekeeper_wsgi.engine import GateKeeper
 
-__all__ = ["BUCKETS", "GateKeeperCollector", "MultiProcessExporter", "register"]
+__all__ = [
+    "ADAPTIVE_KEYS",
+    "BUCKETS",
+    "GateKeeperCollector",
+    "MultiProcessExporter",
+    "register",
+]
+
+#: Keys of an adaptive wildcard limit exported per scrape (the busiest).
+ADAPTIVE_KEYS = 10
+# Multiprocess mode: keys one worker may ever label per adaptive wildcard limit.
+_ADAPTIVE_KEYS_LABELLED = 4 * ADAPTIVE_KEYS
 
 #: Histogram buckets of the stage timings, in seconds (10 µs .. 10 s).
 BUCKETS: tuple[float, ...] = (
@@ -128,14 +150,18 @@ class _Observation:
     def rejections(self) -> dict[tuple[str, str], int]:
         return self.gatekeeper.monitor.rejections()
 
-    def limits(self) -> tuple[Config, dict[str, int], dict[str, int], bool, int]:
-        """(config, in flight per limit path, wildcard keys in flight, backend up, delayed).
+    def limits(self) -> _Reading:
+        """In flight per limit, wildcard keys in flight, backend health, delayed releases
+        and adaptive limits' current values.
 
         O(limits) with backends that keep totals (all three), whatever the keys."""
         keeper = self.gatekeeper
         config = keeper.config
+        wildcards = any(
+            limit.adaptive is not None and limit.wildcard for limit in config.limits.values()
+        )
         try:
-            totals = limit_totals(keeper, top=0)
+            totals = limit_totals(keeper, top=ADAPTIVE_KEYS if wildcards else 0)
             delayed = keeper.backend.delayed_pending()
             up = True
         except Exception:
@@ -149,22 +175,39 @@ class _Observation:
             inflight[limit.path] = 0 if found is None else found.inflight
             if limit.wildcard:
                 keys[limit.path] = 0 if found is None else found.busy
-        return config, inflight, keys, up, delayed
+        return _Reading(config, inflight, keys, up, delayed, self._adaptive(config, totals))
 
-    def adaptive(self) -> dict[str, int]:
-        """The current value of each adaptive limit without ``*`` (one series per limit:
-        a wildcard's keys are in ``gk.stats()["adaptive"]``, not in the scrape)."""
-        keeper = self.gatekeeper
-        limits = keeper.config.limits
+    def _adaptive(
+        self, config: Config, totals: dict[str, LimitTotals]
+    ) -> dict[tuple[str, str], int]:
+        """``{(limit path, key): current value}``: each adaptive limit without ``*`` under
+        the key ``""``, and up to ``ADAPTIVE_KEYS`` of the busiest keys of each with."""
+        backend = self.gatekeeper.backend
+        values: dict[tuple[str, str], int] = {}
         try:
-            reports = keeper.backend.adaptive()
+            for limit in config.limits.values():
+                if limit.adaptive is None:
+                    continue
+                if not limit.wildcard:
+                    values[limit.path, ""] = backend.adaptive_limit(limit.path, limit)
+                    continue
+                found = totals.get(limit.path)
+                for usage in () if found is None else found.top[:ADAPTIVE_KEYS]:
+                    values[limit.path, usage.key] = backend.adaptive_limit(usage.key, limit)
         except Exception:
             return {}
-        return {
-            path: int(report["limit"])
-            for path, report in reports.items()
-            if path in limits and limits[path].adaptive is not None
-        }
+        return values
+
+
+class _Reading(NamedTuple):
+    """What :meth:`_Observation.limits` read in one go."""
+
+    config: Config
+    inflight: dict[str, int]  #: per limit path
+    keys: dict[str, int]  #: wildcard limits: keys in flight
+    up: bool  #: the backend answered
+    delayed: int  #: delayed releases not yet due
+    adaptive: dict[tuple[str, str], int]  #: (limit path, key or ""): current value
 
 
 _ADAPTIVE_HELP = "Current value of an adaptive (concurrency = auto) limit"
@@ -269,18 +312,20 @@ class GateKeeperCollector:
         if observation is not None:
             for (code, limit_path), count in sorted(observation.rejections().items()):
                 rejected.add_metric([code, limit_path], count)
-            config, totals, key_counts, backend_up, pending = observation.limits()
-            for path, total in sorted(totals.items()):
-                limit = config.limits[path]
+            reading = observation.limits()
+            for path, total in sorted(reading.inflight.items()):
+                limit = reading.config.limits[path]
                 inflight.add_metric([path, limit.level], total)
                 if limit.concurrency is not None:
                     capacity.add_metric([path, limit.level], limit.concurrency)
-            for path, count in sorted(key_counts.items()):
+            for path, count in sorted(reading.keys.items()):
                 keys.add_metric([path], count)
-            for path, value in sorted(observation.adaptive().items()):
-                adaptive.add_metric([path], value)
-            delayed.add_metric([], pending)
-            up.add_metric([], 1 if backend_up else 0)
+            for (path, key), value in sorted(reading.adaptive.items()):
+                # A wildcard's keys carry a second label; a plain limit keeps {limit} alone.
+                labels = {"limit": path, "key": key} if key else {"limit": path}
+                adaptive.add_sample("gatekeeper_adaptive_limit", labels, value)
+            delayed.add_metric([], reading.delayed)
+            up.add_metric([], 1 if reading.up else 0)
             with self._lock:
                 snapshot = {name: (list(b), self._sums[name]) for name, b in self._buckets.items()}
             for name, (counts, seconds) in snapshot.items():
@@ -370,6 +415,18 @@ class MultiProcessExporter:
             registry=None,
             multiprocess_mode="livemostrecent",
         )
+        # The same metric with a ``key`` label, for adaptive wildcard limits' keys (the
+        # multiprocess collector merges the two by name, as one family).
+        self._adaptive_keys = client.Gauge(
+            "gatekeeper_adaptive_limit",
+            _ADAPTIVE_HELP,
+            ["limit", "key"],
+            registry=None,
+            multiprocess_mode="livemostrecent",
+        )
+        # (limit path, key or "") of every adaptive series this worker has written
+        self._adaptive_series: set[tuple[str, str]] = set()
+        self._keyed_per_limit: dict[str, int] = {}
         self._delayed = client.Gauge(
             "gatekeeper_delayed_pending",
             "Delayed releases not yet due",
@@ -435,6 +492,9 @@ class MultiProcessExporter:
         self._pid = os.getpid()
         self._baseline()
         self._labelled = set()
+        # A child writes files of its own pid: it starts with no adaptive series.
+        self._adaptive_series = set()
+        self._keyed_per_limit = {}
         self._stop = threading.Event()
         if self._thread is not None:
             self._start_thread()
@@ -454,19 +514,17 @@ class MultiProcessExporter:
                 if delta > 0:
                     self._rejected.labels(*labels).inc(delta)
             self._synced_rejections = rejections
-            config, totals, key_counts, up, pending = self._observation.limits()
+            reading = self._observation.limits()
             labelled: set[tuple[str, str]] = set()
-            for path, total in totals.items():
-                limit = config.limits[path]
+            for path, total in reading.inflight.items():
+                limit = reading.config.limits[path]
                 self._inflight.labels(path, limit.level).set(total)
                 if limit.concurrency is not None:
                     self._capacity.labels(path, limit.level).set(limit.concurrency)
-                if path in key_counts:
-                    self._keys.labels(path).set(key_counts[path])
+                if path in reading.keys:
+                    self._keys.labels(path).set(reading.keys[path])
                 labelled.add((path, limit.level))
-            adaptive = self._observation.adaptive()
-            for path, value in adaptive.items():
-                self._adaptive.labels(path).set(value)
+            self._sync_adaptive(reading.adaptive)
             # Limits removed by a reload stop being reported.
             for path, level in self._labelled - labelled:
                 with contextlib.suppress(KeyError):
@@ -475,13 +533,32 @@ class MultiProcessExporter:
                     self._capacity.remove(path, level)
                 with contextlib.suppress(KeyError):
                     self._keys.remove(path)
-            for path, _ in self._labelled:
-                if path not in adaptive:
-                    with contextlib.suppress(KeyError):
-                        self._adaptive.remove(path)
             self._labelled = labelled
-            self._delayed.set(pending)
-            self._up.set(1 if up else 0)
+            self._delayed.set(reading.delayed)
+            self._up.set(1 if reading.up else 0)
+
+    def _sync_adaptive(self, values: dict[tuple[str, str], int]) -> None:
+        """Write the adaptive limits: plain ones under ``{limit}``, the busiest keys of
+        wildcard ones under ``{limit, key}``. A series can never be removed here
+        (prometheus_client has no removal in multiprocess mode), so one that is gone
+        (a limit reloaded away, a key no longer among the busiest) reads NaN, and a worker
+        labels at most ``_ADAPTIVE_KEYS_LABELLED`` keys per limit: a spray of callers
+        cannot grow the files."""
+        for series in self._adaptive_series - values.keys():
+            path, key = series
+            child = self._adaptive_keys.labels(path, key) if key else self._adaptive.labels(path)
+            child.set(math.nan)
+        for (path, key), value in values.items():
+            if not key:
+                self._adaptive.labels(path).set(value)
+                self._adaptive_series.add((path, key))
+                continue
+            if (path, key) not in self._adaptive_series:
+                if self._keyed_per_limit.get(path, 0) >= _ADAPTIVE_KEYS_LABELLED:
+                    continue
+                self._adaptive_series.add((path, key))
+                self._keyed_per_limit[path] = self._keyed_per_limit.get(path, 0) + 1
+            self._adaptive_keys.labels(path, key).set(value)
 
     def _at_exit(self) -> None:
         if os.getpid() == self._pid and self._previous:

@@ -262,8 +262,9 @@ def test_fault_json_carries_the_current_limit_as_a_number(clock: FakeClock) -> N
 
 
 def test_prometheus_shows_the_current_limit(clock: FakeClock) -> None:
-    """`gatekeeper_adaptive_limit{limit="shop"}` follows the limit; wildcard keys add no
-    series (their values are in stats)."""
+    """`gatekeeper_adaptive_limit{limit="shop"}` follows the limit; a wildcard's keys are
+    never a limit label of their own (they are labelled `key` under the pattern, see
+    test_prometheus_adaptive; every key's value is in stats)."""
     from prometheus_client import CollectorRegistry
 
     from gatekeeper_wsgi.prometheus import register
