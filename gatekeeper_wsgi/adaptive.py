@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, Literal, TypedDict, get_args
 
 __all__ = [
     "ALGORITHMS",
@@ -58,6 +58,7 @@ __all__ = [
     "PROBE_SAMPLES",
     "WINDOW_SAMPLES",
     "WINDOW_SECONDS",
+    "AdaptiveReport",
     "AdaptiveSpec",
     "Algorithm",
     "Controller",
@@ -103,6 +104,17 @@ _SLOW_START_EXIT = 1.1
 _DROP_FLOOR = 0.5
 # The attributes of Controller.STATE that are counts.
 _INTEGERS = frozenset({"limit", "_count", "_drops", "_peak", "_probe_count"})
+
+
+class AdaptiveReport(TypedDict):
+    """One adaptive limit in ``gk.stats()["adaptive"]`` (SPEC §4.9)."""
+
+    #: the concurrency the controller allows now
+    limit: int
+    #: the smoothed latency of admitted requests, in milliseconds
+    latency_ms: float
+    #: the no-load latency it compares with, in milliseconds
+    min_latency_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +378,7 @@ class Controller:
 
     # --- reports --------------------------------------------------------------------------
 
-    def report(self) -> dict[str, float | int]:
+    def report(self) -> AdaptiveReport:
         """``{"limit", "latency_ms", "min_latency_ms"}`` for ``gk.stats()["adaptive"]``."""
         return {
             "limit": self.limit,

@@ -30,7 +30,7 @@ from gatekeeper_wsgi.errors import (
 )
 from gatekeeper_wsgi.fileformats import read_file
 from gatekeeper_wsgi.identify import Identifier
-from gatekeeper_wsgi.monitor import Monitor
+from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
 
@@ -743,11 +743,14 @@ class GateKeeper:
         watch = self.monitor.refused_keys()
         return self.backend.totals(limits, self._clock(), top=top, watch=watch)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Stats:
         """Counters, stage timings and adaptive limits (SPEC §7, §4.9)."""
-        stats = self.monitor.snapshot(self.backend.delayed_pending())
-        stats["adaptive"] = self.backend.adaptive()
-        return stats
+        snapshot = self.monitor.snapshot(self.backend.delayed_pending())
+        return Stats(
+            counters=snapshot["counters"],
+            stages=snapshot["stages"],
+            adaptive=self.backend.adaptive(),
+        )
 
     def close(self) -> None:
         """Release backend resources."""

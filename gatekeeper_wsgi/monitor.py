@@ -17,9 +17,23 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
-__all__ = ["DECISION_STAGES", "HISTORY_SECONDS", "REFUSED_KEYS", "STAGES", "Monitor", "Stage"]
+# Imported, not only for type checking: the TypedDicts below are read at run time too.
+from gatekeeper_wsgi.adaptive import AdaptiveReport
+
+__all__ = [
+    "DECISION_STAGES",
+    "HISTORY_SECONDS",
+    "REFUSED_KEYS",
+    "STAGES",
+    "Counters",
+    "Monitor",
+    "Snapshot",
+    "Stage",
+    "StageSummary",
+    "Stats",
+]
 
 #: The stages timed on every request (SPEC §7).
 STAGES = (
@@ -57,6 +71,47 @@ _NOT_ADMITTED = -1.0
 Observer = Callable[[float], None]
 
 
+class StageSummary(TypedDict):
+    """One stage's timings in ``stats()["stages"]`` (SPEC §7), over its recent samples."""
+
+    count: int
+    mean_us: float
+    p99_us: float
+    max_us: float
+
+
+class Counters(TypedDict):
+    """``stats()["counters"]`` (SPEC §7)."""
+
+    admitted: int
+    #: code -> rejections
+    rejected: dict[str, int]
+    #: limit path -> rejections
+    rejected_by_limit: dict[str, int]
+    shadow_rejected: int
+    delayed_pending: int
+    reloads: int
+    reload_failed: int
+    backend_errors: int
+    capacity_refused: int
+    rejected_log_dropped: int
+
+
+class Snapshot(TypedDict):
+    """The counters and stage timings of one :class:`Monitor`."""
+
+    counters: Counters
+    #: stage name (:data:`STAGES`) -> its timings
+    stages: dict[str, StageSummary]
+
+
+class Stats(Snapshot):
+    """What ``GateKeeper.stats()`` returns (SPEC §7, §4.9)."""
+
+    #: concrete path of an adaptive limit -> its current limit and latencies
+    adaptive: dict[str, AdaptiveReport]
+
+
 class Stage:
     """Timings of one stage, in seconds (``time.perf_counter`` differences)."""
 
@@ -76,11 +131,11 @@ class Stage:
         if self.observer is not None:
             self.observer(seconds)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> StageSummary:
         return _summary(self.count, self.ring[: min(self.count, _RING)].tolist())
 
 
-def _summary(count: int, samples: list[float]) -> dict[str, Any]:
+def _summary(count: int, samples: list[float]) -> StageSummary:
     if not count or not samples:
         return {"count": count, "mean_us": 0.0, "p99_us": 0.0, "max_us": 0.0}
     recent = sorted(samples)
@@ -158,7 +213,7 @@ class Monitor:
         self.stages[name].observer = observer
         self._observed = any(self.stages[stage].observer for stage in DECISION_STAGES)
 
-    def stage_summaries(self) -> dict[str, dict[str, Any]]:
+    def stage_summaries(self) -> dict[str, StageSummary]:
         """count, mean_us, p99_us and max_us of every stage."""
         summaries = {name: stage.summary() for name, stage in self.stages.items()}
         decided = self._decided
@@ -218,9 +273,10 @@ class Monitor:
         with self._lock:
             return dict(self.rejected_by_code_limit)
 
-    def snapshot(self, delayed_pending: int) -> dict[str, Any]:
+    def snapshot(self, delayed_pending: int) -> Snapshot:
+        """The counters (``delayed_pending`` as the backend counts it) and stage timings."""
         with self._lock:
-            counters: dict[str, Any] = {
+            counters: Counters = {
                 "admitted": self.admitted,
                 "rejected": dict(self.rejected),
                 "rejected_by_limit": dict(self.rejected_by_limit),

@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
+from gatekeeper_wsgi.adaptive import AdaptiveReport
 from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.errors import LimitKind
 from gatekeeper_wsgi.monitor import Stage
@@ -195,7 +196,7 @@ class Backend(ABC):
         """Feed the adaptive limits of a grant (``grant.adaptive``) the request's latency,
         just before its :meth:`release`. Only backends that set ``adaptive`` are asked."""
 
-    def adaptive(self) -> dict[str, dict[str, float | int]]:
+    def adaptive(self) -> dict[str, AdaptiveReport]:
         """``{concrete path: {"limit", "latency_ms", "min_latency_ms"}}`` of the adaptive
         limits in use (``gk.stats()["adaptive"]``)."""
         return {}

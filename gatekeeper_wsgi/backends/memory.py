@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from gatekeeper_wsgi.adaptive import Controller
+from gatekeeper_wsgi.adaptive import AdaptiveReport, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     TOP_KEYS,
@@ -292,7 +292,7 @@ class MemoryBackend(Backend):
                 if gauge is not None:
                     gauge.sample(now - stamp, counter.inflight, faulty, stamp, now)
 
-    def adaptive(self) -> dict[str, dict[str, float | int]]:
+    def adaptive(self) -> dict[str, AdaptiveReport]:
         with self._lock:
             return {key: gauge.report() for key, gauge in self._gauges.items()}
 
