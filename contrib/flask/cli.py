@@ -1,5 +1,8 @@
 """``flask gatekeeper check|status|replay``: the ``gatekeeper`` console script's commands,
-run against the app's configuration (``gatekeeper_wsgi.cli`` does the work).
+run against the app's configuration (``gatekeeper_wsgi.cli`` does the work). The click
+commands are generated from the console script's option table
+(:data:`gatekeeper_wsgi.cli.COMMANDS`), so the options, their help and their parsing are
+the same in all three programs.
 
 ``check`` without FILE and ``status`` use the app's settings *with* its view and blueprint
 limits, so the tree and the limit names are the ones the running app enforces.
@@ -8,11 +11,15 @@ limits, so the tree and the limit names are the ones the running app enforces.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from argparse import Namespace
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 from flask import current_app
-from flask.cli import AppGroup
+from flask.cli import AppGroup, with_appcontext
+
+from gatekeeper_wsgi.cli.options import COMMANDS, Command, Option
 
 if TYPE_CHECKING:
     from .extension import AppState
@@ -34,91 +41,65 @@ def _state() -> AppState:
     return state
 
 
-def _rate(context: click.Context, parameter: click.Parameter, value: str | None) -> float | None:
-    from gatekeeper_wsgi.cli import parse_rate
-
-    if value is None:
+def _click_parse(option: Option) -> Callable[[click.Context, click.Parameter, Any], Any] | None:
+    """A click callback converting by the option's own ``parse``, errors as click's."""
+    parse = option.parse
+    if parse is None:
         return None
-    try:
-        return parse_rate(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+
+    def convert(context: click.Context, parameter: click.Parameter, value: Any) -> Any:
+        try:
+            if option.repeat:
+                return [parse(item) for item in value]
+            return value if value is None or not isinstance(value, str) else parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+    return convert
 
 
-def _header(
-    context: click.Context, parameter: click.Parameter, values: tuple[str, ...]
-) -> list[tuple[str, str]]:
-    headers = []
-    for text in values:
-        name, sep, value = text.partition(":")
-        if not sep or not name.strip():
-            raise click.BadParameter(f"expected 'Name: value', got {text!r}")
-        headers.append((name.strip(), value.strip()))
-    return headers
-
-
-@gatekeeper_cli.command("check")
-@click.argument("file", required=False, type=click.Path(dir_okay=False))
-def check(file: str | None) -> None:
-    """Validate FILE, or the app's settings with its view limits; print the limit tree."""
-    # Imported when a command runs: registering the group costs nothing.
-    from gatekeeper_wsgi.cli import run_check
-
-    source = file if file is not None else _state().effective_settings()
-    sys.exit(run_check(source, sys.stdout, err=sys.stderr))
-
-
-@gatekeeper_cli.command("status")
-@click.option("--backend", "backend_url", metavar="URL", help="Default: the app's backend.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--all", "show_all", is_flag=True, help="Also list paths at 0.")
-def status(backend_url: str | None, as_json: bool, show_all: bool) -> None:
-    """Live in-flight counts of the app's shared or Redis backend."""
-    from gatekeeper_wsgi.cli import run_status
-
-    settings = _state().effective_settings()
-    sys.exit(
-        run_status(backend_url, as_json=as_json, out=sys.stdout, config=settings, show_all=show_all)
-    )
-
-
-@gatekeeper_cli.command("replay")
-@click.argument("log_path", metavar="LOG", type=click.Path(dir_okay=False))
-@click.option("--to", "to_url", required=True, metavar="URL", help="Base URL to send them to.")
-@click.option("--rate", metavar="N/s", callback=_rate, help="At most N requests per second.")
-@click.option("--dry-run", is_flag=True, help="Print, do not send.")
-@click.option(
-    "--header",
-    "-H",
-    "headers",
-    multiple=True,
-    callback=_header,
-    metavar="'Name: value'",
-    help="Add or replace a header (e.g. a redacted Authorization).",
-)
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per request.")
-@click.option("--send-truncated", is_flag=True, help="Also send bodies the log truncated.")
-def replay(
-    log_path: str,
-    to_url: str,
-    rate: float | None,
-    dry_run: bool,
-    headers: list[tuple[str, str]],
-    timeout: float,
-    send_truncated: bool,
-) -> None:
-    """Send the requests of a rejected-request LOG again."""
-    from gatekeeper_wsgi.cli import run_replay
-
-    sys.exit(
-        run_replay(
-            log_path,
-            to_url,
-            rate=rate,
-            dry_run=dry_run,
-            out=sys.stdout,
-            headers=headers,
-            timeout=timeout,
-            send_truncated=send_truncated,
+def _click_param(option: Option) -> click.Parameter:
+    """The click parameter of one row of the option table."""
+    if option.positional:
+        # A framework's settings stand in for a positional that has a settings default.
+        return click.Argument(
+            [option.key], required=option.settings_default is None, metavar=option.metavar
         )
+    help_text = option.help[:1].upper() + option.help[1:] + "."
+    return click.Option(
+        [*option.spellings, option.key],
+        help=help_text,
+        metavar=option.metavar,
+        is_flag=option.flag,
+        multiple=option.repeat,
+        required=option.required,
+        default=False if option.flag else option.default,
+        show_default=option.default not in (None, ()),
+        callback=_click_parse(option),
     )
+
+
+def _click_command(command: Command) -> click.Command:
+    """``flask gatekeeper <command>``, built from the table ``gatekeeper`` uses."""
+
+    def run(**values: Any) -> None:
+        # Imported when a command runs: registering the group costs nothing.
+        from gatekeeper_wsgi.cli import run_command
+
+        args = Namespace(command=command.name, **values)
+        settings = _state().effective_settings() if command.needs_settings(values) else None
+        sys.exit(run_command(args, sys.stdout, sys.stderr, settings=settings))
+
+    return click.Command(
+        command.name,
+        # As AppGroup.command would: the commands read the app's extension state.
+        callback=with_appcontext(run),
+        params=[_click_param(option) for option in command.options],
+        help=command.description or command.help[:1].upper() + command.help[1:] + ".",
+        short_help=command.help,
+        epilog=command.epilog,
+    )
+
+
+for _command in COMMANDS:
+    gatekeeper_cli.add_command(_click_command(_command))

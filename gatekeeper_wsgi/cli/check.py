@@ -1,0 +1,174 @@
+"""``gatekeeper check``: validate a configuration and print its effective limit tree."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from gatekeeper_wsgi.backends import check_backend_url
+from gatekeeper_wsgi.config import DEFAULT_MAX_KEYS, Config, Limit, load_config
+from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.redact import mask_text
+from gatekeeper_wsgi.status import public_backend_url
+
+__all__ = ["ConfigInput", "limit_tree", "run_check"]
+
+#: What the commands read a configuration from: a settings dict or a file path.
+ConfigInput = Mapping[str, Any] | str | os.PathLike[str]
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def _sort_key(segments: tuple[str, ...]) -> tuple[tuple[bool, str], ...]:
+    # Exact names first, then the '*' that covers every other value.
+    return tuple((segment == "*", segment) for segment in segments)
+
+
+def _governing(config: Config, segments: tuple[str, ...]) -> Limit | None:
+    """The limit of this exact level that applies to the node ``segments`` (the engine's
+    own lookup, so what is printed is what is enforced)."""
+    return config.limit_index.most_specific(segments)
+
+
+def _own(limit: Limit | None) -> list[str]:
+    if limit is None or (limit.concurrency is None and limit.rate is None):
+        return ["no limit of its own"]
+    parts = []
+    adaptive = limit.adaptive
+    if adaptive is not None:
+        parts.append(
+            f"concurrency auto ({adaptive.algorithm}, {adaptive.min}..{adaptive.max}, "
+            f"starting at {adaptive.initial})"
+        )
+    elif limit.concurrency is not None:
+        parts.append(
+            "concurrency 0 (blocked)"
+            if limit.concurrency == 0
+            else f"concurrency {limit.concurrency}"
+        )
+    if limit.rate is not None:
+        parts.append(f"rate {limit.rate.text}")
+        if limit.count is not None:
+            parts.append("counting " + ",".join(str(s) for s in sorted(limit.count)))
+    if limit.wildcard:
+        names = ["project", "service", limit.key]
+        counted = [names[i] for i, segment in enumerate(limit.segments) if segment == "*"]
+        parts.append("one counter per " + " and ".join(counted))
+    elif limit.level == "caller" and limit.key != "caller":
+        parts.append(f"key {limit.key}")
+    if limit.queue is not None:
+        parts.append(f"queue {limit.queue.size} waiting up to {_number(limit.queue.wait)}s")
+    if limit.wildcard and limit.max_keys != DEFAULT_MAX_KEYS:
+        parts.append(f"max_keys {limit.max_keys}")
+    if limit.mode is not None:
+        parts.append(f"mode {limit.mode}")
+    return parts
+
+
+def _inherited(config: Config, segments: tuple[str, ...]) -> list[str]:
+    """Effective delay and timeout markers at a node: the most specific level that sets
+    one wins; markers come from the project and service levels only."""
+    chain = [_governing(config, segments[:depth]) for depth in range(1, len(segments) + 1)]
+    here = "/".join(segments)
+    parts = []
+
+    def source(limit: Limit) -> str:
+        return "" if limit.path == here else f" (from {limit.path})"
+
+    delay = next(
+        (lim for lim in reversed(chain) if lim is not None and lim.delay is not None), None
+    )
+    if delay is not None and delay.delay:
+        parts.append(f"delay {_number(delay.delay or 0)}s{source(delay)}")
+    markers = chain[:2]
+    status = next((m for m in reversed(markers) if m is not None and m.timeout_status), None)
+    if status is not None and status.timeout_status is not None:
+        codes = ",".join(str(s) for s in sorted(status.timeout_status))
+        parts.append(f"timeout_status {codes}{source(status)}")
+    header = next((m for m in reversed(markers) if m is not None and m.timeout_header), None)
+    if header is not None and header.timeout_header is not None:
+        parts.append(f"timeout_header {header.timeout_header.text!r}{source(header)}")
+    body = next((m for m in reversed(markers) if m is not None and m.timeout_body), None)
+    if body is not None and body.timeout_body is not None:
+        pattern = body.timeout_body.pattern.decode("utf-8", "replace")
+        parts.append(f"timeout_body /{pattern}/{source(body)}")
+    if (delay is None or not delay.delay) and any((status, header, body)):
+        parts.append("delay 0s")
+    return parts
+
+
+def limit_tree(config: Config) -> list[str]:
+    """The effective limit tree, one line per path (configured paths and their parents)."""
+    nodes: set[tuple[str, ...]] = set()
+    for limit in config.limits.values():
+        for depth in range(1, len(limit.segments) + 1):
+            nodes.add(limit.segments[:depth])
+    ordered = sorted(nodes, key=_sort_key)
+    last_child: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for node in ordered:
+        last_child[node[:-1]] = node  # sorted, so the last one seen is the last sibling
+    labels = []
+    for node in ordered:
+        prefix = "".join(
+            "   " if last_child[node[: level - 1]] == node[:level] else "│  "
+            for level in range(2, len(node))
+        )
+        if len(node) > 1:
+            prefix += "└─ " if last_child[node[:-1]] == node else "├─ "
+        labels.append(prefix + "/".join(node))
+    width = max(len(label) for label in labels)
+    lines = []
+    for node, label in zip(ordered, labels, strict=True):
+        path = "/".join(node)
+        governing = _governing(config, node)
+        if governing is None or governing.path == path:
+            details = _own(governing)
+        else:
+            details = [f"counted under {governing.path}: " + ", ".join(_own(governing))]
+        details += _inherited(config, node)
+        lines.append(f"{label.ljust(width)}  " + "; ".join(details))
+    return lines
+
+
+def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) -> int:
+    """Validate a config file or settings dict and print its effective limit tree.
+
+    Returns 0 when valid; 1 with the error (``file:line: key: problem``) written to
+    ``err`` (default ``out``) otherwise.
+    """
+    errors = err if err is not None else out
+    try:
+        config = load_config(source)
+        # The backend's own parsing, as at start-up: bad or unknown URL options fail here.
+        check_backend_url(config.backend)
+    except ConfigError as exc:
+        print(f"error: {mask_text(str(exc))}", file=errors)
+        return 1
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "settings"
+    print(f"{name}: OK", file=out)
+    print(
+        f"project {config.project} · backend {public_backend_url(config.backend)} · "
+        f"mode {config.mode} · on_backend_error {config.on_backend_error} · "
+        f"caller header {config.caller.header}" + (" (required)" if config.caller.required else ""),
+        file=out,
+    )
+    if config.backend.split(":", 1)[0].lower() in ("redis", "rediss", "unix", "valkey"):
+        from gatekeeper_wsgi.backends.redis import check_report  # redis-py only when used
+
+        try:
+            print(check_report(config.backend, config), file=out)
+        except ConfigError as exc:
+            print(f"error: {mask_text(str(exc))}", file=errors)
+            return 1
+    if config.reload.file:
+        print(f"limits file: {config.reload.file}", file=out)
+    if not config.limits:
+        print("no limits: every request is admitted", file=out)
+        return 0
+    print("", file=out)
+    for line in limit_tree(config):
+        print(line, file=out)
+    return 0

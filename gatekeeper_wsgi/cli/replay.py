@@ -1,0 +1,259 @@
+"""``gatekeeper replay``: send the requests of a rejected-request log again."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from gatekeeper_wsgi.cli.status import printable
+from gatekeeper_wsgi.redact import REDACTED
+
+__all__ = ["REPLAY_EPILOG", "ReplayRequest", "parse_header", "parse_rate", "run_replay"]
+
+REPLAY_EPILOG = (
+    "Secrets are never logged, so they are not replayed: a redacted header (Authorization, "
+    "Cookie, X-Api-Key, ...) is left out (supply it with --header), and a redacted form, "
+    "JSON or query field (password, token, api_key, ...) is sent with the literal value "
+    f"{REDACTED!r}, so such a request (a login, say) is not the original one; --dry-run "
+    "lists them."
+)
+
+# Headers that belong to the original connection, not to the request.
+_CONNECTION_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+    }
+)
+_RATE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|sec|second|m|min|minute|h|hour))?\s*")
+_RATE_UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0}
+_RATE_UNITS.update({"h": 3600.0, "hour": 3600.0})
+
+
+def parse_rate(text: str | float) -> float:
+    """Requests per second from ``"5/s"``, ``"30/m"``, ``"2.5"``; ValueError otherwise."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = _RATE_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(f"expected a rate like '5/s' or '30/m', got {text!r}")
+        value = float(match.group(1)) / _RATE_UNITS[match.group(2) or "s"]
+    if not value > 0:
+        raise ValueError(f"the rate must be above 0, got {text!r}")
+    return value
+
+
+@dataclass
+class ReplayRequest:
+    """One logged rejected request, ready to send again."""
+
+    line: int
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    original: Mapping[str, Any]
+    notes: list[str] = field(default_factory=list)
+    skip: str | None = None
+
+
+def _records(path: Path) -> Iterator[tuple[int, Mapping[str, Any] | None]]:
+    with path.open("r", encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            text = line.strip()
+            if not text:
+                continue
+            record: Any = None
+            # A handler's formatter may put a prefix (time, level) before the JSON.
+            for start in (0, text.find("{")):
+                if start < 0:
+                    continue
+                try:
+                    record = json.loads(text[start:])
+                    break
+                except ValueError:
+                    continue
+            if isinstance(record, dict) and "method" in record and "path" in record:
+                yield number, record
+            else:
+                yield number, None
+
+
+def _prepare(
+    number: int,
+    record: Mapping[str, Any],
+    base_path: str,
+    overrides: Sequence[tuple[str, str]],
+    send_truncated: bool,
+) -> ReplayRequest:
+    method = str(record.get("method") or "GET")
+    path = str(record.get("path") or "/")
+    if not path.startswith("/"):
+        path = "/" + path
+    query = str(record.get("query") or "")
+    target = base_path.rstrip("/") + path + (f"?{query}" if query else "")
+    override_names = {name.lower() for name, _ in overrides}
+    headers: list[tuple[str, str]] = []
+    notes: list[str] = []
+    logged = record.get("headers") or {}
+    if isinstance(logged, Mapping):
+        for name, value in logged.items():
+            lowered = str(name).lower()
+            if lowered in _CONNECTION_HEADERS or lowered in override_names:
+                continue
+            if value == REDACTED:
+                notes.append(f"{name} was redacted: not sent (use --header to supply it)")
+                continue
+            headers.append((str(name), str(value)))
+    headers.extend(overrides)
+    body = b""
+    skip = None
+    try:
+        if "body_b64" in record:
+            body = base64.b64decode(str(record["body_b64"]), validate=True)
+        else:
+            body = str(record.get("body") or "").encode("utf-8")
+    except (binascii.Error, ValueError):
+        skip = "the logged body_b64 is not valid base64"
+    if REDACTED.encode() in body or REDACTED in query:
+        # The log never holds the secret, so the replay cannot send it either.
+        notes.append(
+            f"fields were redacted in the log: sent with {REDACTED!r} as their values "
+            "(supply credentials with --header; a form or JSON password cannot be restored)"
+        )
+    if record.get("body_truncated"):
+        if send_truncated:
+            notes.append(f"body truncated in the log: sending its first {len(body)} bytes")
+        else:
+            skip = "body truncated in the log (rejected_log.body_bytes); --send-truncated sends it"
+    return ReplayRequest(number, method, target, headers, body, record, notes, skip)
+
+
+def _send(
+    scheme: str, host: str, port: int | None, request: ReplayRequest, timeout: float
+) -> tuple[int, str]:
+    connection_class = (
+        http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    )
+    connection = connection_class(host, port, timeout=timeout)
+    try:
+        connection.putrequest(request.method, request.target, skip_accept_encoding=True)
+        for name, value in request.headers:
+            connection.putheader(name, value.encode("latin-1", "replace"))
+        if request.body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            connection.putheader("Content-Length", str(len(request.body)))
+        connection.endheaders(request.body or None)
+        response = connection.getresponse()
+        response.read()
+        return response.status, response.reason
+    finally:
+        connection.close()
+
+
+def run_replay(
+    log_path: str | os.PathLike[str],
+    to_url: str,
+    *,
+    rate: float | str | None = None,
+    dry_run: bool = False,
+    out: TextIO,
+    headers: Sequence[tuple[str, str]] = (),
+    timeout: float = 10.0,
+    send_truncated: bool = False,
+) -> int:
+    """Send the requests of a rejected-request log again to ``to_url``.
+
+    Method, path, query, headers and body go out as logged; the connection's own headers
+    (Host, Content-Length, ...) are made anew, redacted headers are left out unless
+    ``headers`` supplies them. ``rate`` paces the requests (``"5/s"`` or a number per
+    second). Prints one result line per request; returns 1 if any could not be sent.
+    """
+    target = urlsplit(to_url)
+    if target.scheme not in ("http", "https") or not target.hostname:
+        print(f"error: --to must be an http:// or https:// URL, got {to_url!r}", file=out)
+        return 2
+    try:
+        per_second = None if rate is None else parse_rate(rate)
+    except ValueError as exc:
+        print(f"error: {exc}", file=out)
+        return 2
+    path = Path(log_path)
+    if not path.is_file():
+        print(f"error: no such log file: {path}", file=out)
+        return 2
+    host = target.hostname
+    port = target.port
+    sent = failed = skipped = 0
+    started = time.monotonic()
+    for number, record in _records(path):
+        if record is None:
+            skipped += 1
+            print(f"line {number}: skipped: not a rejected-request record", file=out)
+            continue
+        request = _prepare(number, record, target.path, headers, send_truncated)
+        label = f"line {number}: {printable(request.method)} {printable(request.target)}"
+        was = record.get("code")
+        limit = record.get("limit") if isinstance(record.get("limit"), Mapping) else {}
+        origin = f"was {printable(was)}" if was else "was rejected"
+        if limit and limit.get("path"):
+            origin += f" at {printable(limit.get('path'))}"
+        if record.get("requestId"):
+            origin += f", requestId {printable(record.get('requestId'))}"
+        for note in request.notes:
+            print(f"line {number}: note: {printable(note)}", file=out)
+        if request.skip is not None:
+            skipped += 1
+            print(f"{label} -> skipped: {request.skip}", file=out)
+            continue
+        if dry_run:
+            sent += 1
+            names = ", ".join(printable(name) for name, _ in request.headers) or "no headers"
+            print(
+                f"{label} -> dry run: would send {len(request.body)} body bytes, "
+                f"headers {names} ({origin})",
+                file=out,
+            )
+            continue
+        if per_second is not None:
+            due = started + sent / per_second
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # pacing the replay, as asked
+        sent += 1
+        try:
+            status, reason = _send(target.scheme, host, port, request, timeout)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            # ValueError: http.client refuses a logged path or header it cannot send.
+            failed += 1
+            print(f"{label} -> failed: {printable(exc)} ({origin})", file=out)
+            continue
+        print(f"{label} -> {status} {printable(reason)} ({origin})", file=out)
+    verb = "would send" if dry_run else "sent"
+    print(f"{verb} {sent - failed}, failed {failed}, skipped {skipped}", file=out)
+    return 1 if failed else 0
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """``("Name", "value")`` from ``"Name: value"``; ValueError otherwise."""
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise ValueError(f"expected 'Name: value', got {text!r}")
+    return name.strip(), value.strip()
