@@ -175,10 +175,14 @@ class _Release(NamedTuple):
     codes: str  #: release codes of the keys, in words
     delay: float  #: seconds, counted from ``placed``
     placed: float  #: time.monotonic() when the response ended
+    #: a give-back of an admission whose answer never came: µs its tombstone lives (0: none)
+    tombstone: int = 0
 
     def spec(self, now: float) -> str:
         """This release's spec for gate.lua. The delay is what is left of it ``now``, so a
         release sent late (a replay after an outage) frees its slots when they were due."""
+        if self.tombstone:
+            return f"!{self.lease} {self.tombstone} {self.codes}"
         delay = self.delay
         if delay > 0:
             delay = max(0.0, delay - (now - self.placed))
@@ -670,9 +674,10 @@ class RedisBackend(Backend):
             result, retried = self._call_with_releases(input, lease)
         except BackendError as exc:
             if not isinstance(exc, CircuitOpen):
-                # The script may have run before the connection broke: give the lease back
-                # once Redis answers again instead of holding it for max_hold.
-                self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0))
+                # The script may have run before the connection broke (give the lease back
+                # once Redis answers again instead of holding it for max_hold), or may run
+                # after the give-back, queued in a frozen Redis (the tombstone stops it).
+                self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0, self._hold_us))
             raise
         if result == 1:
             return _RedisGrant(slots, (), lease, input, input.reserved)
@@ -927,7 +932,9 @@ class RedisBackend(Backend):
                 windowed = 0
                 for _ in names:
                     next(replies)
-                    held.update(_text(member).split("|", 1)[1] for member in next(replies))
+                    # "<lease>|<path>"; a give-back's tombstone "<lease>!" holds nothing
+                    members = (_text(member).partition("|") for member in next(replies))
+                    held.update(path for _, bar, path in members if bar)
                     windowed += int(next(replies))
                 found.append((limit, held, windowed))
             totals = self._summed(found, now_us, top, watch)

@@ -20,9 +20,11 @@
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
 --
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
---            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per key it
+--            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
 --            owns in KEYS order: window in ms * 2, + 1 when its window entry is given back
---            (a limit that counts only some statuses, and this response's was not one)
+--            (a limit that counts only some statuses, and this response's was not one);
+--            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
+--            answer never came (freed now, and never taken if it runs later)
 -- then, when an admission follows:
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
@@ -66,6 +68,20 @@ local k = 1
 for r = 2, releases + 1 do
   local lease, delay, codes = string.match(ARGV[r], '^(%S+) (%d+)(.*)$')
   delay = tonumber(delay)
+  if string.byte(lease, 1) == 33 then
+    -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It
+    -- may not have run yet (queued in a frozen Redis behind this release): a tombstone in
+    -- its first totals set, for as long as its lease would live, makes it take nothing
+    -- if it runs later.
+    lease = string.sub(lease, 2)
+    local totals = KEYS[k + 1]
+    redis.call('ZADD', totals, clock() + delay, lease .. '!')
+    local life_ms = math.floor(delay / 1000) + 1
+    if redis.call('PTTL', totals) < life_ms then
+      redis.call('PEXPIRE', totals, life_ms)
+    end
+    delay = 0
+  end
   for word in string.gmatch(codes, '%d+') do
     local key = KEYS[k]
     local totals = KEYS[k + 1]
@@ -106,11 +122,21 @@ for r = 2, releases + 1 do
     else
       redis.call('ZREM', key, lease)
       redis.call('ZREM', totals, lease .. '|' .. path)
-      local window_ms = (code - code % 2) / 2
-      -- A rate key lives max_hold after an admission, for its lease; once no request is
-      -- in flight on it, only its window entries are left to keep, for one window at most.
-      if window_ms > 0 and redis.call('ZCOUNT', key, clock() + 1, '+inf') == 0 then
-        redis.call('PEXPIRE', key, window_ms + 1)
+      -- A key lives max_hold after an admission, for its lease. Once no request is in
+      -- flight on it (its latest member is no live lease), it lives only as long as what
+      -- is left needs: its latest pending delayed release, its window entries (one window
+      -- at most), and 1 ms for matured and ended members. An emptied key is gone already.
+      local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      if last[2] then
+        local left = tonumber(last[2]) - clock()
+        local pending = string.sub(last[1], -2) == ':d'
+        if left <= 0 or pending then
+          local ttl = (code - code % 2) / 2
+          if pending and left / 1000 > ttl then
+            ttl = math.floor(left / 1000)
+          end
+          redis.call('PEXPIRE', key, ttl + 1)
+        end
       end
     end
   end
@@ -128,6 +154,11 @@ local hold = tonumber(ARGV[a + 1])
 local hold_ms = math.floor(hold / 1000) + 1
 local first_key = k
 local slots = #ARGV - a - 1
+if lease ~= '' and redis.call('ZSCORE', KEYS[first_key + 1], lease .. '!') then
+  -- Given back before it ran (see the releases above): take nothing. Nobody waits for
+  -- this answer; it reads as a refusal.
+  return {0, 0, 1, 0}
+end
 
 local specs = {}
 local busy = {}

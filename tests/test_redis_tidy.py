@@ -1,0 +1,187 @@
+"""Leases tidy on Redis (issue 19 point 4): a matured delayed release leaves nothing behind
+longer than its delay plus a millisecond, even on a key that had other requests in flight
+when it was placed, and an admission that a frozen Redis runs only after its give-back takes
+nothing. Against real redis-server processes; expiries are read with PTTL (Redis's clock),
+and where Redis time must pass the test polls until a deadline."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
+from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend, _Release  # noqa: E402
+from tests.servers import ControlledRedis, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+
+def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
+    return GateKeeper({"project": "shop", "backend": url, "limits": limits, **settings})
+
+
+def redis_backend(gk: GateKeeper) -> RedisBackend:
+    backend = gk.backend
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+def life_left(gk: GateKeeper, path: str) -> int:
+    """PTTL of a concrete path's set (ms; -2 when it is gone), once the releases waiting
+    in the process were sent."""
+    backend = redis_backend(gk)
+    backend._outbox.flush()
+    return int(backend.client.pttl(backend.key_of(path)))
+
+
+def test_a_delayed_release_on_a_busy_key_lives_by_its_delay(prefixed: str) -> None:
+    """Two requests in flight on one key; the first ends faulty (60 s delay), the second
+    ends well: the key then lives 60 s (its pending delayed release), not max_hold (300 s)
+    after the second's admission."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 5, "delay": 60}})
+    try:
+        first, second = gk.admit("shop", "work", "c"), gk.admit("shop", "work", "c")
+        first.release(503, faulty=True)
+        assert life_left(gk, "shop/work") > 60_001  # the second's lease still needs it
+        second.release(200)
+        assert 59_000 < life_left(gk, "shop/work") <= 60_001
+        assert gk.inflight() == {"shop/work": 1}  # the delayed release holds its slot
+    finally:
+        gk.close()
+
+
+def test_a_matured_delayed_release_on_a_busy_key_leaves_nothing(prefixed: str) -> None:
+    """Requests keep a key busy while short delayed releases (50 ms) are placed on it and
+    mature; once the last request ends, the key is gone within the delay (+1 ms), not
+    max_hold later, and the limit counts nothing."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 50, "delay": 0.05}})
+    try:
+        held = [gk.admit("shop", "work", "c") for _ in range(5)]
+        for _ in range(20):
+            gk.admit("shop", "work", "c").release(500, faulty=True)
+        for admission in held:
+            admission.release(200)
+        assert 0 < life_left(gk, "shop/work") <= 51
+        wait_until(lambda: life_left(gk, "shop/work") == -2, what="the key to go")
+        assert gk.inflight() == {}
+        totals = gk.totals()
+        assert totals is not None and totals["shop/work"].inflight == 0
+    finally:
+        gk.close()
+
+
+def test_a_rate_key_with_a_pending_delay_lives_by_the_longer(prefixed: str) -> None:
+    """A rate-limited key whose request ended faulty with a delay longer than its window
+    lives by the delay; with a shorter delay, by its window."""
+    gk = keeper(
+        prefixed,
+        {
+            "shop/slow/*": {"rate": "100/second", "concurrency": 5, "delay": 30},
+            "shop/fast/*": {"rate": "100/minute", "concurrency": 5, "delay": 1},
+        },
+    )
+    try:
+        for service in ("slow", "fast"):
+            first, second = gk.admit("shop", service, "c"), gk.admit("shop", service, "c")
+            first.release(503, faulty=True)
+            second.release(200)
+        assert 29_000 < life_left(gk, "shop/slow/c") <= 30_001
+        assert 59_000 < life_left(gk, "shop/fast/c") <= 60_001
+    finally:
+        gk.close()
+
+
+def test_an_admission_run_after_its_give_back_takes_nothing(prefixed: str) -> None:
+    """The order a frozen Redis may run things in, forced: the give-back of an admission
+    whose answer never came arrives first, the admission after it. The admission takes no
+    slot (the limit admits its full concurrency at once) and counts in no totals."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 2}, "shop": {"concurrency": 10}})
+    try:
+        backend = redis_backend(gk)
+        route = [
+            Slot("shop", gk.config.limits["shop"], True),
+            Slot("shop/work", gk.config.limits["shop/work"], True),
+        ]
+        packed = backend._input(route)
+        lease = "stale-lease-1"
+        backend._send([_Release(lease, packed, packed.codes, 0.0, 0.0, backend._hold_us)])
+        answer, _ = backend._run([], packed, lease)  # the late admission
+        assert answer != 1 and answer[0] == 0
+        assert gk.inflight() == {}
+        totals = gk.totals()
+        assert totals is not None
+        assert (totals["shop"].inflight, totals["shop/work"].inflight) == (0, 0)
+        both = [gk.admit("shop", "work", "c"), gk.admit("shop", "work", "c")]
+        with pytest.raises(Rejected):
+            gk.admit("shop", "work", "c")
+        for admission in both:
+            admission.release(200)
+        # The tombstone lives as long as the lease would have, and holds nothing.
+        life = backend.client.pttl(backend.totals_key("shop", "shop"))
+        assert 290_000 < life <= 337_501
+    finally:
+        gk.close()
+
+
+def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) -> None:
+    """Redis frozen (SIGSTOP) while threads admit: their calls time out, their leases are
+    given back; after the thaw, whichever order Redis runs the queued admissions and
+    give-backs in, no slot stays taken: the limit admits its full concurrency."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05",
+        {"shop/work": {"concurrency": 4}},
+        on_backend_error="reject",
+    )
+    try:
+        backend = redis_backend(gk)
+        gk.admit("shop", "work", "c").release(200)  # connected, script loaded
+        barrier = threading.Barrier(5)
+        outcomes: list[str] = []
+
+        def admit() -> None:
+            barrier.wait()
+            try:
+                gk.admit("shop", "work", "c").release(200)
+                outcomes.append("admitted")
+            except Rejected as refused:
+                outcomes.append(refused.code)
+
+        threads = [threading.Thread(target=admit) for _ in range(4)]
+        own_redis.pause()
+        try:
+            for thread in threads:
+                thread.start()
+            barrier.wait()
+            for thread in threads:
+                thread.join()
+        finally:
+            own_redis.resume()
+        assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 4
+        wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
+        held = [wait_until(lambda: admitted_once(gk), what="recovery")]
+        held += [gk.admit("shop", "work", "c") for _ in range(3)]
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "c")
+        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()
+
+
+def admitted_once(gk: GateKeeper) -> Any:
+    """An admission Redis granted, or None (the breaker may still be open)."""
+    errors = gk.stats()["counters"]["backend_errors"]
+    try:
+        admission = gk.admit("shop", "work", "c")
+    except Rejected:
+        return None
+    if gk.stats()["counters"]["backend_errors"] != errors:
+        admission.release(200)
+        return None
+    return admission
