@@ -46,7 +46,8 @@ INDEX = """gatekeeper-wsgi example site ({server}, backend {backend})
   GET  /partner    one request in flight per X-Caller-Id; each call takes 1 s
   GET  /search     concurrency "auto": its backend serves 4 at a time (0.1 s each) and
                    queues the rest; under load the adaptive limit settles near 4-6
-                   (the answer tells the limit now; so does /gatekeeper/status.json)
+                   (the answer tells the limit now, the load command prints it second
+                   by second; so does /gatekeeper/status.json)
   GET  /gatekeeper/
                    the live dashboard (JSON: /gatekeeper/status.json), for the token
                    printed in the terminal at start-up (${token_env})
@@ -59,7 +60,7 @@ Try, in another terminal:
   curl -s -H 'X-Caller-Id: crm' localhost:{port}/partner & \\
     curl -s -H 'X-Caller-Id: crm' localhost:{port}/partner; wait
   python -m example_site load --url http://127.0.0.1:{port}/slow --requests 10 --concurrency 10
-  python -m example_site load --url http://127.0.0.1:{port}/search --requests 400 --concurrency 32
+  python -m example_site load --url http://127.0.0.1:{port}/search --requests 3000 --concurrency 32
   curl -s localhost:{port}/search
 """
 

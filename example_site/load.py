@@ -8,6 +8,9 @@ Each answer is sorted into one of:
   example site's ``X-Queue-Wait-Ms`` header at least ``--queued-ms``, default 10 ms);
 - **rejected**: a ServiceFault, counted by status and ``code`` (``503 GK-QUEUE-FULL``);
 - **failed**: no HTTP answer (connection refused or reset, timeout).
+
+An answer that tells an adaptive limit (``/search``: "adaptive limit now 5") is noted with
+its time, and the report shows that limit second by second: how it settles under the load.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from example_site.common import QUEUE_WAIT_HEADER
 
 DEFAULT_URL = "http://127.0.0.1:8000/slow"
 _XML_CODE = re.compile(rb"<(?:\w+:)?code>\s*([A-Z-]+)\s*</(?:\w+:)?code>")
+_LIMIT_NOW = re.compile(rb"adaptive limit now (\d{1,9})\b")
 
 
 @dataclass
@@ -38,7 +42,23 @@ class Tally:
     rejected: Counter[tuple[int, str]] = field(default_factory=Counter)  # by (status, code)
     failed: Counter[str] = field(default_factory=Counter)  # by exception type
     queue_wait_ms: list[float] = field(default_factory=list)
+    #: (seconds since the start, adaptive limit) told by admitted answers
+    limits: list[tuple[float, int]] = field(default_factory=list)
     seconds: float = 0.0
+
+    def limit_per_second(self) -> list[int]:
+        """The last adaptive limit told in each second of the run (seconds in which no
+        answer told one repeat the one before)."""
+        last: dict[int, int] = {}
+        for moment, value in sorted(self.limits):
+            last[int(moment)] = value
+        if not last:
+            return []
+        shown, value = [], last[min(last)]
+        for second in range(max(last) + 1):
+            value = last.get(second, value)
+            shown.append(value)
+        return shown
 
     @property
     def total(self) -> int:
@@ -91,6 +111,7 @@ def run(
     workers = min(concurrency, requests)
     start = threading.Barrier(workers)
     tickets = iter(range(requests))
+    started = time.monotonic()
 
     def one() -> None:
         connection = connection_class(parts.hostname, parts.port, timeout=timeout)
@@ -106,7 +127,10 @@ def run(
             connection.close()
         code = fault_code(response.getheader("Content-Type", ""), body)
         waited = response.getheader(QUEUE_WAIT_HEADER)
+        told = _LIMIT_NOW.search(body) if code is None else None
         with lock:
+            if told is not None:
+                tally.limits.append((time.monotonic() - started, int(told.group(1))))
             if code is not None:
                 tally.rejected[(response.status, code)] += 1
             elif waited is not None and float(waited) >= queued_ms:
@@ -124,7 +148,6 @@ def run(
             one()
 
     threads = [threading.Thread(target=worker) for _ in range(workers)]
-    started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -155,6 +178,9 @@ def report(tally: Tally, url: str, concurrency: int) -> str:
         lines.append(f"  failed    {sum(tally.failed.values()):5}")
         for name, n in sorted(tally.failed.items()):
             lines.append(f"    {name:<28}{n:5}")
+    per_second = tally.limit_per_second()
+    if per_second:
+        lines.append(f"  adaptive limit, second by second: {' '.join(map(str, per_second))}")
     return "\n".join(lines)
 
 

@@ -342,3 +342,30 @@ def test_banner_names_the_token_but_prints_no_url_carrying_it(
     assert TOKEN in text
     assert "token=" + TOKEN not in text
     assert "Authorization: Bearer" in text
+
+
+def test_load_report_shows_the_adaptive_limit_second_by_second() -> None:
+    """Answers that tell an adaptive limit become one line: the last value of each second,
+    a silent second repeating the one before."""
+    tally = load.Tally(limits=[(0.2, 10), (0.9, 3), (1.5, 5), (3.1, 5), (3.4, 4)])
+    tally.admitted[200] = 5
+    assert tally.limit_per_second() == [3, 5, 5, 4]
+    assert "adaptive limit, second by second: 3 5 5 4" in load.report(tally, "u", 1)
+    assert "adaptive limit" not in load.report(load.Tally(), "u", 1)
+
+
+@pytest.mark.slow
+def test_load_at_search_shows_its_adaptive_limit(
+    served_site: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """3000 requests, 32 at a time, at /search (a backend of 4 slots): most are refused by
+    the adaptive limit, and the report shows the limit over the run, within its bounds."""
+    status = load.main(
+        ["--url", f"{served_site}/search", "--requests", "3000", "--concurrency", "32"]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "503 GK-CONCURRENCY-LIMIT" in printed
+    line = next(line for line in printed.splitlines() if "second by second" in line)
+    values = [int(value) for value in line.split(":")[1].split()]
+    assert values and all(1 <= value <= 50 for value in values), printed
