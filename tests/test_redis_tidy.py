@@ -7,7 +7,6 @@ and where Redis time must pass the test polls until a deadline."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 
@@ -17,12 +16,9 @@ from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend, _Release  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
+from tests.test_redis import admitted, keeper  # noqa: E402
 
 pytestmark = pytest.mark.redis
-
-
-def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
-    return GateKeeper({"project": "shop", "backend": url, "limits": limits, **settings})
 
 
 def redis_backend(gk: GateKeeper) -> RedisBackend:
@@ -163,7 +159,7 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
             own_redis.resume()
         assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 4
         wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
-        held = [wait_until(lambda: admitted_once(gk), what="recovery")]
+        held = [wait_until(lambda: admitted(gk), what="recovery")]
         held += [gk.admit("shop", "work", "c") for _ in range(3)]
         with pytest.raises(Rejected) as refused:
             gk.admit("shop", "work", "c")
@@ -172,16 +168,3 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
             admission.release(200)
     finally:
         gk.close()
-
-
-def admitted_once(gk: GateKeeper) -> Any:
-    """An admission Redis granted, or None (the breaker may still be open)."""
-    errors = gk.stats()["counters"]["backend_errors"]
-    try:
-        admission = gk.admit("shop", "work", "c")
-    except Rejected:
-        return None
-    if gk.stats()["counters"]["backend_errors"] != errors:
-        admission.release(200)
-        return None
-    return admission

@@ -7,13 +7,18 @@ Redis Cluster slot)::
     <prefix>:{<project>}:z:<path>    the path's leases, delayed releases and rate window
     <prefix>:{<project>}:t:<limit>   the totals of a configured limit: its paths' leases
                                      and which of its paths have a live rate window
+    <prefix>:{<project>}:a:<path>    an adaptive limit's value in force, its controller's
+                                     state and the window of samples being gathered
 
 Admission is one ``EVALSHA`` of ``lua/gate.lua`` for all slots of a request, carrying the
 releases the process placed since (a release sender thread sends the others): it drops
 expired entries, checks every slot and takes all or none, keeping the totals sets in the
 same call. Status reads and scrapes read the totals sets (:meth:`RedisBackend.totals`),
-O(limits + requests in flight), not the keys. All time is Redis ``TIME``, so host clocks do
-not matter (``engine_clock = False``).
+O(limits + requests in flight), not the keys. An adaptive limit is one for all hosts: the
+script enforces the value its hash holds, releases add their samples, and the process whose
+release finds a window due computes the next value with :class:`~gatekeeper_wsgi.adaptive.
+Controller` and writes it back in a later call. All time is Redis ``TIME``, so host clocks
+do not matter (``engine_clock = False``); only latencies are measured on the host.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import math
 import os
 import re
 import threading
@@ -42,6 +48,7 @@ from redis.commands.core import Script
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
+from gatekeeper_wsgi.adaptive import AdaptiveReport, AdaptiveSpec, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     TOP_KEYS,
@@ -86,6 +93,15 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 _KINDS: dict[int, LimitKind] = {1: "concurrency", 2: "rate"}
+
+# Where the window being gathered sits in Controller.STATE: the script keeps these four
+# as fields of its own (samples add to them), the rest as the state string.
+_WINDOW = tuple(Controller.STATE.index(name) for name in ("_count", "_total", "_drops", "_peak"))
+_DUE = Controller.STATE.index("_due")
+#: Infinities in a state are written as this (the script reads ``due`` as a Lua number).
+_HUGE = 1e300
+#: An adaptive limit seen this recently (seconds) is reported without asking Redis again.
+_FRESH = 0.5
 
 
 def _load_script(name: str) -> str:
@@ -147,10 +163,31 @@ class _Input(NamedTuple):
     reserved: list[tuple[int, frozenset[int]]]
     #: window in ms * 2 per slot, for a release that gives reservations back
     code_values: list[int]
+    #: indexes of the adaptive slots (a third key: their hash)
+    adaptive: frozenset[int] = frozenset()
+
+
+def _codes(input: _Input, returned: Collection[int] = (), sample: str = "") -> str:
+    """The release codes of ``input``'s slots in words (see gate.lua): reservations
+    ``returned``, and the request's ``sample`` ("<latency us>:<faulty>") on adaptive ones."""
+    words = []
+    for index, value in enumerate(input.code_values):
+        word = str(value + (index in returned))
+        if index in input.adaptive:
+            word = f"{word}:{sample}"
+        words.append(word)
+    return " ".join(words)
+
+
+def _number(value: float) -> str:
+    """A state number in words that reads back the same (infinities as +-_HUGE)."""
+    if math.isinf(value):
+        value = math.copysign(_HUGE, value)
+    return repr(value)
 
 
 class _RedisGrant(Grant):
-    __slots__ = ("input", "lease", "reserved")
+    __slots__ = ("input", "lease", "reserved", "sample", "started")
 
     def __init__(
         self,
@@ -165,6 +202,11 @@ class _RedisGrant(Grant):
         self.input = input
         #: the reservations actually taken (a full shadow window takes none)
         self.reserved = reserved
+        if input.adaptive:
+            self.adaptive = True
+            self.started = time.monotonic()
+        #: "<latency us>:<faulty>" once observed (adaptive slots only)
+        self.sample = ""
 
 
 class _Release(NamedTuple):
@@ -177,10 +219,14 @@ class _Release(NamedTuple):
     placed: float  #: time.monotonic() when the response ended
     #: a give-back of an admission whose answer never came: µs its tombstone lives (0: none)
     tombstone: int = 0
+    #: not a release: a claimed adaptive state to write (``codes`` is its whole spec)
+    write: bool = False
 
     def spec(self, now: float) -> str:
         """This release's spec for gate.lua. The delay is what is left of it ``now``, so a
         release sent late (a replay after an outage) frees its slots when they were due."""
+        if self.write:
+            return self.codes
         if self.tombstone:
             return f"!{self.lease} {self.tombstone} {self.codes}"
         delay = self.delay
@@ -457,6 +503,7 @@ class RedisBackend(Backend):
     local = False
     engine_clock = False
     poll_interval = 0.005
+    adaptive_limits = True
 
     def __init__(
         self,
@@ -495,6 +542,15 @@ class RedisBackend(Backend):
         self._breaker = _Breaker(breaker_cooldown, location)
         self.location = location
         self._inputs: dict[tuple[Slot, ...], _Input] = {}
+        #: adaptive hash -> (its limit's adaptive table, its concrete path), of the routes
+        #: memoized: what a claim of that hash is computed with
+        self._adaptive: dict[str, tuple[AdaptiveSpec, str]] = {}
+        #: concrete path -> (the adaptive limit last seen in force there, when: monotonic)
+        self._seen: dict[str, tuple[int, float]] = {}
+        #: the adaptive reports last read (what adaptive() answers while Redis fails)
+        self._reports: dict[str, AdaptiveReport] = {}
+        #: adaptive windows this process claimed and computed (their next state written)
+        self.windows_computed = 0
         self._outbox = _Outbox(self)
         #: until when (time.monotonic()) releases are sent at once, not left waiting
         self._contended_until = 0.0
@@ -631,6 +687,11 @@ class RedisBackend(Backend):
         thus has one totals set per project."""
         return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:t:{limit_path}"
 
+    def adaptive_key(self, path: str) -> str:
+        """The hash of an adaptive limit at concrete ``path``: its limit in force, its
+        controller's state and the window being gathered (see ``lua/gate.lua``)."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:a:{path}"
+
     def _input(self, slots: Sequence[Slot]) -> _Input:
         """The packed gate.lua input of ``slots``, memoized per route (bounded)."""
         route = slots if type(slots) is tuple else tuple(slots)
@@ -639,30 +700,39 @@ class RedisBackend(Backend):
             return found
         if len(self._inputs) >= _KEY_CACHE_SIZE:
             self._inputs = {}
+            self._adaptive = {}
         keys: list[str] = []
         specs: list[str] = []
         values: list[int] = []
         reserved: list[tuple[int, frozenset[int]]] = []
+        adaptive: set[int] = set()
         for index, slot in enumerate(route):
             limit = slot.limit
             rate = limit.rate
             window_us = 0 if rate is None else round(rate.seconds * 1_000_000)
-            concurrency = -1 if limit.concurrency is None else limit.concurrency
+            concurrency = "-1" if limit.concurrency is None else str(limit.concurrency)
             quota = 0 if rate is None else rate.limit
             keys += (self.key_of(slot.key), self.totals_key(limit.path, slot.key))
+            if limit.adaptive is not None:
+                adaptive.add(index)
+                concurrency = f"a{limit.adaptive.initial}"
+                keys.append(self.adaptive_key(slot.key))
+                self._adaptive[keys[-1]] = (limit.adaptive, slot.key)
             specs.append(f"{concurrency} {quota} {window_us} {int(slot.enforce)}")
             values.append(-(-window_us // 1000) * 2)
             if limit.count is not None and rate is not None:
                 reserved.append((index, limit.count))
-        found = self._inputs[route] = _Input(
+        found = _Input(
             keys,
             [_bulk(key.encode()) for key in keys],
             specs,
             [_bulk(spec.encode()) for spec in specs],
-            " ".join(map(str, values)),
+            "",
             reserved,
             values,
+            frozenset(adaptive),
         )
+        found = self._inputs[route] = found._replace(codes=_codes(found))
         return found
 
     # --- admission ------------------------------------------------------------------------
@@ -684,6 +754,8 @@ class RedisBackend(Backend):
         if result[0] != 1:
             if result[2] == 1:
                 self._contended_until = time.monotonic() + _CONTENDED_FOR
+                if int(result[1]) in input.adaptive:
+                    self._remember(slots[int(result[1])].key, int(result[4]))
             if retried:
                 # The first try may have taken the slots (the retry then saw its own lease).
                 self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0))
@@ -722,6 +794,104 @@ class RedisBackend(Backend):
         result, _ = self._call_with_releases(self._input(slots), "")
         return None if result == 1 else _denial(result)
 
+    # --- adaptive limits ------------------------------------------------------------------
+
+    def observe(self, grant: Grant, faulty: bool, now: float) -> None:
+        """Note the request's latency (this host's monotonic clock, admission to now) for
+        its release to carry to the adaptive slots' hashes."""
+        assert isinstance(grant, _RedisGrant)
+        latency = max(0, round((time.monotonic() - grant.started) * 1_000_000))
+        grant.sample = f"{latency}:{int(faulty)}"
+
+    def _claimed(self, reply: list[Any]) -> Any:
+        """The answer inside a reply that carries claimed adaptive windows; each window's
+        next state is computed here and queued to be written back."""
+        for claim in reply[2:]:
+            known = self._adaptive.get(_text(claim[0]))
+            if known is not None:  # else a limit no longer in use here: the claim lapses
+                self._outbox.put(self._next_state(known[0], known[1], claim))
+                self.windows_computed += 1
+        return reply[1]
+
+    def _next_state(self, spec: AdaptiveSpec, path: str, claim: list[Any]) -> _Release:
+        """Feed a claimed window and its sample to :class:`~gatekeeper_wsgi.adaptive.
+        Controller` (the one place the algorithm lives) and spell the write of its next
+        state. All its times are seconds of Redis time, shared by every host."""
+        hash_key, claim_id = _text(claim[0]), _text(claim[1])
+        latency = int(claim[2]) / 1e6
+        now = int(claim[5]) / 1e6
+        admitted = now - latency
+        text = _text(claim[6])
+        if text:
+            state = [float(word) for word in text.split()]
+            for index, value in zip(_WINDOW, claim[7:11], strict=True):
+                state[index] = float(value)
+            controller = Controller.restore(spec, tuple(state), key=path)
+        else:  # the path's first window: as memory, a controller made at the admission
+            controller = Controller(spec, admitted, key=path)
+        controller.sample(latency, int(claim[3]), bool(int(claim[4])), admitted, now)
+        state = list(controller.state())
+        window = " ".join(_number(state[index]) for index in _WINDOW)
+        spec_words = f"={claim_id} {_number(state[_DUE])} {controller.limit} {window} " + " ".join(
+            map(_number, state)
+        )
+        self._remember(path, controller.limit)
+        key_bulks = [_bulk(hash_key.encode())]
+        target = _Input([hash_key], key_bulks, [], [], "", [], [])
+        return _Release(claim_id, target, spec_words, 0.0, 0.0, write=True)
+
+    def _remember(self, path: str, limit: int) -> None:
+        seen = self._seen
+        if len(seen) >= _KEY_CACHE_SIZE:
+            seen.clear()
+        seen[path] = (limit, time.monotonic())
+
+    def adaptive(self) -> dict[str, AdaptiveReport]:
+        """The adaptive limits of the paths this process admitted on, read from their
+        hashes (one pipelined round trip): the value all hosts enforce, and the latencies
+        it was computed from. On a failure, the reports last read."""
+        known = list(self._adaptive.items())
+        if not known:
+            return {}
+        try:
+            with self._reading():
+                pipe = self.client.pipeline(transaction=False)
+                for hash_key, _ in known:
+                    pipe.hmget(hash_key, "s", "limit")
+                replies = pipe.execute()
+        except BackendError:
+            return dict(self._reports)
+        reports: dict[str, AdaptiveReport] = {}
+        for (_, (spec, path)), (text, limit) in zip(known, replies, strict=True):
+            if text:
+                state = tuple(float(word) for word in _text(text).split())
+                report = Controller.restore(spec, state, key=path).report()
+            else:
+                report = {"limit": spec.initial, "latency_ms": 0.0, "min_latency_ms": 0.0}
+            if limit is not None:
+                report["limit"] = int(_text(limit))
+            self._remember(path, report["limit"])
+            reports[path] = report
+        self._reports = reports
+        return reports
+
+    def adaptive_limit(self, key: str, limit: Limit) -> int:
+        """The adaptive limit in force at ``key``: as a refusal or a read reported it
+        within the last ``_FRESH`` seconds, else read from its hash (on a failure, the
+        value last seen; ``initial`` before any)."""
+        seen = self._seen.get(key)
+        if seen is not None and time.monotonic() - seen[1] < _FRESH:
+            return seen[0]
+        try:
+            with self._reading():
+                stored = self.client.hget(self.adaptive_key(key), "limit")
+        except BackendError:
+            stored = None
+        if stored is None:
+            return super().adaptive_limit(key, limit) if seen is None else seen[0]
+        self._remember(key, int(_text(stored)))
+        return int(_text(stored))
+
     # --- release --------------------------------------------------------------------------
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
@@ -730,13 +900,11 @@ class RedisBackend(Backend):
             return
         input = grant.input
         codes = input.codes
+        returned: Collection[int] = ()
         if grant.reserved:
             returned = {index for index, counted in grant.reserved if status not in counted}
-            if returned:
-                codes = " ".join(
-                    str(value + (index in returned))
-                    for index, value in enumerate(input.code_values)
-                )
+        if returned or grant.sample:
+            codes = _codes(input, returned, grant.sample)
         placed = time.monotonic()
         if delay > 0:
             with self._delayed_lock:
@@ -788,6 +956,9 @@ class RedisBackend(Backend):
             breaker.abandon()
             raise
         breaker.success()
+        reply = answer[0]
+        if type(reply) is list and reply[0] == 2:
+            answer = (self._claimed(reply), answer[1])
         return answer
 
     def _pack(self, releases: list[_Release], input: _Input | None, lease: str) -> bytes:
@@ -911,12 +1082,8 @@ class RedisBackend(Backend):
 
         "Keys tracked" are the keys that hold state in Redis: a request in flight or an
         entry in the rate window (an idle key is gone, as its set expired)."""
-        if len(self._outbox):
-            self._outbox.flush()
-        self._breaker.before()
-        try:
-            seconds, micros = self.client.time()
-            now_us = seconds * 1_000_000 + micros
+        with self._reading():
+            now_us = self._redis_time()
             sets = self._totals_sets(limits)
             pipe = self.client.pipeline(transaction=False)
             for names in sets:
@@ -937,15 +1104,7 @@ class RedisBackend(Backend):
                     held.update(path for _, bar, path in members if bar)
                     windowed += int(next(replies))
                 found.append((limit, held, windowed))
-            totals = self._summed(found, now_us, top, watch)
-        except Exception as exc:
-            self._breaker.failure(exc)
-            raise BackendError(f"redis at {self.location}: {exc}") from exc
-        except BaseException:
-            self._breaker.abandon()
-            raise
-        self._breaker.success()
-        return totals
+            return self._summed(found, now_us, top, watch)
 
     def _totals_sets(self, limits: Sequence[Limit]) -> list[list[str]]:
         """The totals sets of each limit: one, or for a limit whose project segment is
@@ -1039,28 +1198,40 @@ class RedisBackend(Backend):
         """``command(pipeline, key, now_us)`` on every limit key under the prefix, in one
         pipeline after a SCAN and after sending the releases still waiting; the (key,
         reply) pairs. Failures are backend errors."""
-        if len(self._outbox):
-            self._outbox.flush()
-        self._breaker.before()
         pattern = _glob_escape(self.prefix) + ":{*}:z:*"
         replies: list[Any] = []
-        try:
-            seconds, micros = self.client.time()
-            now_us = seconds * 1_000_000 + micros
+        with self._reading():
+            now_us = self._redis_time()
             keys = sorted({_text(key) for key in self.client.scan_iter(match=pattern, count=1000)})
             if keys:
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
                     command(pipe, key, now_us)
                 replies = pipe.execute()
+        return list(zip(keys, replies, strict=True))
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around a status read: the releases still waiting are sent first (so none is
+        counted as held), the breaker is asked, and any failure is a BackendError."""
+        if len(self._outbox):
+            self._outbox.flush()
+        breaker = self._breaker
+        breaker.before()
+        try:
+            yield
         except Exception as exc:
-            self._breaker.failure(exc)
+            breaker.failure(exc)
             raise BackendError(f"redis at {self.location}: {exc}") from exc
         except BaseException:
-            self._breaker.abandon()
+            breaker.abandon()
             raise
-        self._breaker.success()
-        return list(zip(keys, replies, strict=True))
+        breaker.success()
+
+    def _redis_time(self) -> int:
+        """Redis ``TIME`` in µs, the clock every score is in."""
+        seconds, micros = self.client.time()
+        return int(seconds) * 1_000_000 + int(micros)
 
     def delayed_pending(self) -> int:
         """Delayed releases this process placed that have not matured yet (best effort:

@@ -19,26 +19,42 @@
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
 --
+-- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
+-- limit ('limit', which admissions enforce), its controller's state as the client wrote it
+-- ('s': adaptive.Controller.state(), 'due': when its window is due, seconds of Redis time)
+-- and the window being gathered ('n' samples, 'sum' of their latencies, 'drops', 'peak'
+-- in flight), which releases add to. A release that finds the window due (and no claim
+-- out) claims it: the script hands the state and that sample to the releasing process,
+-- which feeds them to adaptive.Controller and writes the next state back in a later call
+-- ('=' specs), guarded by the claim id; samples released meanwhile are kept and added.
+--
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
 --            owns in KEYS order: window in ms * 2, + 1 when its window entry is given back
 --            (a limit that counts only some statuses, and this response's was not one);
+--            an adaptive slot's code is "<code>:" or, with the request's sample,
+--            "<code>:<latency in us>:<faulty 1/0>";
 --            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
---            answer never came (freed now, and never taken if it runs later)
+--            answer never came (freed now, and never taken if it runs later);
+--            "=<claim> <due> <limit> <n> <sum> <drops> <peak> <state>" writes a claimed
+--            adaptive state (one key: the hash)
 -- then, when an admission follows:
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
---   then one spec per slot: "<concurrency (-1: none)> <rate quota (0: none)>
---   <rate window in us> <enforce (1/0)>"
+--   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
+--   (0: none)> <rate window in us> <enforce (1/0)>"
 -- (Specs in words keep the command short: the client packs each argument anew.)
 -- KEYS: the keys of the releases in order, then those of the admission: two per slot, its
--- path's sorted set and its limit's totals set.
+-- path's sorted set and its limit's totals set, and an adaptive slot's hash third.
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
 -- {1, {shadowed slot indexes}, {slot indexes whose full window was not extended}}
 -- (0-based); a refused one
--- {0, refusing slot index (0-based), kind (1 concurrency, 2 rate), retry after (us)}.
+-- {0, refusing slot index (0-based), kind (1 concurrency, 2 rate), retry after (us),
+-- the limit in force}. When releases claimed adaptive windows, the answer is wrapped:
+-- {2, answer, claim, ...}, each claim {hash, claim id, latency us, in flight, faulty,
+-- now us, s, n, sum, drops, peak} (the window's values before that sample).
 
 -- The concrete path of a path's sorted set "<prefix>:{<project>}:z:<path>" (no path
 -- segment holds a '}').
@@ -53,6 +69,11 @@ local function prune_due(lease)
   return string.byte(lease, -1) == 48 -- '0'
 end
 
+-- An adaptive hash idle this long (ms) goes: its path starts over from 'initial'.
+local ADAPTIVE_LIFE = 3600000
+-- A claim not written back within this long (s; its process died) may be claimed again.
+local CLAIM_LIFE = 1
+
 local now
 local function clock()
   if not now then
@@ -62,11 +83,84 @@ local function clock()
   return now
 end
 
+local claims = {}
+
+-- One released request's sample on an adaptive path: into the window, or, when the
+-- window is due and unclaimed, claimed for the releasing process to compute.
+local function sample(hash, key, latency, faulty, claim, extra)
+  local t = clock()
+  local inflight = redis.call('ZCOUNT', key, t + 1, '+inf') + extra -- itself included
+  local now_s = t / 1000000
+  local f = redis.call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak')
+  local due = tonumber(f[1])
+  if (not due or now_s >= due) and (not f[2] or tonumber(f[3]) < now_s) then
+    local w = redis.call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
+    redis.call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
+      'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
+    redis.call('PEXPIRE', hash, ADAPTIVE_LIFE)
+    claims[#claims + 1] = {hash, claim, latency, inflight, faulty, t,
+      w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
+    return
+  end
+  redis.call('HINCRBY', hash, 'n', 1)
+  if faulty == 1 then
+    redis.call('HINCRBY', hash, 'drops', 1)
+  else
+    redis.call('HINCRBYFLOAT', hash, 'sum', latency / 1000000)
+  end
+  if inflight > (tonumber(f[4]) or 0) then
+    redis.call('HSET', hash, 'peak', inflight)
+  end
+  if f[2] and inflight > (tonumber(f[5]) or 0) then
+    redis.call('HSET', hash, 'cpeak', inflight)
+  end
+end
+
+-- A claimed window's next state, from the process that claimed it: applied only if the
+-- claim is still its own; what was sampled since the claim is added to the new window.
+local function write_state(hash, spec)
+  local claim, due, limit, n, sum, drops, peak, state =
+    string.match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+  local f = redis.call('HMGET', hash, 'claim', 'n', 'sum', 'drops', 'n0', 'sum0', 'drops0', 'cpeak')
+  if f[1] ~= claim then
+    return
+  end
+  peak = tonumber(peak)
+  local cpeak = tonumber(f[8]) or 0
+  if cpeak > peak then
+    peak = cpeak
+  end
+  redis.call('HSET', hash, 's', state, 'due', due, 'limit', limit,
+    'n', tonumber(n) + (tonumber(f[2]) or 0) - (tonumber(f[5]) or 0),
+    'sum', tonumber(sum) + (tonumber(f[3]) or 0) - (tonumber(f[6]) or 0),
+    'drops', tonumber(drops) + (tonumber(f[4]) or 0) - (tonumber(f[7]) or 0),
+    'peak', peak)
+  redis.call('HDEL', hash, 'claim', 'until', 'n0', 'sum0', 'drops0', 'cpeak')
+  redis.call('PEXPIRE', hash, ADAPTIVE_LIFE)
+end
+
+-- The answer, with the claims made (if any).
+local function answer(result)
+  if #claims == 0 then
+    return result
+  end
+  local wrapped = {2, result}
+  for i = 1, #claims do
+    wrapped[#wrapped + 1] = claims[i]
+  end
+  return wrapped
+end
+
 -- --- releases (idempotent: a release applied twice, or after its lease ended, does nothing)
 local releases = tonumber(ARGV[1])
 local k = 1
 for r = 2, releases + 1 do
-  local lease, delay, codes = string.match(ARGV[r], '^(%S+) (%d+)(.*)$')
+  local spec = ARGV[r]
+  if string.byte(spec, 1) == 61 then -- '=': a claimed adaptive state
+    write_state(KEYS[k], spec)
+    k = k + 1
+  else
+  local lease, delay, codes = string.match(spec, '^(%S+) (%d+)(.*)$')
   delay = tonumber(delay)
   if string.byte(lease, 1) == 33 then
     -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It
@@ -82,11 +176,21 @@ for r = 2, releases + 1 do
     end
     delay = 0
   end
-  for word in string.gmatch(codes, '%d+') do
+  for word in string.gmatch(codes, '%S+') do
+    local code, adaptive, latency, faulty = string.match(word, '^(%d+)(:?)(%d*):?(%d*)$')
     local key = KEYS[k]
     local totals = KEYS[k + 1]
-    local code = tonumber(word)
+    code = tonumber(code)
     k = k + 2
+    local hash
+    if adaptive ~= '' then
+      if latency ~= '' then
+        hash = KEYS[k]
+        latency = tonumber(latency)
+        faulty = tonumber(faulty)
+      end
+      k = k + 1
+    end
     local path = path_of(key)
     if code % 2 == 1 then
       redis.call('ZREM', key, lease .. ':w')
@@ -100,6 +204,9 @@ for r = 2, releases + 1 do
     end
     if delay > 0 then
       if redis.call('ZSCORE', key, lease) then
+        if hash then
+          sample(hash, key, latency, faulty, lease, 0)
+        end
         local t = clock()
         -- Matured delays and ended leases go first, so a busy key holds only the
         -- delayed releases still pending.
@@ -120,7 +227,10 @@ for r = 2, releases + 1 do
         redis.call('PEXPIRE', key, math.floor(ttl / 1000) + 1)
       end
     else
-      redis.call('ZREM', key, lease)
+      -- A release applied twice (sent again after a lost answer) samples once.
+      if redis.call('ZREM', key, lease) == 1 and hash then
+        sample(hash, key, latency, faulty, lease, 1)
+      end
       redis.call('ZREM', totals, lease .. '|' .. path)
       -- A key lives max_hold after an admission, for its lease. Once no request is in
       -- flight on it (its latest member is no live lease), it lives only as long as what
@@ -140,11 +250,12 @@ for r = 2, releases + 1 do
       end
     end
   end
+  end
 end
 
 local a = releases + 2
 if #ARGV < a then
-  return 1
+  return answer(1)
 end
 
 -- --- admission
@@ -157,20 +268,30 @@ local slots = #ARGV - a - 1
 if lease ~= '' and redis.call('ZSCORE', KEYS[first_key + 1], lease .. '!') then
   -- Given back before it ran (see the releases above): take nothing. Nobody waits for
   -- this answer; it reads as a refusal.
-  return {0, 0, 1, 0}
+  return answer({0, 0, 1, 0, 0})
 end
 
 local specs = {}
 local busy = {}
 local over = {}
 local full = {}
+local at = {}
+local kk = first_key
 for i = 1, slots do
   local concurrency, quota, window, enforce = string.match(ARGV[a + 1 + i], '^(%S+) (%d+) (%d+) (%d)$')
-  concurrency = tonumber(concurrency)
+  at[i] = kk
+  if string.byte(concurrency, 1) == 97 then
+    -- 'a<initial>': adaptive; the limit in force is the one its hash holds
+    concurrency = tonumber(redis.call('HGET', KEYS[kk + 2], 'limit')) or tonumber(string.sub(concurrency, 2))
+    kk = kk + 3
+  else
+    concurrency = tonumber(concurrency)
+    kk = kk + 2
+  end
   quota = tonumber(quota)
   window = tonumber(window)
   specs[i] = {quota, window}
-  local key = KEYS[first_key + 2 * i - 2]
+  local key = KEYS[at[i]]
   local held
   local entries = 0
   if quota > 0 then
@@ -192,14 +313,14 @@ for i = 1, slots do
       if soonest[1] and string.sub(soonest[1], -2) == ':d' then
         retry = tonumber(soonest[2]) - t
       end
-      return {0, i - 1, 1, retry}
+      return answer({0, i - 1, 1, retry, concurrency})
     end
     over[i] = true
   end
   if quota > 0 and entries >= quota then
     if enforce == '1' then
       local oldest = redis.call('ZREVRANGEBYSCORE', key, '(0', '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
-      return {0, i - 1, 2, window - tonumber(oldest[2]) - t}
+      return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
     end
     over[i] = true
     full[i] = true
@@ -208,15 +329,15 @@ end
 
 if lease == '' then
   -- A peek: the answer acquire would give. Expired entries were dropped; nothing added.
-  return 1
+  return answer(1)
 end
 
 local shadowed = {}
 local unrecorded = {}
 local prune = prune_due(lease)
 for i = 1, slots do
-  local key = KEYS[first_key + 2 * i - 2]
-  local totals = KEYS[first_key + 2 * i - 1]
+  local key = KEYS[at[i]]
+  local totals = KEYS[at[i] + 1]
   local path = path_of(key)
   local quota, window = specs[i][1], specs[i][2]
   local ttl = hold_ms
@@ -258,6 +379,6 @@ for i = 1, slots do
   end
 end
 if #shadowed == 0 and #unrecorded == 0 then
-  return 1
+  return answer(1)
 end
-return {1, shadowed, unrecorded}
+return answer({1, shadowed, unrecorded})
