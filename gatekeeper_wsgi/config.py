@@ -8,6 +8,7 @@ so every source goes through the same checks and the same error messages.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "Rate",
     "TimeoutHeader",
     "build_config",
+    "check_limit",
     "config_file",
     "load_config",
     "merge_settings",
@@ -278,6 +280,20 @@ class Config:
         service, request value -> slots and delay): it lives and dies with this
         configuration, so a reload keeps nothing of the previous one alive."""
         return {}
+
+    def with_code_limits(self, limits: Mapping[str, Mapping[str, Any]]) -> Config:
+        """This configuration with limits defined in code (framework decorators) laid under
+        its own, as :func:`load_config` lays them (a configured path wins): each code limit
+        is checked here, the configuration, valid already, is not checked again."""
+        if not limits:
+            return self
+        # The order load_config gives: code paths first, then the configuration's own.
+        order = {**limits, **self.limits}
+        merged = {
+            path: self.limits[path] if path in self.limits else check_limit(path, limits[path])
+            for path in order
+        }
+        return dataclasses.replace(self, limits=MappingProxyType(merged))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Config):
@@ -863,6 +879,12 @@ def load_config(
     file_settings, lines = load_file(file, data)
     merged = merge_settings(settings, file_settings)
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
+
+
+def check_limit(path: str, fields: Mapping[str, Any]) -> Limit:
+    """One limit defined in code (a framework decorator) at ``path``, checked by the rules
+    of a configured one; raises :class:`ConfigError` keyed ``limits.<path>.<field>``."""
+    return _Checker(None, None, whole_file=True).limit(path, fields)
 
 
 def build_config(

@@ -124,7 +124,10 @@ class GateKeeper:
     """Admits or rejects requests by the limits of a configuration.
 
     ``config`` is a settings dict (SPEC §3) or the path of a ``.toml`` / ``.properties``
-    file. ``clock`` returns monotonic seconds; tests inject one to travel in time::
+    file. ``clock`` returns monotonic seconds; tests inject one to travel in time.
+    ``code_limits`` are limits defined in code, as :meth:`add_limits` takes them;
+    ``validated``, the :class:`Config` of ``config`` with them that the caller has built
+    already (``load_config(config).with_code_limits(code_limits)``), used as is::
 
         gk = GateKeeper({"project": "shop", "limits": {"shop": {"concurrency": 100}}})
         admission = gk.admit("shop", "checkout", "crm")   # raises Rejected when full
@@ -140,12 +143,14 @@ class GateKeeper:
         *,
         clock: Callable[[], float] = time.monotonic,
         backend: Backend | None = None,
+        code_limits: Mapping[str, Mapping[str, Any]] | None = None,
+        validated: Config | None = None,
     ) -> None:
         self._source = config
         self._file = (
             config_file(config) if isinstance(config, (str, os.PathLike, Mapping)) else None
         )
-        self._code_limits: dict[str, Mapping[str, Any]] = {}
+        self._code_limits: dict[str, Mapping[str, Any]] = dict(code_limits or {})
         self._clock = clock
         # Where the default clock is the one behind perf_counter (both CLOCK_MONOTONIC on
         # Linux), admission and release take "now" from the reading they take for their
@@ -159,7 +164,9 @@ class GateKeeper:
         self._pending: tuple[tuple[int, int, int], bytes, float] | None = None
         # The stamp of a path found not to be a readable regular file (a FIFO, a device).
         self._unreadable: tuple[int, int, int] | None = None
-        self.config = self._build()
+        # A framework that validated its settings at start-up hands the result over, so
+        # nothing is validated twice; a file is then read again at the first reload check.
+        self.config = validated if validated is not None else self._build()
         # The inode found at the path by the last check (a rename brings another one).
         self._seen_inode: int | None = None if self._file_stamp is None else self._file_stamp[2]
         #: the request helpers (service, caller, request id) of the configuration in force

@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from flask import Blueprint, Flask, current_app, has_app_context
 from werkzeug.exceptions import HTTPException
 
-from gatekeeper_wsgi.backends import backend_from_url
-from gatekeeper_wsgi.config import build_config, load_config
+from gatekeeper_wsgi.config import Config, check_limit, load_config
 from gatekeeper_wsgi.engine import ConfigSource
 from gatekeeper_wsgi.engine import GateKeeper as Engine
 from gatekeeper_wsgi.errors import ConfigError
@@ -84,7 +83,7 @@ def _limit_fields(**given: Any) -> dict[str, Any]:
 def _validated(fields: dict[str, Any], path: str, where: str) -> dict[str, Any]:
     """Check the fields now, at decoration time, with the same rules as the settings."""
     try:
-        build_config({"limits": {path: fields}})
+        check_limit(path, fields)
     except ConfigError as exc:
         name = exc.key.removeprefix(f"limits.{path}").lstrip(".")
         raise ConfigError(f"{where}: {name}" if name else where, exc.problem) from None
@@ -99,12 +98,6 @@ def _chain(view: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
         yield current
         current = getattr(current, "__wrapped__", None)
         seen += 1
-
-
-def _validate(source: ConfigSource) -> None:
-    """Fail at start-up, not on the first request: settings, file, resolver, renderer,
-    routes and the backend's scheme are all checked by the configuration model."""
-    load_config(source)
 
 
 class GateKeeper:
@@ -176,9 +169,12 @@ class GateKeeper:
         source: ConfigSource = (
             self._config if self._config is not None else (app.config.get("GATEKEEPER") or {})
         )
-        _validate(source)
+        # Validated now, once, to fail at start-up rather than on the first request:
+        # settings, file, resolver, renderer, routes and the backend's scheme. The engine
+        # starts from this result.
+        config = load_config(source)
         inner: WSGIApplication = app.wsgi_app
-        state = AppState(self, app, source, inner)
+        state = AppState(self, app, source, config, inner)
         app.wsgi_app = state  # type: ignore[method-assign]
         app.extensions[EXTENSION_KEY] = state
         from .cli import gatekeeper_cli
@@ -434,12 +430,19 @@ class AppState:
     """
 
     def __init__(
-        self, extension: GateKeeper, app: Flask, source: ConfigSource, inner: WSGIApplication
+        self,
+        extension: GateKeeper,
+        app: Flask,
+        source: ConfigSource,
+        config: Config,
+        inner: WSGIApplication,
     ) -> None:
         self.extension = extension
         self.app = app
         #: the settings dict or file path the engine is built from
         self.source = source
+        #: ``source`` as validated by ``init_app`` (without the code limits)
+        self.config = config
         #: the code limits last handed to the engine (decorators, limit_blueprint)
         self.code_limits: dict[str, Mapping[str, Any]] = {}
         #: the StatusApp behind the status blueprint, built on first use
@@ -471,22 +474,16 @@ class AppState:
         return middleware
 
     def _start(self) -> GateKeeperMiddleware:
-        project = load_config(self.source).project
-        limits, names = self.extension.collect(self.app, project)
-        sized = load_config(_with_limits(self.source, limits))
-        backend = backend_from_url(sized.backend, sized)
+        limits, names = self.extension.collect(self.app, self.config.project)
+        # The configuration init_app validated, with the view limits: the engine's backend
+        # is sized for both (the shared table is sized when it is created).
+        config = self.config.with_code_limits(limits)
         clock = self.extension.clock
-        try:
-            engine = (
-                Engine(self.source, backend=backend)
-                if clock is None
-                else Engine(self.source, clock=clock, backend=backend)
-            )
-            if limits:
-                engine.add_limits(limits)
-        except BaseException:
-            backend.close()
-            raise
+        engine = (
+            Engine(self.source, code_limits=limits, validated=config)
+            if clock is None
+            else Engine(self.source, clock=clock, code_limits=limits, validated=config)
+        )
         self._engine = engine
         self.code_limits = limits
         self._names = names
@@ -583,5 +580,5 @@ class AppState:
         if self._engine is not None:
             self.refresh(if_changed=True)
             return _with_limits(self.source, self.code_limits)
-        limits, _ = self.extension.collect(self.app, load_config(self.source).project)
+        limits, _ = self.extension.collect(self.app, self.config.project)
         return _with_limits(self.source, limits)
