@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,6 +17,8 @@ from django.urls import Resolver404, get_urlconf, resolve
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.middleware import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
+from gatekeeper_wsgi.naming import UNRESOLVED
+from gatekeeper_wsgi.naming import name_segment as service_segment
 from gatekeeper_wsgi.resolve import remember
 
 from .conf import get_gatekeeper
@@ -27,10 +28,6 @@ __all__ = ["UNRESOLVED", "GateKeeperMiddleware", "service_segment"]
 
 logger = logging.getLogger("gatekeeper")
 
-#: The service of a request whose path resolves to no URL pattern (Django answers 404).
-UNRESOLVED = "unresolved"
-
-_NOT_SEGMENT = re.compile(r"[^A-Za-z0-9._:@-]+")
 
 #: Resolving a path costs more than everything else the middleware does, so its outcome
 #: is memoized: (urlconf, path) -> (the namespace's project or None, service), or None for
@@ -45,13 +42,6 @@ def _forget_names(*, setting: str, **kwargs: Any) -> None:
 
 
 setting_changed.connect(_forget_names, dispatch_uid="gatekeeper_wsgi.forget_names")
-
-
-def service_segment(name: str) -> str:
-    """A URL name, namespace or view path as a limit path segment: every run of characters
-    outside ``[A-Za-z0-9._:@-]`` becomes ``_``, cut at 128 characters
-    (``views.<locals>.f`` -> ``views._locals_.f``)."""
-    return _NOT_SEGMENT.sub("_", name)[:128] or "_"
 
 
 def _view_path(func: Any) -> str:
@@ -147,11 +137,13 @@ class GateKeeperMiddleware:
     ``request.urlconf`` when set, else ``ROOT_URLCONF``) gives the levels: project = the
     URL namespace (``"shop"``, nested ``"shop:admin"``), else the ``project`` setting;
     service = the URL name; a pattern without a name uses the view's dotted path
-    (``myapp.views.checkout``, ``myapp.views.CheckoutView``); names are made safe by
-    :func:`service_segment`. A path that resolves to nothing counts as service
-    ``unresolved`` (:data:`UNRESOLVED`) of the ``project`` setting, so 404 floods are
-    limited too. Views marked ``@gatekeeper_exempt`` are never limited. The ``routes``
-    setting is for bare WSGI and ignored here.
+    (``myapp.views.checkout``, ``myapp.views.CheckoutView``); names are made safe by the
+    core's one naming policy (:mod:`gatekeeper_wsgi.naming`; ``service_segment`` is its
+    :func:`~gatekeeper_wsgi.naming.name_segment`). A path that resolves to nothing counts
+    as service ``unresolved`` (:data:`~gatekeeper_wsgi.naming.UNRESOLVED`) of the
+    ``project`` setting, so 404 floods are limited too. Views marked
+    ``@gatekeeper_exempt`` are never limited. The ``routes`` setting is for bare WSGI and
+    ignored here.
 
     **Caller.** From the configured header, or ``caller.resolver(request.META)``. Limits
     with ``key: "user"`` read ``request.user`` (its username when authenticated), else

@@ -13,10 +13,13 @@ Naming (SPEC §1), decided here once:
   = the rest of the endpoint, ``v1.users``. A limit on ``api`` so caps everything served
   under it, as Flask applies a parent's hooks to its children; service names stay unique.
 * No route matched (404, 405, a strict-slashes redirect, an untrusted host): project = the
-  ``project`` setting, service = ``unresolved`` (:data:`UNRESOLVED_SERVICE`), so scans of
-  random URLs share one service-level counter instead of creating one per path.
-* Endpoint names outside ``[A-Za-z0-9._:@-]`` (at most 128 characters) are replaced by a
-  short stable digest (``~3f2a…``), so every name is a safe limit path segment.
+  ``project`` setting, service = ``unresolved`` (:data:`UNRESOLVED_SERVICE`, the core's
+  :data:`~gatekeeper_wsgi.naming.UNRESOLVED`), so scans of random URLs share one
+  service-level counter instead of creating one per path.
+* Blueprint and endpoint names follow the core's one naming policy, as Django's URL
+  names do (:func:`gatekeeper_wsgi.naming.name_segment`): runs of characters outside
+  ``[A-Za-z0-9._:@-]`` become ``_``, cut at 128 characters, so every name is a safe limit
+  path segment that a limit in the settings can name.
 
 Behind a proxy, apply werkzeug's ``ProxyFix`` *after* ``init_app``
 (``app.wsgi_app = ProxyFix(app.wsgi_app)``), so it runs first and ``key="ip"`` sees the
@@ -42,7 +45,8 @@ from gatekeeper_wsgi.engine import ConfigSource
 from gatekeeper_wsgi.engine import GateKeeper as Engine
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.middleware import GateKeeperMiddleware
-from gatekeeper_wsgi.resolve import key_segment, remember
+from gatekeeper_wsgi.naming import UNRESOLVED, name_segment
+from gatekeeper_wsgi.resolve import remember
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
@@ -56,8 +60,9 @@ logger = logging.getLogger("gatekeeper")
 
 #: ``app.extensions`` key of an app's :class:`AppState`.
 EXTENSION_KEY = "gatekeeper"
-#: Service of requests that match no route (404, 405, redirects, untrusted hosts).
-UNRESOLVED_SERVICE = "unresolved"
+#: Service of requests that match no route (404, 405, redirects, untrusted hosts): the
+#: core's one constant, under the name this module always exported.
+UNRESOLVED_SERVICE = UNRESOLVED
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 QueueArg = Mapping[str, float] | tuple[int, float] | str
@@ -387,7 +392,7 @@ class GateKeeper:
                 if registered is blueprint:
                     if "." in registered_name:
                         raise _nested_error(registered_name)
-                    limits[key_segment(registered_name)] = fields
+                    limits[name_segment(registered_name)] = fields
         return limits, names
 
 
@@ -405,8 +410,8 @@ def endpoint_identity(app: Flask, endpoint: str, project: str) -> tuple[str, str
     endpoint, or the project setting and the endpoint."""
     top, dot, rest = endpoint.partition(".")
     if dot and top in app.blueprints:
-        return key_segment(top), key_segment(rest)
-    return project, key_segment(endpoint)
+        return name_segment(top), name_segment(rest)
+    return project, name_segment(endpoint)
 
 
 def _with_limits(source: ConfigSource, limits: Mapping[str, Mapping[str, Any]]) -> ConfigSource:
