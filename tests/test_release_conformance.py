@@ -2,7 +2,10 @@
 Flask extension, Django under WSGI and Django under ASGI: a request's slots come back when
 its body is exhausted or closed, whichever is first, or - when neither happens (a test
 client, a server dropping a response) - when the response is garbage collected; exactly
-once; the app's own close() runs exactly once; ``count = [...]`` reservations come back.
+once; the app's own close() runs exactly once; ``count = [...]`` reservations come back;
+a response that is not faulty releases at once whatever the delay. The adapters' own test
+files keep only what is theirs (naming, settings, framework behaviours); the release rules
+are proven here, once, for all of them.
 
 Each integration is driven as its server drives it: the WSGI ones by a hand-made environ
 and the returned iterable, Django's ASGI handler by its ASGI messages.
@@ -35,8 +38,10 @@ if TYPE_CHECKING:
 configure()
 
 #: The limits every integration runs with: one request at a time on /work, a rate on
-#: /status counting only 401s.
+#: /status counting only 401s; a delay everywhere, which only a faulty response (none of
+#: the suite's) would wait for.
 LIMITS = {
+    "site": {"delay": 3600},
     "site/work": {"concurrency": 1},
     "site/stream": {"concurrency": 1},
     "site/status": {"rate": "2/hour", "count": [401]},
@@ -160,10 +165,14 @@ def read(result: Iterable[bytes]) -> bytes:
 
 
 def test_a_body_read_to_its_end_is_released_before_close(served: Served) -> None:
-    """Read to its end, a response has given its slot back although close() is still due;
-    the close() that follows frees nothing more."""
+    """Unread, a response holds its slot (a second request is refused); read to its end it
+    has given the slot back although close() is still due; the close() that follows frees
+    nothing more."""
     for route, body in (("/work/", b"ok"), ("/stream/", b"one two three")):
         result = served.call(route)
+        assert served.inflight() == {f"site{route.rstrip('/')}": 1}
+        read(served.call(route))  # a refusal: a ServiceFault, holding nothing
+        assert served.status() == 503
         assert served.inflight() == {f"site{route.rstrip('/')}": 1}
         assert read(result) == body
         assert served.inflight() == {}
@@ -190,6 +199,34 @@ def test_a_response_dropped_unread_and_unclosed_is_released_when_collected(
     served.call("/work/")
     assert served.status() == 503
     getattr(held, "close")()  # noqa: B009
+
+
+def test_a_response_closed_unread_is_released_once(served: Served) -> None:
+    """A response the server closes without reading it (a HEAD, a client gone before the
+    body) gives its slot back at that close(), once: a second close() frees nothing more."""
+    for route in ("/work/", "/stream/"):
+        result = served.call(route)
+        assert served.inflight() == {f"site{route.rstrip('/')}": 1}
+        getattr(result, "close")()  # noqa: B009
+        assert served.inflight() == {}
+        held = served.call(route)
+        assert served.status() == 200
+        if route == "/work/":  # a stream's second close() would close the app's twice
+            getattr(result, "close")()  # noqa: B009
+        assert served.inflight() == {f"site{route.rstrip('/')}": 1}
+        getattr(held, "close")()  # noqa: B009
+        assert served.inflight() == {}
+    assert CLOSES == ["closed", "closed"]
+
+
+def test_a_healthy_response_releases_at_once_whatever_the_delay(served: Served) -> None:
+    """2xx and 4xx responses are not faulty: under a limit with a delay they give their
+    slots back as soon as they are finished, and no delayed release is pending."""
+    for route, status in (("/status/404/", 404), ("/work/", 200), ("/status/200/", 200)):
+        read(served.call(route))
+        assert served.status() == status
+    assert served.inflight() == {}
+    assert served.keeper.stats()["counters"]["delayed_pending"] == 0
 
 
 def test_a_stream_dropped_mid_way_then_closed_closes_the_app_once(served: Served) -> None:
