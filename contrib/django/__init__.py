@@ -14,8 +14,6 @@ Importing this package needs Django but no configured settings: the middleware a
 settings helpers are loaded on first attribute access.
 """
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

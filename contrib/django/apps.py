@@ -1,8 +1,5 @@
 """The Django app: registers the system checks."""
 
-# mypy: disable-error-code="import-untyped"
-# mypy: allow-subclassing-any
-
 from __future__ import annotations
 
 from django.apps import AppConfig

@@ -18,13 +18,12 @@ first error, so each top-level setting and each limit is then also checked on it
 Hints point into ``docs/configuration.md`` of the gatekeeper-wsgi source.
 """
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from django.apps import AppConfig
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
@@ -56,7 +55,9 @@ def _hint_for(key: str) -> str:
     return f"See {_DOCS}#{anchor} (the configuration reference) in the gatekeeper-wsgi source."
 
 
-def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+def check_settings(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
     """All gatekeeper checks: settings first, then the middleware's position."""
     return [*_check_gatekeeper_setting(), *_check_middleware()]
 

@@ -8,8 +8,6 @@ is not noticed - assign a new one. The operators' file (``reload.file``) hot-rel
 inside the engine as everywhere else.
 """
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
 import threading

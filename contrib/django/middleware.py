@@ -1,17 +1,16 @@
 """The Django middleware: the core engine's admission and release around Django's handler."""
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
-from django.http import HttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.urls import Resolver404, get_urlconf, resolve
 
 from gatekeeper_wsgi.errors import Rejected
@@ -24,6 +23,9 @@ from gatekeeper_wsgi.resolve import remember
 from .conf import get_gatekeeper
 from .signals import request_rejected
 
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIEnvironment
+
 __all__ = ["UNRESOLVED", "GateKeeperMiddleware", "service_segment"]
 
 logger = logging.getLogger("gatekeeper")
@@ -32,7 +34,7 @@ logger = logging.getLogger("gatekeeper")
 #: Resolving a path costs more than everything else the middleware does, so its outcome
 #: is memoized: (urlconf, path) -> (the namespace's project or None, service), or None for
 #: an exempt view. Cleared when ROOT_URLCONF changes, as Django clears its URL caches.
-_NAMES: dict[tuple[Any, str], tuple[str | None, str] | None] = {}
+_NAMES: dict[tuple[object, str], tuple[str | None, str] | None] = {}
 _UNKNOWN = ("", "")
 
 
@@ -44,7 +46,7 @@ def _forget_names(*, setting: str, **kwargs: Any) -> None:
 setting_changed.connect(_forget_names, dispatch_uid="gatekeeper_wsgi.forget_names")
 
 
-def _view_path(func: Any) -> str:
+def _view_path(func: Callable[..., object]) -> str:
     """The dotted path of a view: module and qualified name of the function or class."""
     view = getattr(func, "view_class", func)
     if not hasattr(view, "__qualname__"):  # a callable instance, a functools.partial
@@ -52,14 +54,14 @@ def _view_path(func: Any) -> str:
     return f"{view.__module__}.{view.__qualname__}"
 
 
-def _is_exempt(func: Any) -> bool:
+def _is_exempt(func: Callable[..., object]) -> bool:
     return bool(
         getattr(func, "gatekeeper_exempt", False)
         or getattr(getattr(func, "view_class", None), "gatekeeper_exempt", False)
     )
 
 
-def _resolve_names(path: str, urlconf: Any) -> tuple[str | None, str] | None:
+def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | None:
     """(the namespace's project or None, service) of a path, or None for an exempt view."""
     try:
         match = resolve(path, urlconf)
@@ -90,7 +92,7 @@ class _ReleasedWhenRead(list):  # type: ignore[type-arg]
         return self.watch.stream(chunks, finish_on_error=True, length=length)
 
 
-def _username(request: Any) -> str | None:
+def _username(request: HttpRequest) -> str | None:
     user = getattr(request, "user", None)
     if user is None or not getattr(user, "is_authenticated", False):
         return None
@@ -100,7 +102,7 @@ def _username(request: Any) -> str | None:
 class _DjangoGate(Gate):
     """The core's Gate, told apart from what Django itself puts into ``request.META``."""
 
-    def server_is_multiprocess(self, environ: Any) -> bool:
+    def server_is_multiprocess(self, environ: WSGIEnvironment) -> bool:
         # Django's ASGIRequest (no wsgi.input in its META) and its test client (a
         # FakePayload as wsgi.input) set wsgi.multiprocess=True whatever serves them: only
         # a WSGI server's own environ says so. A forked ASGI worker is still detected by
@@ -180,12 +182,12 @@ class GateKeeperMiddleware:
     sync_capable = True
     async_capable = False
 
-    def __init__(self, get_response: Callable[[Any], Any]) -> None:
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
         self.get_response = get_response
         # Built now, so a broken configuration fails at start-up, not on a request.
         self._gate = _DjangoGate(get_gatekeeper())
 
-    def __call__(self, request: Any) -> Any:
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
         meta = request.META
         if ADMISSION_KEY in meta:  # already counted by the WSGI middleware around Django
             return self.get_response(request)
@@ -218,7 +220,7 @@ class GateKeeperMiddleware:
         return response
 
     @staticmethod
-    def _names(request: Any, default_project: str) -> tuple[str, str] | None:
+    def _names(request: HttpRequest, default_project: str) -> tuple[str, str] | None:
         """(project, service) of the request, or None for an exempt view."""
         urlconf = getattr(request, "urlconf", None)
         path = request.path_info
@@ -232,32 +234,33 @@ class GateKeeperMiddleware:
         return project or default_project, service
 
     @staticmethod
-    def _watch(response: Any, watch: ResponseWatch) -> None:
+    def _watch(response: HttpResponseBase, watch: ResponseWatch) -> None:
         """Feed the response to the watch and release on its close."""
         watch.headers(response.status_code, response.items())
-        if response.streaming:
+        if isinstance(response, StreamingHttpResponse):
             if getattr(response, "file_to_stream", None) is None or watch.scans_body:
                 # An error mid-stream releases at once: Django's ASGI handler skips
                 # close() when a stream raises.
-                if response.is_async:
-                    response.streaming_content = watch.astream(response.streaming_content)
+                content = response.streaming_content
+                # An async iterator exactly when the response is_async (Django's property).
+                if isinstance(content, AsyncIterator):
+                    response.streaming_content = watch.astream(content)
                 else:
-                    response.streaming_content = watch.stream(
-                        response.streaming_content, finish_on_error=True
-                    )
-        else:
+                    response.streaming_content = watch.stream(content, finish_on_error=True)
+        elif isinstance(response, HttpResponse):
             if watch.scans_body:
                 watch.chunk(response.content)
             container = getattr(response, "_container", None)
             if type(container) is list:  # an HttpResponse's (not a custom class's)
-                response._container = body = _ReleasedWhenRead(container)
+                # Django's private body list and closers, which django-stubs leave out.
+                response._container = body = _ReleasedWhenRead(container)  # type: ignore[attr-defined]
                 body.watch = watch
         # The closer holds the watch, so a response dropped without close() finishes it
         # when collected (ResponseWatch's safety net).
-        response._resource_closers.append(watch.finish)
+        response._resource_closers.append(watch.finish)  # type: ignore[attr-defined]
 
     def _reject(
-        self, request: Any, rejected: Rejected, gate: Gate, identifier: Identifier
+        self, request: HttpRequest, rejected: Rejected, gate: Gate, identifier: Identifier
     ) -> HttpResponse:
         meta = request.META
         # Under ASGI there is no wsgi.input; the request reads its own (limited) body.
@@ -270,7 +273,7 @@ class GateKeeperMiddleware:
         # Reported once, on gatekeeper.rejected (INFO); without this mark django.request
         # would log every rejection again as an ERROR (a 503), which AdminEmailHandler
         # mails to ADMINS.
-        response._has_been_logged = True
+        response._has_been_logged = True  # type: ignore[attr-defined]  # Django's own mark
         for receiver, result in request_rejected.send_robust(
             sender=type(self), request=request, rejected=rejected, request_id=meta[REQUEST_ID_KEY]
         ):

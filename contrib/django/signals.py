@@ -1,7 +1,5 @@
 """Signals of the Django integration."""
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
 from django.dispatch import Signal

@@ -2,8 +2,6 @@
 ``gatekeeper/`` (``gatekeeper:dashboard``) and ``gatekeeper/status.json``
 (``gatekeeper:status``), staff only by default (see :mod:`.views`)."""
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
 from django.urls import path

@@ -12,34 +12,38 @@ pattern's kwargs to use another rule::
     path("ops/status.json", status_json, {"allow": lambda request: request.user.is_superuser})
 """
 
-# mypy: disable-error-code="import-untyped"
-
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 from io import BytesIO
-from typing import Any
+from typing import TYPE_CHECKING
 
 from django.contrib.auth.views import redirect_to_login
-from django.http import HttpResponse, HttpResponseForbidden
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 
 from gatekeeper_wsgi.engine import GateKeeper
 
 from .conf import get_gatekeeper
 from .decorators import gatekeeper_exempt
 
+if TYPE_CHECKING:
+    from _typeshed import OptExcInfo
+    from _typeshed.wsgi import WSGIEnvironment
+
+    from gatekeeper_wsgi.status import StatusApp
+
 __all__ = ["dashboard", "is_staff", "status_json"]
 
 #: environ key telling the StatusApp that Django already allowed the request
 _ALLOWED_KEY = "gatekeeper.django.allowed"
 
-Allow = Callable[[Any], bool]
+Allow = Callable[[HttpRequest], bool]
 
-_status_app: tuple[GateKeeper, Any] | None = None
+_status_app: tuple[GateKeeper, StatusApp] | None = None
 
 
-def is_staff(request: Any) -> bool:
+def is_staff(request: HttpRequest) -> bool:
     """The default access rule: an authenticated, active staff user."""
     user = getattr(request, "user", None)
     return bool(
@@ -50,11 +54,11 @@ def is_staff(request: Any) -> bool:
     )
 
 
-def _allowed_by_django(environ: Any) -> bool:
+def _allowed_by_django(environ: WSGIEnvironment) -> bool:
     return environ.get(_ALLOWED_KEY) is True
 
 
-def _status_app_for(keeper: GateKeeper) -> Any:
+def _status_app_for(keeper: GateKeeper) -> StatusApp:
     global _status_app
     current = _status_app
     if current is not None and current[0] is keeper:
@@ -66,7 +70,7 @@ def _status_app_for(keeper: GateKeeper) -> Any:
     return app
 
 
-def _serve(request: Any, sub_path: str, allow: Allow) -> HttpResponse:
+def _serve(request: HttpRequest, sub_path: str, allow: Allow) -> HttpResponse:
     from gatekeeper_wsgi.access import presents_token
 
     allowed = allow(request)
@@ -91,10 +95,12 @@ def _serve(request: Any, sub_path: str, allow: Allow) -> HttpResponse:
             "wsgi.url_scheme": request.scheme,
         }
     )
-    captured: list[Any] = []
+    captured: list[tuple[str, list[tuple[str, str]]]] = []
 
-    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-        captured[:] = [status, headers]
+    def start_response(
+        status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
+    ) -> Callable[[bytes], object]:
+        captured[:] = [(status, headers)]
         return lambda data: None
 
     result = _status_app_for(get_gatekeeper())(environ, start_response)
@@ -104,7 +110,7 @@ def _serve(request: Any, sub_path: str, allow: Allow) -> HttpResponse:
         close = getattr(result, "close", None)
         if close is not None:
             close()
-    status, headers = captured
+    ((status, headers),) = captured
     code, _, reason = status.partition(" ")
     response = HttpResponse(body, status=int(code), reason=reason or None)
     for name, value in headers:
@@ -113,12 +119,12 @@ def _serve(request: Any, sub_path: str, allow: Allow) -> HttpResponse:
 
 
 @gatekeeper_exempt
-def status_json(request: Any, allow: Allow = is_staff) -> HttpResponse:
+def status_json(request: HttpRequest, allow: Allow = is_staff) -> HttpResponse:
     """Live counters, in-flight per limit and stage timings as JSON."""
     return _serve(request, "/status.json", allow)
 
 
 @gatekeeper_exempt
-def dashboard(request: Any, allow: Allow = is_staff) -> HttpResponse:
+def dashboard(request: HttpRequest, allow: Allow = is_staff) -> HttpResponse:
     """The live HTML dashboard (it polls ``status.json`` next to it)."""
     return _serve(request, "/", allow)

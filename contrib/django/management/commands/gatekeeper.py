@@ -7,16 +7,13 @@ does the work)::
     manage.py gatekeeper replay LOG --to URL [--rate 5/s] [--dry-run] [-H 'Name: value']
 """
 
-# mypy: disable-error-code="import-untyped"
-# mypy: allow-subclassing-any
-
 from __future__ import annotations
 
 from argparse import Namespace
 from importlib import import_module
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 
 from gatekeeper_wsgi.errors import ConfigError
 
@@ -24,7 +21,7 @@ from gatekeeper_wsgi.errors import ConfigError
 class _Out:
     """A text stream over Django's OutputWrapper, which would add a newline per write."""
 
-    def __init__(self, wrapper: Any) -> None:
+    def __init__(self, wrapper: OutputWrapper) -> None:
         self._wrapper = wrapper
 
     def write(self, text: str) -> int:
@@ -38,7 +35,7 @@ class _Out:
 class Command(BaseCommand):
     help = "Check the limits, watch live counters, replay rejected requests."
 
-    def add_arguments(self, parser: Any) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         cli = import_module("gatekeeper_wsgi.cli")
         # Django's parser raises CommandError itself; argparse subparsers need that class.
         commands = parser.add_subparsers(
