@@ -21,7 +21,7 @@ from xml.sax.saxutils import escape
 from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
-from gatekeeper_wsgi.config import FAULT_FORMATS, FaultFormat
+from gatekeeper_wsgi.config import FAULT_FORMATS, Config, FaultFormat
 from gatekeeper_wsgi.errors import FAULT_CODES, Rejected
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def render_fault(
     request_id: str,
     *,
     fault_format: FaultFormat = "auto",
-    request_id_header: str = "X-Request-Id",
+    request_id_header: str = Config.request_id_header,
     renderer: Renderer | None = None,
 ) -> tuple[str, list[tuple[str, str]], bytes]:
     """Render ``rejected`` as a ServiceFault response: ``(status line, headers, body)``.

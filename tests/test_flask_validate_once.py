@@ -5,17 +5,17 @@ the view limits laid under it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from flask import Blueprint, Flask, Response, stream_with_context
+from flask import Blueprint, Flask, Response
 from gatekeeper_wsgi.contrib.flask import GateKeeper
 
 from gatekeeper_wsgi import ConfigError
 from gatekeeper_wsgi import config as config_module
 from tests.conftest import FakeClock
+from tests.test_flask import held_stream
 
 
 @pytest.fixture
@@ -31,16 +31,6 @@ def validations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(config_module._Checker, "check", counted)
     return seen
-
-
-def held() -> Response:
-    """A streamed response that stays in flight until it is closed."""
-
-    def generate() -> Iterator[str]:
-        yield "one\n"
-        yield "two\n"
-
-    return Response(stream_with_context(generate()))
 
 
 def limited_app(settings: dict[str, Any]) -> tuple[Flask, GateKeeper]:
@@ -60,7 +50,7 @@ def limited_app(settings: dict[str, Any]) -> tuple[Flask, GateKeeper]:
     @app.route("/export")
     @gk.limit(concurrency=1)
     def export() -> Response:
-        return held()
+        return held_stream()
 
     @app.route("/login", methods=["POST"])
     @gk.limit(rate="3/minute", key="ip")

@@ -3,6 +3,7 @@ exactly that shape: every key, no other, each value of its declared type."""
 
 from __future__ import annotations
 
+import json
 import typing
 from typing import Any, get_type_hints
 
@@ -86,8 +87,22 @@ def busy_keeper(clock: FakeClock) -> GateKeeper:
 
 
 def test_stats_match_the_typed_dict_key_by_key(busy_keeper: GateKeeper) -> None:
-    """Every key of ``stats()`` is declared by ``Stats`` with its type, and none is missing."""
-    _conforms(busy_keeper.stats(), Stats, "stats()")
+    """Every key of ``stats()`` is declared by ``Stats`` with its type, and none is missing;
+    it is plain JSON."""
+    stats = busy_keeper.stats()
+    _conforms(stats, Stats, "stats()")
+    assert set(stats) == {"counters", "stages", "adaptive"}
+    assert json.loads(json.dumps(stats)) == stats
+
+
+def test_a_fresh_engine_has_the_whole_shape() -> None:
+    """Before any request every counter and every stage is there already (zeros)."""
+    stats = GateKeeper({"project": "shop", "limits": {"shop": {"concurrency": 1}}}).stats()
+    _conforms(stats, Stats, "stats()")
+    assert set(stats["counters"]) == SPEC_COUNTERS
+    assert set(STAGES) <= set(stats["stages"])
+    for summary in stats["stages"].values():
+        assert set(summary) == {"count", "mean_us", "p99_us", "max_us"}
 
 
 def test_the_typed_dict_is_spec_section_7(busy_keeper: GateKeeper) -> None:
