@@ -16,6 +16,10 @@ sender); commands per request (``INFO commandstats`` deltas, including those scr
 and median µs per request, split into the part the client waits for (until the body is
 returned) and ``close()`` after the response is sent, then the whole (call + iterate +
 close) over bare Flask and as a share of Flask-Limiter's.
+
+``--adaptive`` adds two more ways: one static concurrency limit and one adaptive one
+(``concurrency = "auto"``, its state shared by all hosts through Redis), and prints their
+whole per-request times side by side.
 """
 
 from __future__ import annotations
@@ -97,11 +101,19 @@ def main() -> None:
     parser.add_argument("--url", help="an existing Redis nobody else uses (default: start one)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--requests", type=int, default=1000, help="requests per round")
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also one static and one adaptive (auto) concurrency limit, side by side",
+    )
     args = parser.parse_args()
     with redis_server(args.url) as url:
         server = redis.Redis.from_url(url)
         apps = {"bare Flask": flask_app(), "gatekeeper-wsgi": gatekeeper(url)}
         apps["Flask-Limiter"] = flask_limiter(url)
+        if args.adaptive:
+            apps["gk 1 conc"] = _common.flask_gatekeeper_middleware(url, "1 conc")
+            apps["gk 1 auto conc"] = _common.flask_gatekeeper_middleware(url, "1 auto conc")
         for app in apps.values():  # warm up: connections, scripts loaded
             run(app, 200)
         counts = {
@@ -131,7 +143,7 @@ def main() -> None:
             f"{name:17}{trips:12.2f}{trips_closing:11.2f}{per_request:10.2f}{waited:11.1f}"
             f"{closing:12.1f}{waited + closing:10.1f}"
         )
-    for name in ("gatekeeper-wsgi", "Flask-Limiter"):
+    for name in [name for name in apps if name != "bare Flask"]:
         calls = counts[name][2]
         listed = ", ".join(f"{cmd} {n / 1000:g}" for cmd, n in sorted(calls.items()) if n)
         print(f"  {name} commands per request: {listed}")
@@ -145,6 +157,16 @@ def main() -> None:
         f"thread waits for: gatekeeper-wsgi {counts['gatekeeper-wsgi'][0][0]:.2f}, "
         f"Flask-Limiter {counts['Flask-Limiter'][0][0]:.2f}."
     )
+    if args.adaptive:
+        # Whole requests, not the cost over bare Flask: one limit's share is within the noise
+        # of a shared machine, and a difference of two noisy medians can come out negative.
+        static = sum(median["gk 1 conc"])
+        auto = sum(median["gk 1 auto conc"])
+        print(
+            f"one concurrency limit, whole request: static {static:.1f} µs, adaptive "
+            f"{auto:.1f} µs (its state shared by all hosts through Redis): "
+            f"{auto - static:+.1f} µs, ratio {auto / static:.2f}."
+        )
 
 
 if __name__ == "__main__":

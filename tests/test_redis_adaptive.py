@@ -15,7 +15,8 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.redis import _bulk, _Input, _Release  # noqa: E402
-from tests.servers import gather  # noqa: E402
+from tests.conftest import redis_binary  # noqa: E402
+from tests.servers import ClusterRedis, gather  # noqa: E402
 from tests.test_redis import keeper  # noqa: E402
 from tests.test_redis_tidy import redis_backend  # noqa: E402
 
@@ -187,3 +188,34 @@ def test_the_limit_in_force_reaches_stats_and_prometheus(prefixed: str) -> None:
     finally:
         writer.close()
         reader.close()
+
+
+def test_an_adaptive_limit_on_a_redis_cluster(tmp_path: Any) -> None:
+    """On a Redis Cluster the adaptive hash shares its path's hash tag: admissions,
+    samples, claims, state writes and the totals read run without CROSSSLOT, and the limit
+    is enforced."""
+    node = ClusterRedis(redis_binary(), tmp_path)
+    node.start()
+    try:
+        gk = keeper(node.url, {"shop/work": AUTO})
+        try:
+            for _ in range(30):
+                gk.admit("shop", "work", "c").release(200)
+            assert gk.stats()["counters"]["backend_errors"] == 0
+            backend = redis_backend(gk)
+            backend._outbox.flush()
+            backend._outbox.flush()
+            assert backend.windows_computed > 0
+            limit = gk.stats()["adaptive"]["shop/work"]["limit"]
+            held = [gk.admit("shop", "work", "c") for _ in range(limit)]
+            with pytest.raises(Rejected) as refused:
+                gk.admit("shop", "work", "c")
+            assert refused.value.limit_value == str(limit)
+            totals = gk.totals()  # the totals script runs on the project's slot too
+            assert totals is not None and totals["shop/work"].inflight == limit
+            for admission in held:
+                admission.release(200)
+        finally:
+            gk.close()
+    finally:
+        node.stop()

@@ -536,6 +536,7 @@ class RedisBackend(Backend):
         self._pool = None if isinstance(client, RedisCluster) else client.connection_pool
         self._source = _load_script("gate.lua")
         self._script: Script = client.register_script(self._source)
+        self._read_totals: Script = client.register_script(_load_script("totals.lua"))
         # "EVALSHA <sha>", packed: the start of every call.
         self._evalsha_head = _bulk(b"EVALSHA") + _bulk(self._script.sha.encode())
         self._hold_bulk = _bulk(b"%d" % self._hold_us)
@@ -1076,35 +1077,40 @@ class RedisBackend(Backend):
     ) -> dict[str, LimitTotals]:
         """Per limit, from its totals sets (``lua/gate.lua``): the live leases (held and
         delayed) grouped by key, and the count of keys with a live rate window; then the
-        window use of the keys shown. Two pipelined round trips of O(limits + requests in
-        flight + keys shown) commands and replies, however many keys Redis tracks.
+        window use of the keys shown. Two round trips (one script call, one pipeline; on a
+        Cluster, one call per project) of O(limits + requests in flight + keys shown)
+        work, however many keys Redis tracks.
         Releases still waiting are sent first, so none is counted as held.
 
         "Keys tracked" are the keys that hold state in Redis: a request in flight or an
         entry in the rate window (an idle key is gone, as its set expired)."""
         with self._reading():
-            now_us = self._redis_time()
             sets = self._totals_sets(limits)
-            pipe = self.client.pipeline(transaction=False)
+            # One call of lua/totals.lua per hash tag (one in all off a Cluster) reads every
+            # set and drops what ended (what admissions leave between two prunes).
+            groups: dict[str | None, list[str]] = {}
             for names in sets:
                 for name in names:
-                    # Read, and drop what ended (what admissions leave between two prunes).
-                    pipe.zremrangebyscore(name, -now_us, now_us)
-                    pipe.zrangebyscore(name, f"({now_us}", "+inf")
-                    pipe.zcount(name, "-inf", f"({-now_us}")
-            replies = iter(pipe.execute())
+                    groups.setdefault(self._tag(name), []).append(name)
+            read: dict[str, tuple[list[Any], int]] = {}
+            now_us = 0
+            for names in groups.values():
+                reply = self._read_totals(keys=names)
+                now_us = now_us or int(reply[0])
+                for index, name in enumerate(names):
+                    read[name] = (reply[2 * index + 1], int(reply[2 * index + 2]))
             found: list[tuple[Limit, Counter[str], int]] = []
             for limit, names in zip(limits, sets, strict=True):
                 held: Counter[str] = Counter()
                 windowed = 0
-                for _ in names:
-                    next(replies)
+                for name in names:
+                    members, live = read[name]
                     # "<lease>|<path>"; a give-back's tombstone "<lease>!" holds nothing
-                    members = (_text(member).partition("|") for member in next(replies))
-                    held.update(path for _, bar, path in members if bar)
-                    windowed += int(next(replies))
+                    parts = (_text(member).partition("|") for member in members)
+                    held.update(path for _, bar, path in parts if bar)
+                    windowed += live
                 found.append((limit, held, windowed))
-            return self._summed(found, now_us, top, watch)
+            return self._summed(found, now_us or self._redis_time(), top, watch)
 
     def _totals_sets(self, limits: Sequence[Limit]) -> list[list[str]]:
         """The totals sets of each limit: one, or for a limit whose project segment is
