@@ -219,3 +219,26 @@ def test_an_adaptive_limit_on_a_redis_cluster(tmp_path: Any) -> None:
             gk.close()
     finally:
         node.stop()
+
+
+def test_a_tampered_state_starts_over(prefixed: str) -> None:
+    """A hash whose fields do not parse (another version's, or tampered with): requests
+    pass without a backend error, stats still report, and the next window starts over
+    with a fresh controller."""
+    gk = keeper(prefixed, {"shop/work": AUTO})
+    try:
+        gk.admit("shop", "work", "c").release(200)
+        settled(gk)
+        backend = redis_backend(gk)
+        hash_key = backend.adaptive_key("shop/work")
+        garbage = {"s": "not a state", "sum": "x", "n": "y", "until": "z", "limit": "w"}
+        backend.client.hset(hash_key, mapping={**garbage, "claim": "old", "due": 0})
+        assert 2 <= gk.stats()["adaptive"]["shop/work"]["limit"] <= 40
+        for _ in range(5):
+            gk.admit("shop", "work", "c").release(200)
+        stored = settled(gk)
+        assert len(stored["s"].split()) == 14
+        assert stored["limit"].isdigit()
+        assert gk.stats()["counters"]["backend_errors"] == 0
+    finally:
+        gk.close()

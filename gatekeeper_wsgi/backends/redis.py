@@ -179,6 +179,23 @@ def _codes(input: _Input, returned: Collection[int] = (), sample: str = "") -> s
     return " ".join(words)
 
 
+def _restored(
+    spec: AdaptiveSpec, path: str, text: str, window: Sequence[bytes] = ()
+) -> Controller | None:
+    """The controller a hash's state string (and the ``window`` kept beside it, as in a
+    claim) describes; None when there is none or it does not parse."""
+    if not text:
+        return None
+    try:
+        state = [float(word) for word in text.split()]
+        if window:
+            for index, value in zip(_WINDOW, window, strict=True):
+                state[index] = float(value)
+        return Controller.restore(spec, tuple(state), key=path)
+    except (ValueError, IndexError):
+        return None
+
+
 def _number(value: float) -> str:
     """A state number in words that reads back the same (infinities as +-_HUGE)."""
     if math.isinf(value):
@@ -809,9 +826,17 @@ class RedisBackend(Backend):
         next state is computed here and queued to be written back."""
         for claim in reply[2:]:
             known = self._adaptive.get(_text(claim[0]))
-            if known is not None:  # else a limit no longer in use here: the claim lapses
-                self._outbox.put(self._next_state(known[0], known[1], claim))
-                self.windows_computed += 1
+            if known is None:  # a limit no longer in use here: the claim lapses
+                continue
+            try:
+                write = self._next_state(known[0], known[1], claim)
+            except Exception:
+                # A bug must not fail the admission this reply answers; the claim lapses
+                # and another release claims the window again.
+                logger.exception("gatekeeper: computing the adaptive limit of %s failed", known[1])
+                continue
+            self._outbox.put(write)
+            self.windows_computed += 1
         return reply[1]
 
     def _next_state(self, spec: AdaptiveSpec, path: str, claim: list[Any]) -> _Release:
@@ -822,13 +847,10 @@ class RedisBackend(Backend):
         latency = int(claim[2]) / 1e6
         now = int(claim[5]) / 1e6
         admitted = now - latency
-        text = _text(claim[6])
-        if text:
-            state = [float(word) for word in text.split()]
-            for index, value in zip(_WINDOW, claim[7:11], strict=True):
-                state[index] = float(value)
-            controller = Controller.restore(spec, tuple(state), key=path)
-        else:  # the path's first window: as memory, a controller made at the admission
+        controller = _restored(spec, path, _text(claim[6]), claim[7:11])
+        if controller is None:  # the path's first window (or a state that does not parse:
+            # written by another version, or tampered with): start over, as memory starts
+            # with a controller made at the admission
             controller = Controller(spec, admitted, key=path)
         controller.sample(latency, int(claim[3]), bool(int(claim[4])), admitted, now)
         state = list(controller.state())
@@ -864,12 +886,12 @@ class RedisBackend(Backend):
             return dict(self._reports)
         reports: dict[str, AdaptiveReport] = {}
         for (_, (spec, path)), (text, limit) in zip(known, replies, strict=True):
-            if text:
-                state = tuple(float(word) for word in _text(text).split())
-                report = Controller.restore(spec, state, key=path).report()
+            controller = _restored(spec, path, _text(text or b""))
+            if controller is not None:
+                report = controller.report()
             else:
                 report = {"limit": spec.initial, "latency_ms": 0.0, "min_latency_ms": 0.0}
-            if limit is not None:
+            if limit is not None and _text(limit).isdigit():
                 report["limit"] = int(_text(limit))
             self._remember(path, report["limit"])
             reports[path] = report

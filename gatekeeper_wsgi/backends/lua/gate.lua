@@ -85,6 +85,15 @@ end
 
 local claims = {}
 
+-- Add to a window field; one that is not a number (tampered with, or another version's)
+-- is set anew rather than failing the whole call.
+local function add(hash, field, command, amount)
+  local result = redis.pcall(command, hash, field, amount)
+  if type(result) == 'table' and result.err then
+    redis.call('HSET', hash, field, amount)
+  end
+end
+
 -- One released request's sample on an adaptive path: into the window, or, when the
 -- window is due and unclaimed, claimed for the releasing process to compute.
 local function sample(hash, key, latency, faulty, claim, extra)
@@ -93,7 +102,7 @@ local function sample(hash, key, latency, faulty, claim, extra)
   local now_s = t / 1000000
   local f = redis.call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak')
   local due = tonumber(f[1])
-  if (not due or now_s >= due) and (not f[2] or tonumber(f[3]) < now_s) then
+  if (not due or now_s >= due) and (not f[2] or (tonumber(f[3]) or 0) < now_s) then
     local w = redis.call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
     redis.call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
       'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
@@ -102,11 +111,11 @@ local function sample(hash, key, latency, faulty, claim, extra)
       w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
     return
   end
-  redis.call('HINCRBY', hash, 'n', 1)
+  add(hash, 'n', 'HINCRBY', 1)
   if faulty == 1 then
-    redis.call('HINCRBY', hash, 'drops', 1)
+    add(hash, 'drops', 'HINCRBY', 1)
   else
-    redis.call('HINCRBYFLOAT', hash, 'sum', latency / 1000000)
+    add(hash, 'sum', 'HINCRBYFLOAT', latency / 1000000)
   end
   if inflight > (tonumber(f[4]) or 0) then
     redis.call('HSET', hash, 'peak', inflight)
