@@ -8,7 +8,9 @@ samples: counting them would make the limit chase its own refusals down to ``min
 
 Samples are gathered into windows (at least ``WINDOW_SAMPLES`` samples and
 ``WINDOW_SECONDS``, and at least two mean latencies long, so a window sees the effect of
-the previous change). When a window closes, the algorithm moves the limit:
+the previous change); in a window's mean a sample counts at most twice the baseline, so a
+stall of the host that hits a few requests hard does not read as a queue. When a window
+closes, the algorithm moves the limit:
 
 ``gradient`` (after Netflix's Gradient2 and Envoy's gradient controller)
     ``limit x clamp(min_latency / latency, 0.5, 1) + headroom``, smoothed, where the
@@ -100,6 +102,8 @@ _AIMD_BACKOFF = 0.9
 # than TCP's doubling: latency shows an increase only a window later.
 _SLOW_START_GROWTH = 1.5
 _SLOW_START_EXIT = 1.1
+# The most one sample counts for in a window's mean, as a multiple of the baseline.
+_CEILING = 2.0
 # One window of faulty responses never cuts the limit by more than half.
 _DROP_FLOOR = 0.5
 # The attributes of Controller.STATE that are counts.
@@ -135,6 +139,7 @@ class Controller:
     """
 
     __slots__ = (
+        "_ceiling",
         "_count",
         "_drops",
         "_due",
@@ -169,6 +174,9 @@ class Controller:
         self.latency = 0.0
         #: the no-load baseline (seconds; 0 before the first probe)
         self.min_latency = 0.0
+        # The most one sample counts for in a window's mean (derived from min_latency,
+        # so not part of STATE).
+        self._ceiling = math.inf
         # Jitter from the path, so the keys (and hosts) of a deployment do not probe in
         # step, yet the same path always behaves the same (deterministic tests).
         self._seed = (zlib.crc32(key.encode("utf-8", "surrogatepass")) % 1000) / 1000.0
@@ -225,6 +233,7 @@ class Controller:
                 setattr(controller, name, int(value))
             else:
                 setattr(controller, name, value)
+        controller._set_baseline(controller.min_latency)
         controller.estimate = min(max(controller.estimate, float(spec.min)), float(spec.max))
         controller.limit = min(max(controller.limit, spec.min), spec.max)
         return controller
@@ -256,8 +265,10 @@ class Controller:
             # A failure's latency says nothing of the backend's queue (a quick 500 would
             # pull the mean, and then the baseline, down); it counts as a drop only.
             self._drops += 1
-        else:
+        elif latency < self._ceiling:
             self._total += latency
+        else:
+            self._total += self._ceiling
         if inflight > self._peak:
             self._peak = inflight
         if now >= self._due:
@@ -292,13 +303,21 @@ class Controller:
         if peak <= PROBE_CONCURRENCY and not drop_share:
             # As few requests in flight as a probe pins: this window measured no-load
             # latency, whether it is higher (a slower deploy) or lower than the baseline.
-            self.min_latency = latency
+            self._set_baseline(latency)
         elif latency < self.min_latency or not self.min_latency:
-            self.min_latency = latency
+            self._set_baseline(latency)
         spec = self.spec
         estimate = self._next(self.estimate, latency, self.min_latency, peak, drop_share)
         self.estimate = min(max(estimate, float(spec.min)), float(spec.max))
         self.limit = self._rounded()
+
+    def _set_baseline(self, latency: float) -> None:
+        self.min_latency = latency
+        # A sample counts at most CEILING x the baseline: beyond it the gradient is at its
+        # floor anyway, vegas sees half the limit queued, aimd a drop. A stall of the host
+        # (a GC pause, a starved CPU) gives a few requests many times the usual latency;
+        # uncapped, they alone would drag a window's mean, and the limit, down.
+        self._ceiling = _CEILING * latency if latency > 0.0 else math.inf
 
     def _next(
         self, estimate: float, latency: float, baseline: float, peak: int, drop_share: float
@@ -370,7 +389,7 @@ class Controller:
         self._probe_total += latency
         if self._probe_count < PROBE_SAMPLES:
             return
-        self.min_latency = max(self._probe_total / self._probe_count, 0.0)
+        self._set_baseline(max(self._probe_total / self._probe_count, 0.0))
         self._probing = None
         self._next_probe = now + PROBE_EVERY * (0.85 + 0.3 * self._seed)
         self.limit = self._rounded()
