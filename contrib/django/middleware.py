@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.core.signals import setting_changed
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
@@ -242,11 +242,16 @@ class GateKeeperMiddleware:
                 # An error mid-stream releases at once: Django's ASGI handler skips
                 # close() when a stream raises.
                 content = response.streaming_content
-                # An async iterator exactly when the response is_async (Django's property).
-                if isinstance(content, AsyncIterator):
-                    response.streaming_content = watch.astream(content)
+                # Django's streaming_content is an async iterator exactly when is_async;
+                # a cast, not isinstance(AsyncIterator), which costs ~0.4 µs per response.
+                if response.is_async:
+                    response.streaming_content = watch.astream(
+                        cast("AsyncIterator[bytes]", content)
+                    )
                 else:
-                    response.streaming_content = watch.stream(content, finish_on_error=True)
+                    response.streaming_content = watch.stream(
+                        cast("Iterator[bytes]", content), finish_on_error=True
+                    )
         elif isinstance(response, HttpResponse):
             if watch.scans_body:
                 watch.chunk(response.content)
