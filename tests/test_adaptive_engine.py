@@ -14,6 +14,7 @@ from werkzeug.test import Client
 
 from gatekeeper_wsgi import GateKeeperMiddleware
 from gatekeeper_wsgi.adaptive import PROBE_CONCURRENCY
+from gatekeeper_wsgi.backends.memory import MemoryBackend
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from tests.conftest import FakeClock, busy
@@ -280,18 +281,20 @@ def test_prometheus_shows_the_current_limit(clock: FakeClock) -> None:
     assert "shop/a/c" in gk.stats()["adaptive"]
 
 
-def test_a_backend_that_cannot_adapt_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_backend_that_cannot_adapt_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """On a backend without adaptive support the start-up log names the auto limits and
     that their max is what is enforced (no silent pretending)."""
+
+    class Static(MemoryBackend):
+        adaptive_limits = False
+
     with caplog.at_level("WARNING", logger="gatekeeper"):
         gk = GateKeeper(
             {
                 "project": "shop",
-                "backend": f"shared://{tmp_path}/gk.shm",
                 "limits": {"shop/a": {"concurrency": "auto", "adaptive": {"max": 7}}},
-            }
+            },
+            backend=Static(),
         )
     gk.close()
     assert any(

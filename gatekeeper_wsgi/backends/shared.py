@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     TOP_KEYS,
@@ -95,7 +96,8 @@ MAGIC = b"GKSHARED"
 #: written first when a table is (re)initialised, replaced by MAGIC when done: a process
 #: killed half-way leaves a file that is recognisably ours and unfinished.
 MAGIC_INIT = b"GKSHINIT"
-VERSION = 3  #: 2: the epoch's copy at 64; 3: the checksums at 52 and 72
+#: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges
+VERSION = 4
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF
@@ -168,7 +170,10 @@ H_FILE_BYTES = 304
 
 # node fields
 NODE_HEAD = _NODE.size  # 40: the key follows
-N_INFLIGHT, N_OFFSET, N_FIRST, N_LAST, N_LEN = 0, 6, 8, 12, 16
+N_INFLIGHT, N_OFFSET, N_FLAGS, N_FIRST, N_LAST, N_LEN = 0, 6, 7, 8, 12, 16
+#: in a node's flags: its gauge holds its key's controller (a new node's flags are 0, so
+#: a gauge left by the key a node held before is never read, nor its page touched)
+F_GAUGE = 1
 N_REG, N_PREV, N_NEXT, N_IDLE = 20, 24, 28, 32
 LEASE_SIZE = _LEASE.size  # 40
 L_EXPIRY, L_REFS = 8, 20
@@ -178,6 +183,26 @@ REG_SIZE = _REG.size
 R_COUNT, R_HEAD, R_TAIL = 8, 12, 16
 CHUNK_SIZE = _CHUNK.size  # 64
 JENTRY_SIZE = _JENTRY.size  # 12
+
+# gauges: the controller of an adaptive limit's key, one per node (same index)
+GAUGE_SIZE = 128
+#: at 0: algorithm (index in ALGORITHMS + 1; 0: no controller yet), min, max, initial of
+#: the ``adaptive`` table the state was last made under (a reload changes them)
+_GAUGE_SPEC = struct.Struct("<4I")
+G_STATE = _GAUGE_SPEC.size  # 16: Controller.STATE as doubles
+_GAUGE_STATE = struct.Struct(f"<{len(Controller.STATE)}d")
+#: what a sample changes while no window is due (Controller.sample before _due_now),
+#: read and written in place so that most releases never rebuild the controller
+_HOT = ("_due", "_count", "_total", "_drops", "_peak")
+_HOT_INDEX = Controller.STATE.index(_HOT[0])
+if Controller.STATE[_HOT_INDEX : _HOT_INDEX + len(_HOT)] != _HOT:
+    raise RuntimeError(f"Controller.STATE no longer holds {_HOT} in a row")
+G_HOT = G_STATE + 8 * _HOT_INDEX
+_GAUGE_HOT = struct.Struct(f"<{len(_HOT)}d")
+#: the spec and the enforced limit, read by every admission of an adaptive limit
+_GAUGE_HEAD = struct.Struct(f"<4I{8 * Controller.STATE.index('limit')}xd")
+if G_STATE + _GAUGE_STATE.size > GAUGE_SIZE:
+    raise RuntimeError("Controller.STATE no longer fits a gauge")
 
 
 def _boot_id() -> bytes:
@@ -329,6 +354,7 @@ class _Layout:
         "buckets",
         "chunks",
         "chunks_off",
+        "gauges_off",
         "heap_off",
         "journal",
         "journal_off",
@@ -370,7 +396,8 @@ class _Layout:
         offset = self.heap_off = _align(offset + leases * LEASE_SIZE, 64)
         offset = self.procs_off = _align(offset + leases * HEAP_SIZE, 64)
         offset = self.registry_off = _align(offset + procs * PROC_SIZE, 64)
-        offset = self.journal_off = _align(offset + registry * REG_SIZE, 64)
+        offset = self.gauges_off = _align(offset + registry * REG_SIZE, 64)
+        offset = self.journal_off = _align(offset + buckets * CHAIN * GAUGE_SIZE, 64)
         offset = self.chunks_off = _align(offset + journal, 4096)
         self.total = _align(offset + chunks * CHUNK_SIZE, 4096)
 
@@ -579,7 +606,7 @@ def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
 
 
 class _SharedGrant(Grant):
-    __slots__ = ("epoch", "lease", "nodes", "pid", "serial", "stamps")
+    __slots__ = ("admitted", "epoch", "lease", "nodes", "pid", "sample", "serial", "stamps")
 
     def __init__(
         self,
@@ -600,6 +627,11 @@ class _SharedGrant(Grant):
         self.nodes = nodes
         #: per slot: the window entry reserved at admission (None: no rate / not recorded)
         self.stamps = stamps
+        #: when it was admitted (an adaptive limit's latency runs from here)
+        self.admitted = 0.0
+        #: (faulty, now) of :meth:`SharedBackend.observe`: fed to the adaptive limits by
+        #: the release, under the lock that release takes anyway
+        self.sample: tuple[bool, float] | None = None
 
 
 _INSTANCES: weakref.WeakSet[SharedBackend] = weakref.WeakSet()
@@ -690,6 +722,14 @@ class SharedBackend(Backend):
     leases (each request in flight, held or delayed, holds one) and the wildcard registry's
     key counts: O(limits + leases in use), never a pass over the key table.
 
+    **Adaptive limits** (``concurrency = "auto"``): one ``adaptive.Controller`` per key,
+    kept in the key's gauge next to its counters, so every process of the host feeds one
+    window and enforces one limit. An admission reads the limit in force under the lock
+    that counts the key (in flight never exceeds it; when it drops, nothing admitted is
+    cut off). :meth:`observe` only notes the sample on the grant; :meth:`release` feeds it
+    under the lock it takes anyway: in place while no window is due (the window's sums),
+    through the whole controller (``Controller.restore``/``state``) when one is.
+
     **Queues** work across processes: a waiter polls every ``poll_interval`` (5 ms), as
     a slot freed in another process wakes nobody here; the wait is bounded by ``wait``.
     FIFO order holds among the waiters of one process, not across processes.
@@ -699,7 +739,7 @@ class SharedBackend(Backend):
 
         header, 4096 bytes
           0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-          8   4  u32 layout version (3)
+          8   4  u32 layout version (4)
          12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
          16   8  u64 epoch: random, new at every initialisation; grants of another epoch
                  are void
@@ -734,7 +774,8 @@ class SharedBackend(Backend):
           16 is evicted, else the new key is refused (CapacityError).
         nodes, m x 8 x (40 + K) bytes, node i belongs to tag i:
           0 u32 requests in flight       4 u16 key length
-          6 u8  index of the oldest window entry in the first chunk      7 pad
+          6 u8  index of the oldest window entry in the first chunk
+          7 u8  flags: 1 = its gauge holds the controller of its key (0 when created)
           8 u32 first window chunk      12 u32 last window chunk (0xFFFFFFFF: none)
          16 u32 window entries          20 u32 registry entry + 1 (0: not a wildcard key)
          24 u32 previous, 28 u32 next node in its limit's least-recently-used list
@@ -750,6 +791,13 @@ class SharedBackend(Backend):
         registry, R x 24 bytes, one per wildcard limit path: u64 blake2b of the path
           (0: free), u32 keys, u32 least recently used node, u32 most recently used node,
           4 pad
+        gauges, m x 8 x 128 bytes, gauge i belongs to node i (read only when its node's
+          flag says so, so a gauge is touched only for keys of adaptive limits):
+          0 4 x u32 the adaptive table its state was made under: algorithm (1 gradient,
+            2 aimd, 3 vegas), min, max, initial (a reloaded table: respec'd at next use)
+          16 14 x f64 adaptive.Controller.STATE: estimate, limit, latency, min_latency,
+            next probe, window due, count, total, drops, peak, probing (NaN: no),
+            slow start, probe count, probe total
         journal, J bytes: entries of u64 offset, u32 length, the old bytes; a commit or a
           rollback zeroes the first entry (offset 0 is never journaled: an invalid entry)
         window chunks, W x 64 bytes: u32 next chunk of the same window (0xFFFFFFFF:
@@ -763,6 +811,7 @@ class SharedBackend(Backend):
 
     local = False
     engine_clock = True
+    adaptive_limits = True
 
     def __init__(
         self,
@@ -785,6 +834,10 @@ class SharedBackend(Backend):
         self._adopt = config is None and (size, leases, procs, windows) == (None,) * 4
         self._tlock = threading.Lock()
         self._pid = os.getpid()
+        #: id(spec) -> (spec, its numbers in a gauge)
+        self._prints: dict[int, tuple[AdaptiveSpec, tuple[int, int, int, int]]] = {}
+        #: adds a sample to a window loaded from a gauge, reports a gauge (under the lock)
+        self._scratch = Controller(AdaptiveSpec(), 0.0)
         self._fd = -1
         self._mm: mmap.mmap | None = None
         self._closed = False
@@ -1071,6 +1124,7 @@ class SharedBackend(Backend):
         self._heap_off = g.heap_off
         self._procs_off = g.procs_off
         self._registry_off = g.registry_off
+        self._gauges_off = g.gauges_off
         self._journal_off = g.journal_off
         self._journal_cap = g.journal
         self._chunks_off = g.chunks_off
@@ -1414,6 +1468,7 @@ class SharedBackend(Backend):
         nodes: list[int] = []
         shadowed: list[int] = []
         rate_full: list[int] = []
+        adaptive = False
         for index, (key, limit, enforce) in enumerate(slots):
             try:
                 entry = self._key(key)
@@ -1425,7 +1480,13 @@ class SharedBackend(Backend):
             except _NoRoom as exc:
                 raise _Untracked(self._capacity(index, exc)) from None
             offset = nodes_off + node * node_size
-            concurrency = limit.concurrency
+            concurrency: float | None = limit.concurrency
+            if limit.adaptive is not None:
+                # Read under the lock that counts the key: the limit in force, one for all
+                # processes (it may have dropped below what is in flight: nothing is cut
+                # off, nothing more is admitted until it is below).
+                concurrency = self._gauge_limit(node, key, limit.adaptive, now)
+                adaptive = True
             if concurrency is not None and _U32.unpack_from(mm, offset)[0] >= concurrency:
                 if enforce:
                     return Denial(index, "concurrency", self._soonest(node, now), 0)
@@ -1464,7 +1525,11 @@ class SharedBackend(Backend):
             lease, serial = self._new_lease(pid, nodes)
         except _NoRoom as exc:
             raise self._capacity(_lease_slot(slots), exc) from None
-        return _SharedGrant(slots, tuple(shadowed), self._epoch, pid, lease, serial, nodes, stamps)
+        grant = _SharedGrant(slots, tuple(shadowed), self._epoch, pid, lease, serial, nodes, stamps)
+        if adaptive:
+            grant.adaptive = True
+            grant.admitted = now
+        return grant
 
     def _capacity(self, index: int, exc: _NoRoom) -> CapacityError:
         """The CapacityError for slot ``index`` (the caller rolls the update back)."""
@@ -1487,6 +1552,171 @@ class SharedBackend(Backend):
             if fields[1] == serial and node in fields[4 : 4 + fields[3]]:
                 soonest = due if soonest is None else min(soonest, due)
         return 0.0 if soonest is None else max(0.0, soonest - now)
+
+    # --- adaptive limits: one controller per key, in its node's gauge ---------------------
+
+    def _fingerprint(self, spec: AdaptiveSpec) -> tuple[int, int, int, int]:
+        """The numbers a gauge stores of the ``adaptive`` table its state was made under."""
+        cached = self._prints.get(id(spec))
+        if cached is not None and cached[0] is spec:
+            return cached[1]
+        numbers = (ALGORITHMS.index(spec.algorithm) + 1, spec.min, spec.max, spec.initial)
+        if len(self._prints) >= 1024:  # one per limit; reloads make new ones
+            self._prints = {}
+        self._prints[id(spec)] = (spec, numbers)
+        return numbers
+
+    def _gauge_limit(self, node: int, key: str, spec: AdaptiveSpec, now: float) -> float:
+        """The enforced value of the adaptive limit of ``node`` (key ``key``): its gauge's,
+        made first (the key's first admission) or brought under a reloaded ``spec``."""
+        mm = self._mm
+        assert mm is not None
+        at = self._gauges_off + node * GAUGE_SIZE
+        flags = self._nodes_off + node * self._node_size + N_FLAGS
+        if mm[flags] & F_GAUGE:
+            algorithm, low, high, initial, limit = _GAUGE_HEAD.unpack_from(mm, at)
+            if (algorithm, low, high, initial) == self._fingerprint(spec):
+                return float(limit)
+        controller = self._held_controller(node, key, spec, now)
+        self._store(at, spec, controller)
+        return float(controller.limit)
+
+    def _held_controller(self, node: int, key: str, spec: AdaptiveSpec, now: float) -> Controller:
+        """The controller of ``node``'s key under ``spec``: the one its gauge holds, else a
+        new one (the caller stores it, and the node is marked as holding one)."""
+        mm = self._mm
+        assert mm is not None
+        offset = self._nodes_off + node * self._node_size
+        if mm[offset + N_FLAGS] & F_GAUGE:
+            return self._controller(self._gauges_off + node * GAUGE_SIZE, key, spec, now)
+        self._save(offset, NODE_HEAD)
+        mm[offset + N_FLAGS] |= F_GAUGE
+        return Controller(spec, now, key=key)
+
+    def _controller(self, at: int, key: str, spec: AdaptiveSpec, now: float) -> Controller:
+        """The controller the gauge at ``at`` holds (its node's ``F_GAUGE`` is set), under
+        ``spec``: its state under the table it was made with, then ``respec``'d."""
+        mm = self._mm
+        assert mm is not None
+        algorithm, low, high, initial = _GAUGE_SPEC.unpack_from(mm, at)
+        if not 0 < algorithm <= len(ALGORITHMS) or not low <= initial <= high:
+            raise _Damaged("its adaptive gauge holds no valid adaptive table")
+        made = AdaptiveSpec(ALGORITHMS[algorithm - 1], low, high, initial)
+        controller = Controller.restore(made, _GAUGE_STATE.unpack_from(mm, at + G_STATE), key=key)
+        controller.respec(spec)
+        return controller
+
+    def _store(self, at: int, spec: AdaptiveSpec, controller: Controller) -> None:
+        mm = self._mm
+        assert mm is not None
+        self._save(at, GAUGE_SIZE)
+        _GAUGE_SPEC.pack_into(mm, at, *self._fingerprint(spec))
+        _GAUGE_STATE.pack_into(mm, at + G_STATE, *controller.state())
+
+    def _sample(
+        self,
+        node: int,
+        key: str,
+        spec: AdaptiveSpec,
+        admitted: float,
+        faulty: bool,
+        now: float,
+    ) -> None:
+        """Feed one released request to the controller of ``node``, in the table: every
+        process's samples go into one window, one latency statistic, one limit."""
+        mm = self._mm
+        assert mm is not None
+        at = self._gauges_off + node * GAUGE_SIZE
+        offset = self._nodes_off + node * self._node_size
+        inflight = _U32.unpack_from(mm, offset)[0]
+        current = mm[offset + N_FLAGS] & F_GAUGE
+        if current and _GAUGE_SPEC.unpack_from(mm, at) == self._fingerprint(spec):
+            due, count, total, drops, peak = _GAUGE_HOT.unpack_from(mm, at + G_HOT)
+            if now < due:
+                # Nothing is due: the sample only adds to the window (Controller.sample's
+                # first part), done on a scratch controller loaded with the window alone
+                # instead of rebuilding the whole one (~20 µs) on every release.
+                scratch = self._scratch
+                scratch._due = due
+                scratch._count = int(count)
+                scratch._total = total
+                scratch._drops = int(drops)
+                scratch._peak = int(peak)
+                scratch.sample(now - admitted, inflight, faulty, admitted, now)
+                self._save(at + G_HOT, _GAUGE_HOT.size)
+                _GAUGE_HOT.pack_into(
+                    mm,
+                    at + G_HOT,
+                    due,
+                    scratch._count,
+                    scratch._total,
+                    scratch._drops,
+                    scratch._peak,
+                )
+                return
+        controller = self._held_controller(node, key, spec, admitted)
+        controller.sample(now - admitted, inflight, faulty, admitted, now)
+        self._store(at, spec, controller)
+
+    def observe(self, grant: Grant, faulty: bool, now: float) -> None:
+        """Keep the sample on the grant: its release, which follows, feeds it under the
+        lock it takes anyway (one lock round trip per release, not two)."""
+        assert isinstance(grant, _SharedGrant)
+        grant.sample = (faulty, now)
+
+    def adaptive(self) -> dict[str, dict[str, float | int]]:
+        return self._observed(0.0, self._read_adaptive)
+
+    def _read_adaptive(self) -> dict[str, dict[str, float | int]]:
+        """The report of every gauge in use, found through the key table's tags: the
+        limit, latency and baseline (under the table the state was last made with)."""
+        mm = self._mm
+        layout = self._layout
+        assert mm is not None and layout is not None
+        tags = array.array("I")
+        tags.frombytes(mm[self._tags_off : self._tags_off + layout.nodes * 4])
+        reports = {}
+        scratch = self._scratch
+        state = Controller.STATE
+        limit_at, latency_at, baseline_at = (
+            state.index("limit"),
+            state.index("latency"),
+            state.index("min_latency"),
+        )
+        nodes_off, node_size = self._nodes_off, self._node_size
+        for node, tag in enumerate(tags):
+            if tag and mm[nodes_off + node * node_size + N_FLAGS] & F_GAUGE:
+                at = self._gauges_off + node * GAUGE_SIZE
+                numbers = _GAUGE_STATE.unpack_from(mm, at + G_STATE)
+                scratch.limit = int(numbers[limit_at])
+                scratch.latency = numbers[latency_at]
+                scratch.min_latency = numbers[baseline_at]
+                reports[self._node_fields(node)[1]] = scratch.report()
+        return reports
+
+    def adaptive_limit(self, key: str, limit: Limit) -> int:
+        spec = limit.adaptive
+        assert spec is not None
+        try:
+            self._enter()
+        except BackendError:
+            return spec.initial
+        try:
+            node = self._find(self._key(key))
+            mm = self._mm
+            assert mm is not None
+            if node < 0 or not mm[self._nodes_off + node * self._node_size + N_FLAGS] & F_GAUGE:
+                return spec.initial
+            at = self._gauges_off + node * GAUGE_SIZE
+            algorithm, low, high, initial, current = _GAUGE_HEAD.unpack_from(mm, at)
+            if (algorithm, low, high, initial) == self._fingerprint(spec):
+                return int(current)
+            # Made under another table (a reload): what its next admission will enforce.
+            return self._controller(at, key, spec, 0.0).limit
+        except (_NoRoom, _Damaged):
+            return spec.initial
+        finally:
+            self._leave()
 
     # --- keys and nodes -------------------------------------------------------------------
 
@@ -2040,6 +2270,13 @@ class SharedBackend(Backend):
         at = self._leases_off + grant.lease * LEASE_SIZE
         if _LEASE_HEAD.unpack_from(mm, at) != (grant.pid, grant.serial):
             return  # reclaimed meanwhile (its owner was taken for dead)
+        sample = grant.sample
+        if sample is not None:
+            # The lease still holds its nodes: none was evicted or reused meanwhile.
+            for index, slot in enumerate(grant.slots):
+                spec = slot.limit.adaptive
+                if spec is not None:
+                    self._sample(grant.nodes[index], slot.key, spec, grant.admitted, *sample)
         for index, stamp in enumerate(grant.stamps):
             if stamp is None:
                 continue
