@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec, Controller
+from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveReport, AdaptiveSpec, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     TOP_KEYS,
@@ -1664,10 +1664,10 @@ class SharedBackend(Backend):
         assert isinstance(grant, _SharedGrant)
         grant.sample = (faulty, now)
 
-    def adaptive(self) -> dict[str, dict[str, float | int]]:
+    def adaptive(self) -> dict[str, AdaptiveReport]:
         return self._observed(0.0, self._read_adaptive)
 
-    def _read_adaptive(self) -> dict[str, dict[str, float | int]]:
+    def _read_adaptive(self) -> dict[str, AdaptiveReport]:
         """The report of every gauge in use, found through the key table's tags: the
         limit, latency and baseline (under the table the state was last made with)."""
         mm = self._mm
