@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gatekeeper_wsgi import GateKeeper, Rejected
-from gatekeeper_wsgi.adaptive import PROBE_SAMPLES, WINDOW_SAMPLES
+from gatekeeper_wsgi.adaptive import PROBE_CONCURRENCY, PROBE_SAMPLES, WINDOW_SAMPLES
 from gatekeeper_wsgi.backends.shared import VERSION, LayoutMismatch, SharedBackend
 from tests.conftest import FakeClock
 
@@ -67,7 +67,10 @@ def test_same_decisions_and_limits_as_memory(
     ``stats()["adaptive"]`` after every step. (The file keeps a window's sums in place
     between two due samples: this is the proof that doing so loses nothing.)"""
     auto = {"concurrency": "auto", "adaptive": {"algorithm": algorithm, "max": 40}}
-    limits = {"shop": auto, "shop/a/*": {**auto, "max_keys": 2}}
+    # Room for every caller: which idle key makes room differs by design (memory: CLOCK,
+    # the table: least recently used); test_evicted_keys_take_their_controllers_along
+    # covers eviction.
+    limits = {"shop": auto, "shop/a/*": auto}
     clock = FakeClock()
     table = tmp_path_factory.mktemp("adaptive") / "t.shm"
     memory = GateKeeper(settings_for("memory", limits), clock=clock)
@@ -87,6 +90,26 @@ def test_same_decisions_and_limits_as_memory(
             admission.release(200)
     assert {k: v for k, v in shared.inflight().items() if v} == {}
     shared.close()
+
+
+def test_evicted_keys_take_their_controllers_along(tmp_path: Path, clock: FakeClock) -> None:
+    """2 000 callers on an adaptive wildcard limit with max_keys 50: at most 50 controllers
+    are reported, and a key evicted and seen again starts from a new controller."""
+    limits = {"shop/a/*": {"concurrency": "auto", "adaptive": AIMD, "max_keys": 50}}
+    gk = GateKeeper(settings_for(f"shared://{tmp_path / 't.shm'}", limits), clock=clock)
+    for _ in range(1 + PROBE_SAMPLES):  # spray0's probe ends: its limit is back at 20
+        gk.admit("shop", "a", "spray0").release(200)
+    for index in range(2000):
+        admission = gk.admit("shop", "a", f"spray{index}")
+        clock.advance(0.001)
+        admission.release(200)
+        if index % 100 == 0:
+            assert len(gk.stats()["adaptive"]) <= 50
+    assert len(gk.stats()["adaptive"]) <= 50
+    gk.admit("shop", "a", "spray0").release(200)  # new again: its first sample probes
+    assert gk.stats()["adaptive"]["shop/a/spray0"]["limit"] == PROBE_CONCURRENCY
+    assert {k: v for k, v in gk.inflight().items() if v} == {}
+    gk.close()
 
 
 # --- processes sharing one limit -----------------------------------------------------------
