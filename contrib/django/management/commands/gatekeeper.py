@@ -3,7 +3,7 @@ commands, defaulting to this project's ``settings.GATEKEEPER`` (``gatekeeper_wsg
 does the work)::
 
     manage.py gatekeeper check [FILE]             # validate; print the effective limit tree
-    manage.py gatekeeper status [--backend URL] [--json] [--all]
+    manage.py gatekeeper status [--backend URL] [--config FILE] [--json] [--all]
     manage.py gatekeeper replay LOG --to URL [--rate 5/s] [--dry-run] [-H 'Name: value']
 """
 
