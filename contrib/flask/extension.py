@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from flask import Blueprint, Flask, current_app, has_app_context
 from werkzeug.exceptions import HTTPException
 
-from gatekeeper_wsgi.config import Config, check_limit, load_config
+from gatekeeper_wsgi.config import Config, Mode, check_limit, load_config
 from gatekeeper_wsgi.engine import ConfigSource
 from gatekeeper_wsgi.engine import GateKeeper as Engine
 from gatekeeper_wsgi.errors import ConfigError
@@ -240,7 +240,7 @@ class GateKeeper:
         caller: str | None = None,
         count: list[int] | str | None = None,
         max_keys: int | None = None,
-        mode: str | None = None,
+        mode: Mode | None = None,
         timeout_status: list[int] | None = None,
         timeout_header: str | None = None,
         timeout_body: str | None = None,
@@ -305,7 +305,7 @@ class GateKeeper:
         rate: str | None = None,
         delay: float | None = None,
         queue: QueueArg | None = None,
-        mode: str | None = None,
+        mode: Mode | None = None,
         timeout_status: list[int] | None = None,
         timeout_header: str | None = None,
         timeout_body: str | None = None,
