@@ -153,7 +153,9 @@ class _Input(NamedTuple):
     """What gate.lua needs about the slots of one route, packed once (redis-py would encode
     every argument anew on every call, which costs more than the round trip)."""
 
-    keys: list[str]  #: per slot: its path's sorted set, then its limit's totals set
+    #: the route's tombstone set (see gate.lua), then per slot: its path's sorted set, then
+    #: its limit's totals set (the sorted set again for a limit without a wildcard)
+    keys: list[str]
     key_bulks: list[bytes]  #: the same, packed
     spec_words: list[str]  #: every slot's spec (see gate.lua)
     specs: list[bytes]  #: the same, packed
@@ -719,7 +721,10 @@ class RedisBackend(Backend):
         if len(self._inputs) >= _KEY_CACHE_SIZE:
             self._inputs = {}
             self._adaptive = {}
-        keys: list[str] = []
+        # A give-back's tombstone goes to the first slot's totals key: a set no count reads
+        # (one that only tombstones use, when that limit has no wildcard).
+        first = route[0]
+        keys: list[str] = [self.totals_key(first.limit.path, first.key)]
         specs: list[str] = []
         values: list[int] = []
         reserved: list[tuple[int, frozenset[int]]] = []
@@ -730,7 +735,10 @@ class RedisBackend(Backend):
             window_us = 0 if rate is None else round(rate.seconds * 1_000_000)
             concurrency = "-1" if limit.concurrency is None else str(limit.concurrency)
             quota = 0 if rate is None else rate.limit
-            keys += (self.key_of(slot.key), self.totals_key(limit.path, slot.key))
+            own = self.key_of(slot.key)
+            # A limit without a wildcard has one concrete path: its own set holds all its
+            # totals would (read there by totals()), so the set stands in for them.
+            keys += (own, self.totals_key(limit.path, slot.key) if limit.wildcard else own)
             if limit.adaptive is not None:
                 adaptive.add(index)
                 concurrency = f"a{limit.adaptive.initial}"
@@ -1097,8 +1105,9 @@ class RedisBackend(Backend):
         top: int = TOP_KEYS,
         watch: Mapping[str, Collection[str]] = NO_WATCH,
     ) -> dict[str, LimitTotals]:
-        """Per limit, from its totals sets (``lua/gate.lua``): the live leases (held and
-        delayed) grouped by key, and the count of keys with a live rate window; then the
+        """Per limit, from its totals sets (``lua/gate.lua``; a limit without a wildcard
+        from its own path's set): the live leases (held and delayed) grouped by key, and
+        the count of keys with a live rate window; then the
         window use of the keys shown. Two round trips (one script call, one pipeline; on a
         Cluster, one call per project) of O(limits + requests in flight + keys shown)
         work, however many keys Redis tracks.
@@ -1110,41 +1119,55 @@ class RedisBackend(Backend):
             sets = self._totals_sets(limits)
             # One call of lua/totals.lua per hash tag (one in all off a Cluster) reads every
             # set and drops what ended (what admissions leave between two prunes).
-            groups: dict[str | None, list[str]] = {}
-            for names in sets:
-                for name in names:
-                    groups.setdefault(self._tag(name), []).append(name)
-            read: dict[str, tuple[list[Any], int]] = {}
+            groups: dict[str | None, tuple[list[str], list[str]]] = {}
+            for named in sets:
+                for name, window in named:
+                    names, windows = groups.setdefault(self._tag(name), ([], []))
+                    names.append(name)
+                    windows.append(window)
+            read: dict[str, tuple[list[Any] | int, int]] = {}
             now_us = 0
-            for names in groups.values():
-                reply = self._read_totals(keys=names)
+            for names, windows in groups.values():
+                reply = self._read_totals(keys=names, args=windows)
                 now_us = now_us or int(reply[0])
                 for index, name in enumerate(names):
                     read[name] = (reply[2 * index + 1], int(reply[2 * index + 2]))
             found: list[tuple[Limit, Counter[str], int]] = []
-            for limit, names in zip(limits, sets, strict=True):
+            for limit, named in zip(limits, sets, strict=True):
                 held: Counter[str] = Counter()
                 windowed = 0
-                for name in names:
+                for name, _ in named:
                     members, live = read[name]
+                    windowed += live
+                    if isinstance(members, int):  # its own set: the count of its leases
+                        if members:
+                            held[limit.path] += members
+                        continue
                     # "<lease>|<path>"; a give-back's tombstone "<lease>!" holds nothing
                     parts = (_text(member).partition("|") for member in members)
                     held.update(path for _, bar, path in parts if bar)
-                    windowed += live
                 found.append((limit, held, windowed))
             return self._summed(found, now_us or self._redis_time(), top, watch)
 
-    def _totals_sets(self, limits: Sequence[Limit]) -> list[list[str]]:
-        """The totals sets of each limit: one, or for a limit whose project segment is
-        ``*``, one per project that used it (found by SCAN: such limits are rare)."""
-        sets: list[list[str]] = []
+    def _totals_sets(self, limits: Sequence[Limit]) -> list[list[tuple[str, str]]]:
+        """The sets lua/totals.lua reads for each limit, with the argument it reads each
+        by: a limit without a wildcard, its path's own set and its rate window in µs; a
+        wildcard limit, its totals set and ''; for one whose project segment is ``*``, one
+        per project that used it (found by SCAN: such limits are rare)."""
+        sets: list[list[tuple[str, str]]] = []
         for limit in limits:
+            if not limit.wildcard:
+                rate = limit.rate
+                window_us = 0 if rate is None else round(rate.seconds * 1_000_000)
+                sets.append([(self.key_of(limit.path), str(window_us))])
+                continue
             project = limit.path.split("/", 1)[0]
             if project != "*":
-                sets.append([self.totals_key(limit.path, limit.path)])
+                sets.append([(self.totals_key(limit.path, limit.path), "")])
                 continue
             pattern = f"{_glob_escape(self.prefix)}:{{*}}:t:{_glob_escape(limit.path)}"
-            sets.append(sorted({_text(key) for key in self.client.scan_iter(match=pattern)}))
+            found = sorted({_text(key) for key in self.client.scan_iter(match=pattern)})
+            sets.append([(name, "") for name in found])
         return sets
 
     def _summed(
@@ -1176,7 +1199,7 @@ class RedisBackend(Backend):
                     pipe.zrevrangebyscore(
                         name, f"({window_us - now_us}", "-inf", start=0, num=1, withscores=True
                     )
-                for key in held:
+                for key in held if limit.wildcard else ():
                     by_set.setdefault(self.totals_key(limit.path, key), []).append(key)
                 for name, members in by_set.items():
                     pipe.zmscore(name, members)
@@ -1199,8 +1222,9 @@ class RedisBackend(Backend):
                     if used and oldest:
                         resets_in = max(0.0, (span_us - oldest[0][1] - now_us) / 1e6)
                     usages.append(KeyUsage(key, count, used, resets_in))
-                # Keys with a live window, plus those in flight whose window has ended.
-                tracked = windowed
+                # Keys with a live window, plus those in flight whose window has ended (a
+                # limit without a wildcard: its one key, if anything of it is live).
+                tracked = windowed if limit.wildcard else int(bool(windowed or held))
                 for _ in by_set:
                     tracked += sum(
                         1 for score in next(replies) if score is None or score >= -now_us

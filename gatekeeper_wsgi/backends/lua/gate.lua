@@ -11,13 +11,16 @@
 -- ZREMRANGEBYSCORE [window - now, now] drops both slid-out entries and ended leases. Scores
 -- are whole microseconds, passed as numbers (Lua's tostring would round them).
 --
--- Next to it, one totals set per configured limit path (the status page and scrapes read
--- it in O(limits + requests in flight), not O(keys)). Members:
+-- Next to it, one totals set per configured wildcard limit path (the status page and scrapes
+-- read it in O(limits + requests in flight), not O(keys)). Members:
 --   <lease>|<path>  a lease of one of its keys (held or delayed); score = when it ends
 --   <path>          a key with a rate window; score = MINUS when its newest entry slides out
 -- Every member carries its own end, so a lease that expires by max_hold (a crashed holder)
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
+-- A limit without a wildcard has one concrete path, its own: its sorted set already holds
+-- all it would, so it has no totals set (the client passes that set again in its place,
+-- and the script skips the totals writes where the two are the same key).
 --
 -- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
 -- limit ('limit', which admissions enforce), its controller's state as the client wrote it
@@ -44,8 +47,11 @@
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
 --   (0: none)> <rate window in us> <enforce (1/0)>"
 -- (Specs in words keep the command short: the client packs each argument anew.)
--- KEYS: the keys of the releases in order, then those of the admission: two per slot, its
--- path's sorted set and its limit's totals set, and an adaptive slot's hash third.
+-- KEYS: the keys of the releases in order, then those of the admission. Each release and
+-- the admission start with their route's tombstone set (a give-back's, see below: its first
+-- slot's limit's totals key), then two per slot: its path's sorted set and its limit's
+-- totals set (the sorted set again for a limit without a wildcard), and an adaptive slot's
+-- hash third.
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
@@ -171,17 +177,19 @@ for r = 2, releases + 1 do
   else
   local lease, delay, codes = string.match(spec, '^(%S+) (%d+)(.*)$')
   delay = tonumber(delay)
+  local tombs = KEYS[k]
+  k = k + 1
   if string.byte(lease, 1) == 33 then
     -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It
     -- may not have run yet (queued in a frozen Redis behind this release): a tombstone in
-    -- its first totals set, for as long as its lease would live, makes it take nothing
-    -- if it runs later.
+    -- its route's tombstone set, for as long as its lease would live, makes it take
+    -- nothing if it runs later. (That set is a totals key, never a path's sorted set,
+    -- whose counts would see the member.)
     lease = string.sub(lease, 2)
-    local totals = KEYS[k + 1]
-    redis.call('ZADD', totals, clock() + delay, lease .. '!')
+    redis.call('ZADD', tombs, clock() + delay, lease .. '!')
     local life_ms = math.floor(delay / 1000) + 1
-    if redis.call('PTTL', totals) < life_ms then
-      redis.call('PEXPIRE', totals, life_ms)
+    if redis.call('PTTL', tombs) < life_ms then
+      redis.call('PEXPIRE', tombs, life_ms)
     end
     delay = 0
   end
@@ -189,6 +197,7 @@ for r = 2, releases + 1 do
     local code, adaptive, latency, faulty = string.match(word, '^(%d+)(:?)(%d*):?(%d*)$')
     local key = KEYS[k]
     local totals = KEYS[k + 1]
+    local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
     code = tonumber(code)
     k = k + 2
     local hash
@@ -203,28 +212,33 @@ for r = 2, releases + 1 do
     local path = path_of(key)
     if code % 2 == 1 then
       redis.call('ZREM', key, lease .. ':w')
-      -- The key's window now ends with the newest entry left (the lowest score), if any.
-      local newest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-      if newest[2] and tonumber(newest[2]) < 0 then
-        redis.call('ZADD', totals, tonumber(newest[2]) - (code - 1) / 2 * 1000, path)
-      else
-        redis.call('ZREM', totals, path)
+      if tracked then
+        -- The key's window now ends with the newest entry left (the lowest score), if any.
+        local newest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+        if newest[2] and tonumber(newest[2]) < 0 then
+          redis.call('ZADD', totals, tonumber(newest[2]) - (code - 1) / 2 * 1000, path)
+        else
+          redis.call('ZREM', totals, path)
+        end
       end
     end
     if delay > 0 then
-      if redis.call('ZSCORE', key, lease) then
-        if hash then
-          sample(hash, key, latency, faulty, lease, 0)
-        end
+      -- Taken out first: its answer says whether the lease is still held (a release
+      -- applied twice, or after max_hold, does nothing).
+      if redis.call('ZREM', key, lease) == 1 then
         local t = clock()
+        if hash then
+          sample(hash, key, latency, faulty, lease, 1) -- itself, just taken out, included
+        end
         -- Matured delays and ended leases go first, so a busy key holds only the
         -- delayed releases still pending.
         redis.call('ZREMRANGEBYSCORE', key, '(0', t)
         redis.call('ZADD', key, t + delay, lease .. ':d')
-        redis.call('ZREM', key, lease)
-        redis.call('ZREMRANGEBYSCORE', totals, -t, t)
-        redis.call('ZADD', totals, t + delay, lease .. '|' .. path)
-        redis.call('PEXPIRE', totals, math.floor(delay / 1000) + 1, 'GT')
+        if tracked then
+          redis.call('ZREMRANGEBYSCORE', totals, -t, t)
+          redis.call('ZADD', totals, t + delay, lease .. '|' .. path)
+          redis.call('PEXPIRE', totals, math.floor(delay / 1000) + 1, 'GT')
+        end
         -- The key lives as long as its latest member and not longer: when this was its last
         -- lease, it vanishes as the delay matures, not max_hold later.
         local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
@@ -240,7 +254,9 @@ for r = 2, releases + 1 do
       if redis.call('ZREM', key, lease) == 1 and hash then
         sample(hash, key, latency, faulty, lease, 1)
       end
-      redis.call('ZREM', totals, lease .. '|' .. path)
+      if tracked then
+        redis.call('ZREM', totals, lease .. '|' .. path)
+      end
       -- A key lives max_hold after an admission, for its lease. Once no request is in
       -- flight on it (its latest member is no live lease), it lives only as long as what
       -- is left needs: its latest pending delayed release, its window entries (one window
@@ -272,9 +288,9 @@ local t = clock()
 local lease = ARGV[a]
 local hold = tonumber(ARGV[a + 1])
 local hold_ms = math.floor(hold / 1000) + 1
-local first_key = k
+local first_key = k + 1 -- after the route's tombstone set
 local slots = #ARGV - a - 1
-if lease ~= '' and redis.call('ZSCORE', KEYS[first_key + 1], lease .. '!') then
+if lease ~= '' and redis.call('ZSCORE', KEYS[k], lease .. '!') then
   -- Given back before it ran (see the releases above): take nothing. Nobody waits for
   -- this answer; it reads as a refusal.
   return answer({0, 0, 1, 0, 0})
@@ -347,24 +363,31 @@ local prune = prune_due(lease)
 for i = 1, slots do
   local key = KEYS[at[i]]
   local totals = KEYS[at[i] + 1]
-  local path = path_of(key)
+  local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
   local quota, window = specs[i][1], specs[i][2]
   local ttl = hold_ms
-  if prune then
+  if prune and tracked then
     redis.call('ZREMRANGEBYSCORE', totals, -t, t)
   end
   -- A shadow slot over its concurrency still counts in its window; a full window is not
   -- extended (enforce mode would not have admitted).
-  if quota > 0 and not full[i] then
+  local windowed = quota > 0 and not full[i]
+  if windowed then
     redis.call('ZADD', key, t + hold, lease, -t, lease .. ':w')
-    redis.call('ZADD', totals, t + hold, lease .. '|' .. path, -t - window, path)
     local window_ms = math.floor(window / 1000) + 1
     if window_ms > ttl then
       ttl = window_ms
     end
   else
     redis.call('ZADD', key, t + hold, lease)
-    redis.call('ZADD', totals, t + hold, lease .. '|' .. path)
+  end
+  if tracked then
+    local path = path_of(key)
+    if windowed then
+      redis.call('ZADD', totals, t + hold, lease .. '|' .. path, -t - window, path)
+    else
+      redis.call('ZADD', totals, t + hold, lease .. '|' .. path)
+    end
   end
   -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
   -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
@@ -377,7 +400,7 @@ for i = 1, slots do
   -- The totals set must outlive its latest member. Its expiry is pushed an eighth
   -- further than needed, so most admissions find it long enough and only read it (a first
   -- admission finds none: -1).
-  if redis.call('PTTL', totals) < ttl then
+  if tracked and redis.call('PTTL', totals) < ttl then
     redis.call('PEXPIRE', totals, ttl + math.floor(ttl / 8))
   end
   if over[i] then

@@ -1,14 +1,31 @@
--- gatekeeper-wsgi: read the totals sets in KEYS (status pages, scrapes: see gate.lua for
--- their members) in one call, dropping what ended first.
--- Returns {now (us of Redis TIME), then per key: {its live lease members}, the count of its
--- paths with a live rate window}. Scores are whole microseconds, so now + 1 and -now - 1
--- bound the live ones exactly.
+-- gatekeeper-wsgi: read the totals of configured limits (status pages, scrapes: see gate.lua
+-- for the sets' members) in one call. KEYS are totals sets, dropping what ended first, and,
+-- for a limit without a wildcard, its path's own sorted set (its totals set stands in for
+-- none), read as it is: ARGV holds per key '' for a totals set, or that limit's rate window
+-- in us (0: none) for an own set.
+-- Returns {now (us of Redis TIME), then per key: for a totals set {its live lease members},
+-- the count of its paths with a live rate window; for an own set the count of its live
+-- leases (held and delayed), and 1 if its rate window is live, else 0}. Scores are whole
+-- microseconds, so now + 1 and -now - 1 bound the live ones exactly.
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local out = {now}
 for i = 1, #KEYS do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], -now, now)
-  out[#out + 1] = redis.call('ZRANGEBYSCORE', KEYS[i], now + 1, '+inf')
-  out[#out + 1] = redis.call('ZCOUNT', KEYS[i], '-inf', -now - 1)
+  local window = ARGV[i]
+  if window == '' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], -now, now)
+    out[#out + 1] = redis.call('ZRANGEBYSCORE', KEYS[i], now + 1, '+inf')
+    out[#out + 1] = redis.call('ZCOUNT', KEYS[i], '-inf', -now - 1)
+  else
+    -- Leases score when they end, window entries MINUS when they were taken: the window
+    -- is live while an entry is newer than now - window (admissions drop the others).
+    out[#out + 1] = redis.call('ZCOUNT', KEYS[i], now + 1, '+inf')
+    local live = 0
+    window = tonumber(window)
+    if window > 0 and redis.call('ZCOUNT', KEYS[i], '-inf', '(' .. string.format('%d', window - now)) > 0 then
+      live = 1
+    end
+    out[#out + 1] = live
+  end
 end
 return out

@@ -1,0 +1,191 @@
+"""Fewer commands per request on Redis (issue 19 point 2): a limit without a wildcard keeps
+no totals set (its own sorted set holds its leases, delayed releases and window), its totals
+are read from that set and stay exact, and a give-back's tombstone still stops a late
+admission whichever slot comes first. Against real redis-server processes; commands are
+counted by INFO commandstats, scripts' own included."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from gatekeeper_wsgi import GateKeeper  # noqa: E402
+from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend, _Release  # noqa: E402
+from tests.servers import ControlledRedis, wait_until  # noqa: E402
+from tests.test_redis import keeper  # noqa: E402
+from tests.test_redis_totals import commands_run  # noqa: E402
+from tests.test_totals_backends import full_count  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+#: The benchmark's "3 conc + 1 rate" (benchmarks/_common.py), the caller in the path.
+THREE_LEVELS: dict[str, Any] = {
+    "shop": {"concurrency": 10_000},
+    "shop/orders": {"concurrency": 10_000},
+    "shop/orders/*": {"concurrency": 10_000, "rate": "100000/minute"},
+}
+
+
+def redis_backend(gk: GateKeeper) -> RedisBackend:
+    backend = gk.backend
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+def keys_under(gk: GateKeeper, kind: str) -> set[str]:
+    """The keys of one kind (``z``, ``t``) under the keeper's prefix, by what follows it."""
+    backend = redis_backend(gk)
+    backend._outbox.flush()
+    found = backend.client.scan_iter(match=f"{backend.prefix}:*:{kind}:*")
+    return {key.decode().split(f":{kind}:", 1)[1] for key in found}
+
+
+def test_per_slot_commands_for_three_levels_and_a_rate(own_redis: ControlledRedis) -> None:
+    """Three concurrency levels and a rate: per request, the two limits without a wildcard
+    write no totals set, so 4 ZADD, 4 ZREM and 1 PTTL (6, 6 and 3 with a totals set each),
+    one tombstone check, and nothing left but the rate key's window."""
+    gk = keeper(own_redis.url, THREE_LEVELS)
+    try:
+        gk.admit("shop", "orders", "c").release(200)  # connected, script loaded
+        backend = redis_backend(gk)
+        backend._outbox.flush()
+        backend.client.config_resetstat()
+        requests = 200
+        for _ in range(requests):
+            gk.admit("shop", "orders", "c").release(200)
+        backend._outbox.flush()
+        calls = commands_run(backend.client)
+        assert (calls["zadd"], calls["zrem"], calls["pttl"], calls["zscore"]) == (
+            4 * requests,
+            4 * requests,
+            requests,
+            requests,
+        )
+        assert keys_under(gk, "t") == {"shop/orders/*"}
+        assert keys_under(gk, "z") == {"shop/orders/c"}  # idle exact keys are gone
+    finally:
+        gk.close()
+
+
+def test_exact_limits_totals_come_from_their_own_sets(prefixed: str) -> None:
+    """Held, delayed and window-counted requests on limits without a wildcard, from 16
+    threads held at a barrier: totals() counts exactly what the threads hold (their own
+    tally), agrees with a full count of the keys, and no totals set is written for them."""
+    limits = {
+        "shop": {"concurrency": 1000},
+        "shop/checkout": {"concurrency": 50, "delay": 60.0},
+        "shop/pay": {"concurrency": 50, "rate": "1000/minute"},
+        "shop/pay/*": {"concurrency": 50},
+    }
+    gk = keeper(prefixed, limits)
+    threads = 16
+    holding = threading.Barrier(threads + 1)
+    done = threading.Event()
+    held: list[str] = []
+    lock = threading.Lock()
+
+    def hold(n: int) -> None:
+        service = ("checkout", "pay")[n % 2]
+        admission = gk.admit("shop", service, f"c{n}")
+        with lock:
+            held.append(service)
+        holding.wait()
+        done.wait()
+        admission.release(200)
+
+    workers = [threading.Thread(target=hold, args=(n,)) for n in range(threads)]
+    try:
+        # One checkout ended faulty: its 60 s delay keeps its slot taken.
+        gk.admit("shop", "checkout", "x").release(503, faulty=True)
+        for worker in workers:
+            worker.start()
+        holding.wait()
+        totals = gk.totals()
+        assert totals is not None
+        assert totals["shop"].inflight == len(held) + 1
+        assert totals["shop/checkout"].inflight == held.count("checkout") + 1
+        assert totals["shop/pay"].inflight == held.count("pay")
+        assert totals["shop/pay/*"].inflight == held.count("pay")
+        assert (totals["shop/pay"].keys, totals["shop/pay"].busy) == (1, 1)
+        assert totals["shop/pay/*"].busy == held.count("pay")
+        assert [(usage.key, usage.used) for usage in totals["shop/pay"].top] == [
+            ("shop/pay", held.count("pay"))
+        ]
+        counted = full_count(gk)
+        for path in limits:
+            assert counted[path][0] == totals[path].inflight, path
+        assert keys_under(gk, "t") == {"shop/pay/*"}
+        done.set()
+        for worker in workers:
+            worker.join()
+        after = gk.totals()
+        assert after is not None
+        assert (after["shop"].inflight, after["shop/checkout"].inflight) == (1, 1)
+        assert (after["shop/pay"].inflight, after["shop/pay"].keys) == (0, 1)  # its window
+    finally:
+        done.set()
+        gk.close()
+
+
+def test_an_exact_limits_window_leaves_the_totals_with_its_window(prefixed: str) -> None:
+    """A limit without a wildcard is tracked while its window is live and not after, with
+    nothing in flight (Redis time passes: the test polls)."""
+    gk = keeper(prefixed, {"shop/pay": {"rate": "5/second"}})
+    try:
+        gk.admit("shop", "pay", "c").release(200)
+        totals = gk.totals()
+        assert totals is not None
+        assert (totals["shop/pay"].inflight, totals["shop/pay"].keys) == (0, 1)
+
+        def untracked() -> bool:
+            now = gk.totals()
+            assert now is not None
+            return now["shop/pay"].keys == 0
+
+        wait_until(untracked, what="the window to slide out")
+        assert keys_under(gk, "t") == set()
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize(
+    "first",
+    ["shop", "shop/work/*"],
+    ids=["exact first", "wildcard first"],
+)
+def test_a_late_admission_after_its_give_back_takes_nothing(prefixed: str, first: str) -> None:
+    """A give-back that Redis runs before its admission, on a route whose first slot has a
+    wildcard or not: the admission takes nothing anywhere, and the tombstone is counted by
+    no limit; the limit then admits its full concurrency."""
+    limits = {first: {"concurrency": 10}, "shop/work": {"concurrency": 2}}
+    gk = keeper(prefixed, limits)
+    try:
+        backend = redis_backend(gk)
+        key = "shop" if first == "shop" else "shop/work/c"
+        route = [
+            Slot(key, gk.config.limits[first], True),
+            Slot("shop/work", gk.config.limits["shop/work"], True),
+        ]
+        packed = backend._input(route)
+        lease = "stale-lease-2"
+        backend._send([_Release(lease, packed, packed.codes, 0.0, 0.0, backend._hold_us)])
+        answer, _ = backend._run([], packed, lease)  # the late admission
+        assert answer != 1 and answer[0] == 0
+        assert gk.inflight() == {}
+        totals = gk.totals()
+        assert totals is not None
+        assert (totals[first].inflight, totals["shop/work"].inflight) == (0, 0)
+        assert (totals[first].keys, totals["shop/work"].keys) == (0, 0)
+        both = [gk.admit("shop", "work", "c") for _ in range(2)]
+        totals = gk.totals()
+        assert totals is not None
+        assert (totals[first].inflight, totals["shop/work"].inflight) == (2, 2)
+        for admission in both:
+            admission.release(200)
+    finally:
+        gk.close()
