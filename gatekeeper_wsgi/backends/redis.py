@@ -5,8 +5,10 @@ segment of the concrete path, so every key of one request shares one hash tag an
 Redis Cluster slot)::
 
     <prefix>:{<project>}:z:<path>    the path's leases, delayed releases and rate window
-    <prefix>:{<project>}:t:<limit>   the totals of a configured limit: its paths' leases
-                                     and which of its paths have a live rate window
+    <prefix>:{<project>}:t:<limit>   the totals of a configured wildcard limit: its paths'
+                                     leases and which of its paths have a live rate window
+                                     (a limit without one has only its own path: its set
+                                     serves); also a route's give-back tombstones
     <prefix>:{<project>}:a:<path>    an adaptive limit's value in force, its controller's
                                      state and the window of samples being gathered
 
