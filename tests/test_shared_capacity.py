@@ -21,8 +21,8 @@ from gatekeeper_wsgi.backends.shared import (
     DEFAULT_LEASES_CAP,
     MIN_LEASES,
     SharedBackend,
-    _Layout,
 )
+from gatekeeper_wsgi.backends.shared.layout import Layout
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.errors import CapacityError
 from tests.conftest import FakeClock, busy
@@ -239,8 +239,8 @@ def test_a_long_window_expiring_at_once_is_one_small_update(
 # --- sizing --------------------------------------------------------------------------------
 
 
-def layout(limits: dict[str, Any], **sizes: int) -> _Layout:
-    return _Layout.derive(build_config({"project": "shop", "limits": limits}), **sizes)
+def layout(limits: dict[str, Any], **sizes: int) -> Layout:
+    return Layout.derive(build_config({"project": "shop", "limits": limits}), **sizes)
 
 
 def test_leases_cover_wildcard_concurrency() -> None:

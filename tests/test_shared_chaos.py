@@ -4,7 +4,7 @@ rolling back another's update), several at a time; afterwards, once the dead are
 ``inflight()`` is all zero and the full capacity can be admitted, every run.
 
 The kill point is chosen inside the victim: a line tracer counts the lines it runs in
-``backends/shared.py`` and sends the process SIGKILL at the chosen one, so every run
+``backends/shared/`` and sends the process SIGKILL at the chosen one, so every run
 lands where the backend's state is most fragile, not only between requests. A second
 test walks the kill point over the lines of one scripted sequence of admissions,
 refusals, delayed and plain releases, one process at a time.
@@ -33,7 +33,8 @@ from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend
 from tests.conftest import busy
 
-SHARED_FILE = shared_module.__file__
+#: the package's directory: a line in any of its modules is a point to be killed at
+SHARED_DIR = os.path.dirname(shared_module.__file__) + os.sep
 LIMITS: dict[str, Any] = {
     "p": {"concurrency": 6, "delay": 0.05},
     "p/s": {"concurrency": 4},
@@ -49,7 +50,7 @@ def settings(path: Path) -> dict[str, Any]:
 
 
 def trace_backend(on_line: Callable[[], None]) -> None:
-    """Call ``on_line`` before each line this thread runs in backends/shared.py."""
+    """Call ``on_line`` before each line this thread runs in backends/shared/."""
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line":
@@ -57,13 +58,13 @@ def trace_backend(on_line: Callable[[], None]) -> None:
         return local
 
     def calls(frame: FrameType, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename == SHARED_FILE else None
+        return local if frame.f_code.co_filename.startswith(SHARED_DIR) else None
 
     sys.settrace(calls)
 
 
 def kill_after(lines: int) -> None:
-    """SIGKILL this process when it has run ``lines`` more lines of backends/shared.py."""
+    """SIGKILL this process when it has run ``lines`` more lines of backends/shared/."""
     left = [lines]
 
     def count_down() -> None:
@@ -155,7 +156,7 @@ def _killed_at(path: str, line: int) -> None:
 
 
 def lines_of(run: Callable[[], None]) -> int:
-    """How many lines of backends/shared.py ``run`` executes."""
+    """How many lines of backends/shared/ ``run`` executes."""
     count = [0]
 
     def count_up() -> None:

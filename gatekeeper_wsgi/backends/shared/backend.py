@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import errno
 import fcntl
 import hashlib
 import heapq
@@ -19,13 +18,11 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import struct
 import threading
 import time
 import weakref
-import zlib
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -40,6 +37,93 @@ from gatekeeper_wsgi.backends.base import (
     KeyUsage,
     LimitTotals,
     Slot,
+)
+from gatekeeper_wsgi.backends.shared.files import (
+    DEFAULT_MODE,
+    check_mode,
+    open_private,
+)
+from gatekeeper_wsgi.backends.shared.layout import (
+    CHAIN,
+    CHUNK_FMT,
+    CHUNK_SIZE,
+    CHUNK_STAMPS,
+    CHUNK_STAMPS_FMT,
+    F64,
+    F_GAUGE,
+    G_HOT,
+    G_STATE,
+    GAUGE_HEAD,
+    GAUGE_HOT,
+    GAUGE_SIZE,
+    GAUGE_SPEC,
+    GAUGE_STATE,
+    H_BOOT,
+    H_CHECK,
+    H_CHUNK_CHECK,
+    H_CHUNK_FREE,
+    H_EPOCH,
+    H_EPOCH_COPY,
+    H_HEAP_LEN,
+    H_JLEN,
+    H_LEASE_FREE,
+    H_LEASE_HIGH,
+    H_LIVE,
+    H_NODES_USED,
+    H_PROCS_HIGH,
+    H_SERIAL,
+    HEADER,
+    HEAP,
+    HEAP_SIZE,
+    JENTRY,
+    JENTRY_SIZE,
+    L_EXPIRY,
+    L_REFS,
+    LEASE,
+    LEASE_HEAD,
+    LEASE_SIZE,
+    LOCK,
+    LRU_SCAN,
+    MAGIC,
+    MAGIC_INIT,
+    MAGIC_VERSION,
+    MAX_REFS,
+    MUT_END,
+    MUT_START,
+    N_FIRST,
+    N_FLAGS,
+    N_IDLE,
+    N_LAST,
+    N_LEN,
+    N_NEXT,
+    N_OFFSET,
+    N_PREV,
+    N_REG,
+    NIL,
+    NODE,
+    NODE_HEAD,
+    PROC,
+    PROC_SIZE,
+    R_COUNT,
+    R_HEAD,
+    R_TAIL,
+    REG,
+    REG_SIZE,
+    STATE,
+    TAGS,
+    U32,
+    UNLOCK,
+    VERSION,
+    Layout,
+    chunk_check,
+    fixed_digest,
+    header_problem,
+)
+from gatekeeper_wsgi.backends.shared.liveness import (
+    BOOT_ID,
+    DEEP_CHECK_EVERY,
+    is_dead,
+    proc_stat,
 )
 from gatekeeper_wsgi.config import Config, Limit, Rate
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
@@ -90,455 +174,10 @@ class _Damaged(Exception):
     truncated file): it is re-created."""
 
 
-# --- the byte layout (documented in SharedBackend's docstring) ----------------------------
-
-MAGIC = b"GKSHARED"
-#: written first when a table is (re)initialised, replaced by MAGIC when done: a process
-#: killed half-way leaves a file that is recognisably ours and unfinished.
-MAGIC_INIT = b"GKSHINIT"
-#: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges
-VERSION = 4
-HEADER = 4096
-CHAIN = 8  #: nodes per hash bucket
-NIL = 0xFFFFFFFF
-CHUNK_STAMPS = 7  #: admission times per window chunk (64 bytes)
-#: window chunks reserved by default at most (128 MiB); ``?windows=`` overrides
-DEFAULT_CHUNKS_CAP = 1 << 21
-MAX_REFS = 5  #: slots per lease
-#: how far an eviction for ``max_keys`` looks for an idle key (from the least recently
-#: used) before the new key is refused
-LRU_SCAN = 64
-#: how often (seconds) the rejection path reads /proc for zombies and reused pids
-DEEP_CHECK_EVERY = 0.01
-#: keys reserved by default at most (a wildcard limit asks for its ``max_keys``); ``?size=``
-#: overrides. 2^20 keys of 64 key bytes: 100 MiB of sparse file, 1.5 M nodes.
-DEFAULT_KEYS_CAP = 1 << 20
-#: leases reserved by default at most (160 MiB with the delay heap); ``?leases=`` overrides
-DEFAULT_LEASES_CAP = 1 << 22
-#: leases reserved at least: requests in flight on a host beyond any concurrency limit
-MIN_LEASES = 16384
-#: the file's mode when created; ``?mode=`` may add group read/write, nothing else
-DEFAULT_MODE = 0o600
-_MODES_ALLOWED = 0o660
-
-_U32 = struct.Struct("<I")
-_STATE = struct.Struct("<8sIIQ")  # at 0: magic, version, journal bytes, epoch
-_F64 = struct.Struct("<d")
-_MAGIC_VERSION = struct.Struct("<8sI")  # at 0
-_GEOMETRY = struct.Struct("<8I")  # at 272
-_NODE = struct.Struct("<IHBxIIIIIId")
-_LEASE = struct.Struct("<IIdI5I")
-_LEASE_HEAD = struct.Struct("<II")  # pid, serial
-_HEAP = struct.Struct("<dII")
-_PROC = struct.Struct("<IIQ")
-_REG = struct.Struct("<QIII4x")
-_TAGS = struct.Struct(f"<{CHAIN}I")
-_CHUNK = struct.Struct(f"<I4x{CHUNK_STAMPS}d")
-_CHUNK_STAMPS = struct.Struct(f"<{CHUNK_STAMPS}d")
-_JENTRY = struct.Struct("<QI")
-# struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
-_FLOCK = struct.Struct("hhxxxxqqixxxx")
-_LOCK = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-_UNLOCK = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
-
-# header fields
-H_JLEN = 12
-H_EPOCH = 16
-H_LIVE = 24
-H_LEASE_FREE = 28
-H_LEASE_HIGH = 32
-H_HEAP_LEN = 36
-H_SERIAL = 40
-H_PROCS_HIGH = 44
-H_NODES_USED = 48
-#: crc32 of the window chunk counters at 56..64: in-range garbage there would hand one
-#: chunk to two windows (and so drop admission times), which no other check can see
-H_CHUNK_CHECK = 52
-H_CHUNK_FREE = 56
-H_CHUNK_HIGH = 60
-MUT_START, MUT_END = H_LIVE, 64
-#: a copy of the epoch: a corrupted epoch would otherwise pass for a re-created table and
-#: orphan every grant of the live one
-H_EPOCH_COPY = 64
-#: blake2b of the fields written once when the table is created (magic, version, epoch
-#: and its copy, boot id, geometry, file size): a new epoch with a valid checksum is a
-#: table another process re-created; any other change to them is damage
-H_CHECK = 72
-H_BOOT = 256
-H_GEOMETRY = 272
-H_FILE_BYTES = 304
-
-# node fields
-NODE_HEAD = _NODE.size  # 40: the key follows
-N_INFLIGHT, N_OFFSET, N_FLAGS, N_FIRST, N_LAST, N_LEN = 0, 6, 7, 8, 12, 16
-#: in a node's flags: its gauge holds its key's controller (a new node's flags are 0, so
-#: a gauge left by the key a node held before is never read, nor its page touched)
-F_GAUGE = 1
-N_REG, N_PREV, N_NEXT, N_IDLE = 20, 24, 28, 32
-LEASE_SIZE = _LEASE.size  # 40
-L_EXPIRY, L_REFS = 8, 20
-HEAP_SIZE = _HEAP.size
-PROC_SIZE = _PROC.size
-REG_SIZE = _REG.size
-R_COUNT, R_HEAD, R_TAIL = 8, 12, 16
-CHUNK_SIZE = _CHUNK.size  # 64
-JENTRY_SIZE = _JENTRY.size  # 12
-
-# gauges: the controller of an adaptive limit's key, one per node (same index)
-GAUGE_SIZE = 128
-#: at 0: algorithm (index in ALGORITHMS + 1; 0: no controller yet), min, max, initial of
-#: the ``adaptive`` table the state was last made under (a reload changes them)
-_GAUGE_SPEC = struct.Struct("<4I")
-G_STATE = _GAUGE_SPEC.size  # 16: Controller.STATE as doubles
-_GAUGE_STATE = struct.Struct(f"<{len(Controller.STATE)}d")
-#: what a sample changes while no window is due (Controller.sample before _due_now),
-#: read and written in place so that most releases never rebuild the controller
-_HOT = ("_due", "_count", "_total", "_drops", "_peak")
-_HOT_INDEX = Controller.STATE.index(_HOT[0])
-if Controller.STATE[_HOT_INDEX : _HOT_INDEX + len(_HOT)] != _HOT:
-    raise RuntimeError(f"Controller.STATE no longer holds {_HOT} in a row")
-G_HOT = G_STATE + 8 * _HOT_INDEX
-_GAUGE_HOT = struct.Struct(f"<{len(_HOT)}d")
-#: the spec and the enforced limit, read by every admission of an adaptive limit
-_GAUGE_HEAD = struct.Struct(f"<4I{8 * Controller.STATE.index('limit')}xd")
-if G_STATE + _GAUGE_STATE.size > GAUGE_SIZE:
-    raise RuntimeError("Controller.STATE no longer fits a gauge")
-
-
-def _boot_id() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as file:
-            return bytes.fromhex(file.read().decode("ascii").strip().replace("-", ""))[:16]
-    except (OSError, ValueError):
-        return bytes(16)
-
-
-_BOOT_ID = _boot_id()
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            text = file.read()
-    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited while being read
-        return None
-    except OSError:
-        return ("?", 0)
-    # The command name may hold spaces and parentheses: fields resume after the last ')'.
-    fields = text[text.rfind(b")") + 2 :].split()
-    try:
-        return fields[0].decode("ascii", "replace"), int(fields[19])
-    except (IndexError, ValueError):
-        return ("?", 0)
-
-
-def _dead(pid: int, start: int, *, deep: bool) -> bool:
-    """Whether process ``pid`` (started at ``start`` ticks after boot, 0: unknown) is gone.
-    ``deep`` also reads /proc: a zombie (killed, not yet reaped) or a process that reuses
-    the pid counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass  # alive, owned by another user
-    if not deep:
-        return False
-    stat = _proc_stat(pid)
-    return stat is None or stat[0] in ("Z", "X") or bool(start and stat[1] and stat[1] != start)
-
-
 def _path_digest(path: str) -> int:
     """The registry's name for a wildcard limit path (never 0, which marks a free entry)."""
     digest = hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
-
-
-def _align(value: int, to: int) -> int:
-    return (value + to - 1) // to * to
-
-
-# O_NOFOLLOW: a symlink planted at the path is refused, not followed to its target;
-# O_NONBLOCK: opening a FIFO planted there does not wait for a writer.
-_OPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-
-
-def _check_mode(path: str, mode: int) -> None:
-    """ConfigError unless ``mode`` is 0600 plus at most group read/write."""
-    if mode & ~_MODES_ALLOWED or mode & 0o600 != 0o600:
-        raise ConfigError(
-            "backend",
-            f"mode {mode:04o} for the shared table {path!r}: expected 0600 plus at "
-            f"most group read/write (e.g. 0660); others never get access",
-        )
-
-
-def _open_private(path: str, mode: int) -> int:
-    """Open (creating it with ``mode``) the table file, refusing anything another user
-    could have planted or could write: see :func:`_unfit`. ConfigError says why."""
-    for _ in range(3):  # the file may vanish or appear between the two opens
-        try:
-            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise ConfigError(
-                "backend", f"cannot open the shared table {path!r}: {exc.strerror}"
-            ) from exc
-        else:
-            os.fchmod(fd, mode)  # the umask may have taken group bits ?mode= asked for
-            return fd
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            reason = (
-                "it is a symbolic link (never followed)"
-                if exc.errno == errno.ELOOP
-                else exc.strerror
-            )
-            raise ConfigError(
-                "backend", f"cannot open the shared table {path!r}: {reason}"
-            ) from exc
-        problem = _unfit(os.fstat(fd), mode)
-        if problem is None:
-            return fd
-        os.close(fd)
-        raise ConfigError("backend", f"refusing the shared table {path!r}: {problem}")
-    raise ConfigError("backend", f"cannot open the shared table {path!r}: it keeps changing")
-
-
-def _unfit(info: os.stat_result, mode: int) -> str | None:
-    """Why an existing file must not be used as the table, None if it may: it must be a
-    regular file with one name, owned by this process's user (or, when ``mode`` shares it
-    with the group, by the group), writable by nobody else. Checked on the open
-    descriptor (``fstat``), so the file cannot be swapped between the check and the use."""
-    if not stat.S_ISREG(info.st_mode):
-        kind = (
-            "a FIFO"
-            if stat.S_ISFIFO(info.st_mode)
-            else "a socket"
-            if stat.S_ISSOCK(info.st_mode)
-            else "a directory"
-            if stat.S_ISDIR(info.st_mode)
-            else "a device"
-        )
-        return f"it is {kind}, not a regular file"
-    euid = os.geteuid()
-    group_shared = bool(mode & 0o060)
-    if info.st_uid != euid and not (
-        group_shared and info.st_gid in (os.getegid(), *os.getgroups())
-    ):
-        return f"it is owned by uid {info.st_uid}, not by this process's user (uid {euid})" + (
-            "" if group_shared else "; ?mode=0660 shares a table within a group"
-        )
-    if info.st_nlink != 1:
-        # Another name for the same file (a hard link someone made) could be anything.
-        return f"it has {info.st_nlink} hard links; a table has exactly one name"
-    writable = info.st_mode & 0o022 & ~mode
-    if writable:
-        who = "group and others" if writable == 0o022 else "group" if writable & 0o020 else "others"
-        return (
-            f"it is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}, this table "
-            f"allows {mode:04o}; ?mode=0660 shares it within a group)"
-        )
-    return None
-
-
-class _Layout:
-    """The sizes of a table and the offsets that follow from them."""
-
-    __slots__ = (
-        "buckets",
-        "chunks",
-        "chunks_off",
-        "gauges_off",
-        "heap_off",
-        "journal",
-        "journal_off",
-        "key_size",
-        "leases",
-        "leases_off",
-        "node_size",
-        "nodes_off",
-        "procs",
-        "procs_off",
-        "registry",
-        "registry_off",
-        "tags_off",
-        "total",
-    )
-
-    def __init__(
-        self,
-        *,
-        key_size: int,
-        buckets: int,
-        leases: int,
-        procs: int,
-        registry: int,
-        journal: int,
-        chunks: int,
-    ) -> None:
-        self.key_size = key_size
-        self.buckets = buckets
-        self.leases = leases
-        self.procs = procs
-        self.registry = registry
-        self.journal = journal
-        self.chunks = chunks
-        self.node_size = NODE_HEAD + key_size
-        offset = self.tags_off = HEADER
-        offset = self.nodes_off = _align(offset + buckets * CHAIN * 4, 64)
-        offset = self.leases_off = _align(offset + buckets * CHAIN * self.node_size, 64)
-        offset = self.heap_off = _align(offset + leases * LEASE_SIZE, 64)
-        offset = self.procs_off = _align(offset + leases * HEAP_SIZE, 64)
-        offset = self.registry_off = _align(offset + procs * PROC_SIZE, 64)
-        offset = self.gauges_off = _align(offset + registry * REG_SIZE, 64)
-        offset = self.journal_off = _align(offset + buckets * CHAIN * GAUGE_SIZE, 64)
-        offset = self.chunks_off = _align(offset + journal, 4096)
-        self.total = _align(offset + chunks * CHUNK_SIZE, 4096)
-
-    @property
-    def nodes(self) -> int:
-        return self.buckets * CHAIN
-
-    def _sizes(self) -> tuple[int, ...]:
-        return (
-            self.key_size,
-            self.buckets,
-            self.leases,
-            self.procs,
-            self.registry,
-            self.journal,
-            self.chunks,
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Layout) and self._sizes() == other._sizes()
-
-    def __hash__(self) -> int:
-        return hash(self._sizes())
-
-    def covers(self, other: _Layout) -> bool:
-        """Whether this table holds at least what ``other`` asks for, in every respect."""
-        return all(
-            mine >= theirs for mine, theirs in zip(self._sizes(), other._sizes(), strict=True)
-        )
-
-    def merged(self, other: _Layout) -> _Layout:
-        """The smallest layout covering both."""
-        return _Layout(
-            key_size=max(self.key_size, other.key_size),
-            buckets=max(self.buckets, other.buckets),
-            leases=max(self.leases, other.leases),
-            procs=max(self.procs, other.procs),
-            registry=max(self.registry, other.registry),
-            journal=max(self.journal, other.journal),
-            chunks=max(self.chunks, other.chunks),
-        )
-
-    def describe(self) -> str:
-        return (
-            f"{self.nodes} keys of <= {self.key_size - 1} bytes, {self.leases} leases, "
-            f"{self.procs} processes, {self.chunks * CHUNK_STAMPS} rate window entries, "
-            f"{self.total} bytes"
-        )
-
-    def write(self, mm: mmap.mmap) -> None:
-        _GEOMETRY.pack_into(
-            mm,
-            H_GEOMETRY,
-            self.key_size,
-            self.buckets,
-            CHAIN,
-            self.leases,
-            self.procs,
-            self.registry,
-            self.journal,
-            self.chunks,
-        )
-        struct.pack_into("<Q", mm, H_FILE_BYTES, self.total)
-
-    @classmethod
-    def read(cls, header: bytes) -> _Layout | None:
-        key_size, buckets, chain, leases, procs, registry, journal, chunks = _GEOMETRY.unpack_from(
-            header, H_GEOMETRY
-        )
-        if chain != CHAIN or not (buckets and leases and procs and key_size):
-            return None
-        return cls(
-            key_size=key_size,
-            buckets=buckets,
-            leases=leases,
-            procs=procs,
-            registry=registry,
-            journal=journal,
-            chunks=chunks,
-        )
-
-    @classmethod
-    def derive(
-        cls,
-        config: Config | None,
-        *,
-        size: int | None = None,
-        leases: int | None = None,
-        procs: int | None = None,
-        windows: int | None = None,
-    ) -> _Layout:
-        """The table a configuration needs (docs/deployment.md, "Sizing"): a node per key
-        (``max_keys`` per wildcard limit; ``DEFAULT_KEYS_CAP`` keys in all at most), room
-        for N admission times per key of an ``N/...`` limit (``DEFAULT_CHUNKS_CAP`` chunks
-        at most), a lease per request in flight (twice the sum of the concurrency limits,
-        a wildcard one counting ``concurrency x max_keys``; between ``MIN_LEASES`` and
-        ``DEFAULT_LEASES_CAP``), room for limits a reload may add."""
-        keys = 0
-        key_size = 64
-        wildcards = 0
-        concurrency = 0
-        chunks = 0
-        longest_count = 0
-        limits: Iterable[Limit] = config.limits.values() if config is not None else ()
-        for limit in limits:
-            if limit.concurrency is None and limit.rate is None:
-                continue
-            count = limit.max_keys if limit.wildcard else 1
-            count = min(count, DEFAULT_KEYS_CAP if size is None else size)
-            keys += count
-            wildcards += limit.wildcard
-            # A wildcard segment takes a request value: at most 128 characters.
-            length = sum(128 if seg == "*" else len(seg) for seg in limit.segments)
-            key_size = max(key_size, length + len(limit.segments))  # separators + NUL
-            if isinstance(limit.concurrency, int):
-                concurrency += limit.concurrency * count
-            rate = limit.rate
-            if rate is not None:
-                # A window of N entries spans at most this many chunks.
-                chunks += count * ((rate.limit + 2 * CHUNK_STAMPS - 2) // CHUNK_STAMPS)
-                if limit.count is not None:
-                    longest_count = max(longest_count, rate.limit)
-        keys = size if size is not None else min(keys, DEFAULT_KEYS_CAP)
-        nodes = keys * 3 // 2 + 64  # load <= 2/3: two-choice buckets of 8 ~never overflow
-        if windows is None:
-            windows = min(chunks + 1024, DEFAULT_CHUNKS_CAP)
-        # A give-back rewrites the chunks after the entry: journal room for that.
-        rewrite = (longest_count // CHUNK_STAMPS + 2) * (CHUNK_SIZE + _JENTRY.size)
-        return cls(
-            key_size=_align(key_size, 8),
-            buckets=-(-nodes // CHAIN),
-            leases=(
-                leases
-                if leases is not None
-                else min(max(MIN_LEASES, 2 * concurrency), DEFAULT_LEASES_CAP)
-            ),
-            procs=procs if procs is not None else 1024,
-            registry=2 * wildcards + 64,
-            journal=_align(65536 + MAX_REFS * rewrite, 4096),
-            chunks=windows,
-        )
 
 
 def _idle(fields: tuple[Any, ...], now: float) -> bool:
@@ -560,49 +199,6 @@ def _lease_slot(slots: Sequence[Slot]) -> int:
     if slots and slots[concurrency].enforce and slots[concurrency].limit.concurrency is not None:
         return concurrency
     return enforced
-
-
-def _fixed_digest(head: bytes | bytearray) -> int:
-    """The checksum of a header's fixed fields (stored at ``H_CHECK``)."""
-    fixed = b"".join(
-        (head[0:12], head[H_EPOCH : H_EPOCH + 8], head[H_EPOCH_COPY:H_CHECK], head[H_BOOT:312])
-    )
-    return int.from_bytes(hashlib.blake2b(fixed, digest_size=8).digest(), "little")
-
-
-def _chunk_check(counters: bytes) -> int:
-    """The check word (at ``H_CHUNK_CHECK``) of the window chunk counters' 8 bytes."""
-    return zlib.crc32(counters)
-
-
-def _header_problem(layout: _Layout, head: bytes, size: int) -> str | None:
-    """What in a header of a valid magic no correct process writes, None if nothing."""
-    if struct.unpack_from("<Q", head, H_CHECK)[0] != _fixed_digest(head):
-        return "its fixed fields fail their checksum"
-    if size < layout.total:
-        return f"it was cut to {size} bytes (its table needs {layout.total})"
-    if struct.unpack_from("<Q", head, H_FILE_BYTES)[0] != layout.total:
-        return "its size field disagrees with its geometry"
-    if head[H_EPOCH : H_EPOCH + 8] != head[H_EPOCH_COPY : H_EPOCH_COPY + 8]:
-        return "its epoch disagrees with its copy"
-    jlen = _U32.unpack_from(head, H_JLEN)[0]
-    live, lease_free, lease_high, heap_len, _, procs_high, nodes_used, _, chunk_free, chunk_high = (
-        struct.unpack_from("<10I", head, H_LIVE)
-    )
-    if jlen > layout.journal:
-        return f"its journal length {jlen} exceeds the journal ({layout.journal} bytes)"
-    if _U32.unpack_from(head, H_CHUNK_CHECK)[0] != _chunk_check(head[H_CHUNK_FREE:MUT_END]):
-        return "its window chunk counters fail their check"
-    if (
-        max(live, lease_high, heap_len) > layout.leases
-        or (lease_free != NIL and lease_free >= lease_high)
-        or procs_high > layout.procs
-        or nodes_used > layout.nodes
-        or chunk_high > layout.chunks
-        or (chunk_free != NIL and chunk_free >= chunk_high)
-    ):
-        return "its counters are out of range"
-    return None
 
 
 class _SharedGrant(Grant):
@@ -734,76 +330,7 @@ class SharedBackend(Backend):
     a slot freed in another process wakes nobody here; the wait is bounded by ``wait``.
     FIFO order holds among the waiters of one process, not across processes.
 
-    **Layout** (little-endian; the offsets of the regions follow from the sizes in the
-    header, each region aligned to 64 bytes, the window chunks to 4096)::
-
-        header, 4096 bytes
-          0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-          8   4  u32 layout version (4)
-         12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
-         16   8  u64 epoch: random, new at every initialisation; grants of another epoch
-                 are void
-         24   4  u32 live leases, held or delayed (at this offset in every version)
-         28   4  u32 first free lease, or 0xFFFFFFFF    |  the mutable block [24, 64),
-         32   4  u32 leases ever used (bump mark)        |  saved to the journal as one
-         36   4  u32 entries in the delay heap          |  range
-         40   4  u32 last lease serial
-         44   4  u32 process slots ever used (bump mark)
-         48   4  u32 keys in the table
-         52   4  u32 crc32 of the 8 bytes at 56 (they disagree: damaged)
-         56   4  u32 first free window chunk, or 0xFFFFFFFF
-         60   4  u32 window chunks ever used (bump mark)
-         64   8  u64 a copy of the epoch (they differ: the header is damaged)
-         72   8  u64 blake2b (8 bytes, little-endian) of bytes 0..12, 16..24, 64..72
-                 and 256..312 with the final magic: written once at creation
-        256  16  boot id (/proc/sys/kernel/random/boot_id): another boot = stale table
-        272   4  u32 key bytes per node (K, including a NUL terminator)
-        276   4  u32 hash buckets (m)
-        280   4  u32 nodes per bucket (8)
-        284   4  u32 leases (L)
-        288   4  u32 process slots (P)
-        292   4  u32 registry entries (R)
-        296   4  u32 journal bytes (J)
-        300   4  u32 window chunks (W)
-        304   8  u64 file bytes
-        (the rest is zero)
-
-        tags, m x 8 x u32: a node's 32-bit key hash, 0 = free slot. A key lives in one of
-          two buckets (two-choice hashing on its blake2b digest), so a lookup reads 16
-          tags and compares at most a few keys; both buckets full -> an idle node of the
-          16 is evicted, else the new key is refused (CapacityError).
-        nodes, m x 8 x (40 + K) bytes, node i belongs to tag i:
-          0 u32 requests in flight       4 u16 key length
-          6 u8  index of the oldest window entry in the first chunk
-          7 u8  flags: 1 = its gauge holds the controller of its key (0 when created)
-          8 u32 first window chunk      12 u32 last window chunk (0xFFFFFFFF: none)
-         16 u32 window entries          20 u32 registry entry + 1 (0: not a wildcard key)
-         24 u32 previous, 28 u32 next node in its limit's least-recently-used list
-         32 f64 when its window is empty (last entry + window length)
-         40 key bytes (UTF-8), NUL terminated
-        leases, L x 40 bytes:
-          0 u32 owner pid (0: ownerless, a delayed decrease)   4 u32 serial (0: free)
-          8 f64 expiry (0: held by its owner)   16 u32 node count   20 5 x u32 nodes
-          (a free lease keeps the next free lease in its first node field)
-        delay heap, L x 16 bytes: f64 expiry, u32 lease, u32 serial; a binary min-heap
-        processes, P x 16 bytes: u32 pid (0: free), 4 pad, u64 start time (clock ticks
-          after boot, /proc/<pid>/stat field 22: tells a reused pid apart)
-        registry, R x 24 bytes, one per wildcard limit path: u64 blake2b of the path
-          (0: free), u32 keys, u32 least recently used node, u32 most recently used node,
-          4 pad
-        gauges, m x 8 x 128 bytes, gauge i belongs to node i (read only when its node's
-          flag says so, so a gauge is touched only for keys of adaptive limits):
-          0 4 x u32 the adaptive table its state was made under: algorithm (1 gradient,
-            2 aimd, 3 vegas), min, max, initial (a reloaded table: respec'd at next use)
-          16 14 x f64 adaptive.Controller.STATE: estimate, limit, latency, min_latency,
-            next probe, window due, count, total, drops, peak, probing (NaN: no),
-            slow start, probe count, probe total
-        journal, J bytes: entries of u64 offset, u32 length, the old bytes; a commit or a
-          rollback zeroes the first entry (offset 0 is never journaled: an invalid entry)
-        window chunks, W x 64 bytes: u32 next chunk of the same window (0xFFFFFFFF:
-          last), 4 pad, 7 x f64 admission times. A rate key's sliding log is a chain of
-          chunks, oldest entry first: appending and expiring are O(1), memory follows the
-          entries actually held. Free chunks form a list through their first field.
+    **Layout**: the byte table is :mod:`gatekeeper_wsgi.backends.shared.layout`'s docstring.
 
     Writes that other processes read concurrently need no special care: nobody reads
     without the lock. The file is sparse: pages of unused nodes and windows cost nothing.
@@ -825,11 +352,9 @@ class SharedBackend(Backend):
         mode: int = DEFAULT_MODE,
     ) -> None:
         self.path = os.fspath(path)
-        _check_mode(self.path, mode)
+        check_mode(self.path, mode)
         self._mode = mode
-        self._wanted = _Layout.derive(
-            config, size=size, leases=leases, procs=procs, windows=windows
-        )
+        self._wanted = Layout.derive(config, size=size, leases=leases, procs=procs, windows=windows)
         #: no configuration: an observer that takes the table as it is
         self._adopt = config is None and (size, leases, procs, windows) == (None,) * 4
         self._tlock = threading.Lock()
@@ -844,7 +369,7 @@ class SharedBackend(Backend):
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
-        self._last_layout: _Layout | None = None
+        self._last_layout: Layout | None = None
         self._total = 0
         self._reset_state()
         self._open()
@@ -902,13 +427,13 @@ class SharedBackend(Backend):
                 )
             options[name] = number
         if "mode" in options:
-            _check_mode(path, options["mode"])
+            check_mode(path, options["mode"])
         return path, options
 
     # --- file, map, lock ------------------------------------------------------------------
 
     def _reset_state(self) -> None:
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._epoch = 0
         #: leases this process holds (admitted, not yet released) in the table of epoch
         #: ``_held_epoch``: while it holds any, no other layout version re-creates it
@@ -924,7 +449,7 @@ class SharedBackend(Backend):
         self._last_deep_check = -1.0
 
     def _open(self) -> None:
-        self._fd = _open_private(self.path, self._mode)
+        self._fd = open_private(self.path, self._mode)
 
     def _unmap(self) -> None:
         if self._mm is not None:
@@ -961,7 +486,7 @@ class SharedBackend(Backend):
         try:
             if self._fd < 0:
                 self._open()
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _LOCK)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, LOCK)
         except (OSError, ConfigError) as exc:
             self._tlock.release()
             raise BackendError(f"cannot lock the shared table {self.path!r}: {exc}") from exc
@@ -974,7 +499,7 @@ class SharedBackend(Backend):
                 if mm is None or os.lseek(self._fd, 0, os.SEEK_END) < self._total:
                     self._attach()
                 else:
-                    magic, version, jlen, epoch = _STATE.unpack_from(mm, 0)
+                    magic, version, jlen, epoch = STATE.unpack_from(mm, 0)
                     if epoch != self._epoch or magic != MAGIC or version != VERSION:
                         self._attach()
                     elif jlen:
@@ -993,7 +518,7 @@ class SharedBackend(Backend):
     def _leave(self) -> None:
         try:
             if self._fd >= 0:
-                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _UNLOCK)
+                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, UNLOCK)
         finally:
             self._tlock.release()
 
@@ -1009,23 +534,23 @@ class SharedBackend(Backend):
         ours = (info.st_dev, info.st_ino) == self._ours
         head = os.pread(fd, HEADER, 0) if size else b""
         head = head.ljust(HEADER, b"\0")
-        magic, version = _MAGIC_VERSION.unpack_from(head, 0)
+        magic, version = MAGIC_VERSION.unpack_from(head, 0)
         wanted = self._wanted
         if magic == MAGIC and version == VERSION:
-            layout = _Layout.read(head)
+            layout = Layout.read(head)
             problem = (
-                "its geometry is invalid" if layout is None else _header_problem(layout, head, size)
+                "its geometry is invalid" if layout is None else header_problem(layout, head, size)
             )
             if problem is not None:
                 self._recreate(problem)
                 return
             assert layout is not None
-            if head[H_BOOT : H_BOOT + 16] != _BOOT_ID:
+            if head[H_BOOT : H_BOOT + 16] != BOOT_ID:
                 # Written before a reboot: its processes are gone and its clock is void.
                 self._initialise(layout.merged(wanted), size)
                 return
             self._map(layout, head)
-            jlen = _U32.unpack_from(head, H_JLEN)[0]
+            jlen = U32.unpack_from(head, H_JLEN)[0]
             if jlen:
                 self._recover(jlen)
             if self._adopt or layout.covers(wanted):
@@ -1062,7 +587,7 @@ class SharedBackend(Backend):
             # its version field overwritten.
             self._recreate(f"its layout version was overwritten ({version})")
         elif magic == MAGIC:
-            live = _U32.unpack_from(head, H_LIVE)[0]
+            live = U32.unpack_from(head, H_LIVE)[0]
             if live:
                 raise LayoutMismatch(
                     f"shared table {self.path!r} has layout version {version} (this is "
@@ -1099,7 +624,7 @@ class SharedBackend(Backend):
         layout = self._wanted if last is None else last.merged(self._wanted)
         self._initialise(layout, os.fstat(self._fd).st_size)
 
-    def _map(self, layout: _Layout, head: bytes) -> None:
+    def _map(self, layout: Layout, head: bytes) -> None:
         self._mm = mmap.mmap(self._fd, layout.total)
         self._layout = self._last_layout = layout
         self._total = layout.total
@@ -1130,7 +655,7 @@ class SharedBackend(Backend):
         self._chunks_off = g.chunks_off
         self._chunks = g.chunks
 
-    def _initialise(self, layout: _Layout, size: int) -> None:
+    def _initialise(self, layout: Layout, size: int) -> None:
         """Write an empty table of ``layout`` into the file (``size`` bytes now). Under the
         file lock, which every process holds to touch its map: none can meet the file
         while it is cut to nothing and grown back."""
@@ -1146,18 +671,18 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         mm[0:8] = MAGIC_INIT
-        _U32.pack_into(mm, H_LEASE_FREE, NIL)
-        mm[H_CHUNK_FREE:MUT_END] = _U32.pack(NIL) + bytes(4)
-        _U32.pack_into(mm, H_CHUNK_CHECK, _chunk_check(mm[H_CHUNK_FREE:MUT_END]))
-        mm[H_BOOT : H_BOOT + 16] = _BOOT_ID
+        U32.pack_into(mm, H_LEASE_FREE, NIL)
+        mm[H_CHUNK_FREE:MUT_END] = U32.pack(NIL) + bytes(4)
+        U32.pack_into(mm, H_CHUNK_CHECK, chunk_check(mm[H_CHUNK_FREE:MUT_END]))
+        mm[H_BOOT : H_BOOT + 16] = BOOT_ID
         layout.write(mm)
         epoch = secrets.randbits(63) | 1
         struct.pack_into("<Q", mm, H_EPOCH_COPY, epoch)
         struct.pack_into("<Q", mm, H_EPOCH, epoch)
         head = bytearray(mm[0:HEADER])
-        _MAGIC_VERSION.pack_into(head, 0, MAGIC, VERSION)
-        struct.pack_into("<Q", mm, H_CHECK, _fixed_digest(head))
-        _MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
+        MAGIC_VERSION.pack_into(head, 0, MAGIC, VERSION)
+        struct.pack_into("<Q", mm, H_CHECK, fixed_digest(head))
+        MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
         self._epoch = epoch
         logger.info("gatekeeper: initialised shared table %s: %s", self.path, layout.describe())
 
@@ -1189,13 +714,13 @@ class SharedBackend(Backend):
         start = self._jlen
         end = start + JENTRY_SIZE + length
         if end > self._journal_cap:
-            # The journal is sized for the largest update (see _Layout.derive): a bug.
+            # The journal is sized for the largest update (see Layout.derive): a bug.
             raise BackendError(f"shared table {self.path!r}: update too large for its journal")
         at = self._journal_off + start
-        _JENTRY.pack_into(mm, at, offset, length)
+        JENTRY.pack_into(mm, at, offset, length)
         mm.move(at + JENTRY_SIZE, offset, length)
         # Only now is the entry part of the journal.
-        _U32.pack_into(mm, H_JLEN, end)
+        U32.pack_into(mm, H_JLEN, end)
         self._jlen = end
         saved[offset] = length
 
@@ -1203,10 +728,10 @@ class SharedBackend(Backend):
         if self._jlen:
             mm = self._mm
             assert mm is not None
-            _U32.pack_into(mm, H_JLEN, 0)  # the commit point
+            U32.pack_into(mm, H_JLEN, 0)  # the commit point
             # The entries stay behind: void the first, so that a journal length corrupted
             # later is found invalid instead of undoing this committed update.
-            _JENTRY.pack_into(mm, self._journal_off, 0, 0)
+            JENTRY.pack_into(mm, self._journal_off, 0, 0)
             self._jlen = 0
             self._saved = {}
 
@@ -1238,7 +763,7 @@ class SharedBackend(Backend):
         while position < jlen:
             if position + JENTRY_SIZE > jlen:
                 raise _Damaged("its journal ends inside an entry")
-            offset, length = _JENTRY.unpack_from(mm, base + position)
+            offset, length = JENTRY.unpack_from(mm, base + position)
             start = base + position + JENTRY_SIZE
             position += JENTRY_SIZE + length
             end = offset + length
@@ -1252,8 +777,8 @@ class SharedBackend(Backend):
             entries.append((offset, mm[start : start + length]))
         for offset, old in reversed(entries):
             mm[offset : offset + len(old)] = old
-        _U32.pack_into(mm, H_JLEN, 0)
-        _JENTRY.pack_into(mm, base, 0, 0)
+        U32.pack_into(mm, H_JLEN, 0)
+        JENTRY.pack_into(mm, base, 0, 0)
         self._jlen = 0
         self._saved = {}
 
@@ -1408,8 +933,8 @@ class SharedBackend(Backend):
         except BackendError:
             return None
         try:
-            if _U32.unpack_from(mm, H_HEAP_LEN)[0]:
-                due: float = _F64.unpack_from(mm, self._heap_off)[0]
+            if U32.unpack_from(mm, H_HEAP_LEN)[0]:
+                due: float = F64.unpack_from(mm, self._heap_off)[0]
                 return due
             return None
         finally:
@@ -1421,7 +946,7 @@ class SharedBackend(Backend):
         except BackendError:
             return 0
         try:
-            pending: int = _U32.unpack_from(mm, H_HEAP_LEN)[0]
+            pending: int = U32.unpack_from(mm, H_HEAP_LEN)[0]
             return pending
         finally:
             self._leave()
@@ -1440,7 +965,7 @@ class SharedBackend(Backend):
             assert layout is not None
             live, _, _, heap_len, _, _, nodes_used = struct.unpack_from("<7I", mm, H_LIVE)
             pids = [
-                _PROC.unpack_from(mm, self._procs_off + PROC_SIZE * i)[0]
+                PROC.unpack_from(mm, self._procs_off + PROC_SIZE * i)[0]
                 for i in range(self._procs_high())
             ]
             return {
@@ -1487,7 +1012,7 @@ class SharedBackend(Backend):
                 # off, nothing more is admitted until it is below).
                 concurrency = self._gauge_limit(node, key, limit.adaptive, now)
                 adaptive = True
-            if concurrency is not None and _U32.unpack_from(mm, offset)[0] >= concurrency:
+            if concurrency is not None and U32.unpack_from(mm, offset)[0] >= concurrency:
                 if enforce:
                     return Denial(index, "concurrency", self._soonest(node, now), 0)
                 shadowed.append(index)
@@ -1509,7 +1034,7 @@ class SharedBackend(Backend):
         for index, node in enumerate(nodes):
             offset = nodes_off + node * node_size
             self._save(offset, NODE_HEAD)
-            _U32.pack_into(mm, offset, _U32.unpack_from(mm, offset)[0] + 1)
+            U32.pack_into(mm, offset, U32.unpack_from(mm, offset)[0] + 1)
             rate = slots[index].limit.rate
             # Shadow over concurrency still counts in the window; only a full window is
             # not extended (as enforce mode would not have admitted).
@@ -1546,9 +1071,9 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         soonest = None
-        for position in range(min(_U32.unpack_from(mm, H_HEAP_LEN)[0], self._layout.leases)):  # type: ignore[union-attr]
-            due, lease, serial = _HEAP.unpack_from(mm, self._heap_off + position * HEAP_SIZE)
-            fields = _LEASE.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)
+        for position in range(min(U32.unpack_from(mm, H_HEAP_LEN)[0], self._layout.leases)):  # type: ignore[union-attr]
+            due, lease, serial = HEAP.unpack_from(mm, self._heap_off + position * HEAP_SIZE)
+            fields = LEASE.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)
             if fields[1] == serial and node in fields[4 : 4 + fields[3]]:
                 soonest = due if soonest is None else min(soonest, due)
         return 0.0 if soonest is None else max(0.0, soonest - now)
@@ -1574,7 +1099,7 @@ class SharedBackend(Backend):
         at = self._gauges_off + node * GAUGE_SIZE
         flags = self._nodes_off + node * self._node_size + N_FLAGS
         if mm[flags] & F_GAUGE:
-            algorithm, low, high, initial, limit = _GAUGE_HEAD.unpack_from(mm, at)
+            algorithm, low, high, initial, limit = GAUGE_HEAD.unpack_from(mm, at)
             if (algorithm, low, high, initial) == self._fingerprint(spec):
                 return float(limit)
         controller = self._held_controller(node, key, spec, now)
@@ -1598,11 +1123,11 @@ class SharedBackend(Backend):
         ``spec``: its state under the table it was made with, then ``respec``'d."""
         mm = self._mm
         assert mm is not None
-        algorithm, low, high, initial = _GAUGE_SPEC.unpack_from(mm, at)
+        algorithm, low, high, initial = GAUGE_SPEC.unpack_from(mm, at)
         if not 0 < algorithm <= len(ALGORITHMS) or not low <= initial <= high:
             raise _Damaged("its adaptive gauge holds no valid adaptive table")
         made = AdaptiveSpec(ALGORITHMS[algorithm - 1], low, high, initial)
-        controller = Controller.restore(made, _GAUGE_STATE.unpack_from(mm, at + G_STATE), key=key)
+        controller = Controller.restore(made, GAUGE_STATE.unpack_from(mm, at + G_STATE), key=key)
         controller.respec(spec)
         return controller
 
@@ -1610,8 +1135,8 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         self._save(at, GAUGE_SIZE)
-        _GAUGE_SPEC.pack_into(mm, at, *self._fingerprint(spec))
-        _GAUGE_STATE.pack_into(mm, at + G_STATE, *controller.state())
+        GAUGE_SPEC.pack_into(mm, at, *self._fingerprint(spec))
+        GAUGE_STATE.pack_into(mm, at + G_STATE, *controller.state())
 
     def _sample(
         self,
@@ -1628,10 +1153,10 @@ class SharedBackend(Backend):
         assert mm is not None
         at = self._gauges_off + node * GAUGE_SIZE
         offset = self._nodes_off + node * self._node_size
-        inflight = _U32.unpack_from(mm, offset)[0]
+        inflight = U32.unpack_from(mm, offset)[0]
         current = mm[offset + N_FLAGS] & F_GAUGE
-        if current and _GAUGE_SPEC.unpack_from(mm, at) == self._fingerprint(spec):
-            due, count, total, drops, peak = _GAUGE_HOT.unpack_from(mm, at + G_HOT)
+        if current and GAUGE_SPEC.unpack_from(mm, at) == self._fingerprint(spec):
+            due, count, total, drops, peak = GAUGE_HOT.unpack_from(mm, at + G_HOT)
             if now < due:
                 # Nothing is due: the sample only adds to the window (Controller.sample's
                 # first part), done on a scratch controller loaded with the window alone
@@ -1643,8 +1168,8 @@ class SharedBackend(Backend):
                 scratch._drops = int(drops)
                 scratch._peak = int(peak)
                 scratch.sample(now - admitted, inflight, faulty, admitted, now)
-                self._save(at + G_HOT, _GAUGE_HOT.size)
-                _GAUGE_HOT.pack_into(
+                self._save(at + G_HOT, GAUGE_HOT.size)
+                GAUGE_HOT.pack_into(
                     mm,
                     at + G_HOT,
                     due,
@@ -1687,7 +1212,7 @@ class SharedBackend(Backend):
         for node, tag in enumerate(tags):
             if tag and mm[nodes_off + node * node_size + N_FLAGS] & F_GAUGE:
                 at = self._gauges_off + node * GAUGE_SIZE
-                numbers = _GAUGE_STATE.unpack_from(mm, at + G_STATE)
+                numbers = GAUGE_STATE.unpack_from(mm, at + G_STATE)
                 scratch.limit = int(numbers[limit_at])
                 scratch.latency = numbers[latency_at]
                 scratch.min_latency = numbers[baseline_at]
@@ -1708,7 +1233,7 @@ class SharedBackend(Backend):
             if node < 0 or not mm[self._nodes_off + node * self._node_size + N_FLAGS] & F_GAUGE:
                 return spec.initial
             at = self._gauges_off + node * GAUGE_SIZE
-            algorithm, low, high, initial, current = _GAUGE_HEAD.unpack_from(mm, at)
+            algorithm, low, high, initial, current = GAUGE_HEAD.unpack_from(mm, at)
             if (algorithm, low, high, initial) == self._fingerprint(spec):
                 return int(current)
             # Made under another table (a reload): what its next admission will enforce.
@@ -1751,7 +1276,7 @@ class SharedBackend(Backend):
         node_size = self._node_size
         size = len(raw)
         for bucket in (first, second):
-            tags = _TAGS.unpack_from(mm, tags_off + bucket * CHAIN * 4)
+            tags = TAGS.unpack_from(mm, tags_off + bucket * CHAIN * 4)
             if tag in tags:
                 for position in range(CHAIN):
                     if tags[position] == tag:
@@ -1773,8 +1298,8 @@ class SharedBackend(Backend):
             self._make_room(limit, now, pinned)
         raw, tag, first, second = entry
         tags_off = self._tags_off
-        tags1 = _TAGS.unpack_from(mm, tags_off + first * CHAIN * 4)
-        tags2 = _TAGS.unpack_from(mm, tags_off + second * CHAIN * 4)
+        tags1 = TAGS.unpack_from(mm, tags_off + first * CHAIN * 4)
+        tags2 = TAGS.unpack_from(mm, tags_off + second * CHAIN * 4)
         free1, free2 = tags1.count(0), tags2.count(0)
         if free1 or free2:
             if free1 >= free2:
@@ -1786,13 +1311,13 @@ class SharedBackend(Backend):
             self._remove(node)
         offset = self._nodes_off + node * self._node_size
         self._save(offset, NODE_HEAD + len(raw))
-        _NODE.pack_into(mm, offset, 0, len(raw) - 1, 0, NIL, NIL, 0, 0, NIL, NIL, 0.0)
+        NODE.pack_into(mm, offset, 0, len(raw) - 1, 0, NIL, NIL, 0, 0, NIL, NIL, 0.0)
         mm[offset + NODE_HEAD : offset + NODE_HEAD + len(raw)] = raw
         tag_at = tags_off + node * 4
         self._save(tag_at, 4)
-        _U32.pack_into(mm, tag_at, tag)
+        U32.pack_into(mm, tag_at, tag)
         self._save_header()
-        _U32.pack_into(mm, H_NODES_USED, _U32.unpack_from(mm, H_NODES_USED)[0] + 1)
+        U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] + 1)
         if limit.wildcard:
             self._track(node, limit)
         return node
@@ -1801,7 +1326,7 @@ class SharedBackend(Backend):
         """Before a key joins a wildcard limit: at ``max_keys``, evict an idle key of it."""
         registry = self._registry(limit.path)
         at = self._registry_off + registry * REG_SIZE + R_COUNT
-        count = _U32.unpack_from(self._mm, at)[0]  # type: ignore[arg-type]
+        count = U32.unpack_from(self._mm, at)[0]  # type: ignore[arg-type]
         if count >= limit.max_keys:
             self._evict_lru(registry, limit.path, count, now, pinned)
 
@@ -1813,9 +1338,9 @@ class SharedBackend(Backend):
         at = self._registry_off + registry * REG_SIZE
         offset = self._nodes_off + node * self._node_size
         self._save(offset, NODE_HEAD)
-        _U32.pack_into(mm, offset + N_REG, registry + 1)
+        U32.pack_into(mm, offset + N_REG, registry + 1)
         self._lru_append(registry, node)
-        _U32.pack_into(mm, at + R_COUNT, _U32.unpack_from(mm, at + R_COUNT)[0] + 1)
+        U32.pack_into(mm, at + R_COUNT, U32.unpack_from(mm, at + R_COUNT)[0] + 1)
 
     def _untrack(self, registry: int, node: int) -> None:
         """Take a node out of its wildcard limit's list and count."""
@@ -1823,14 +1348,14 @@ class SharedBackend(Backend):
         assert mm is not None
         self._lru_unlink(registry, node)
         at = self._registry_off + registry * REG_SIZE
-        count = _U32.unpack_from(mm, at + R_COUNT)[0] - 1
+        count = U32.unpack_from(mm, at + R_COUNT)[0] - 1
         if count <= 0:
             mm[at : at + REG_SIZE] = bytes(REG_SIZE)
         else:
-            _U32.pack_into(mm, at + R_COUNT, count)
+            U32.pack_into(mm, at + R_COUNT, count)
         offset = self._nodes_off + node * self._node_size
         self._save(offset, NODE_HEAD)
-        _U32.pack_into(mm, offset + N_REG, 0)
+        U32.pack_into(mm, offset + N_REG, 0)
 
     def _chain_victim(self, first: int, second: int, now: float, pinned: list[int]) -> int:
         """An idle node of two full buckets to make room for a new key. Never a node with
@@ -1844,7 +1369,7 @@ class SharedBackend(Backend):
         for bucket in (first, second):
             for position in range(CHAIN):
                 node = bucket * CHAIN + position
-                fields = _NODE.unpack_from(mm, self._nodes_off + node * self._node_size)
+                fields = NODE.unpack_from(mm, self._nodes_off + node * self._node_size)
                 if node in pinned:
                     continue
                 if _idle(fields, now):
@@ -1865,7 +1390,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
-        fields = _NODE.unpack_from(mm, offset)
+        fields = NODE.unpack_from(mm, offset)
         if fields[5]:
             self._free_chunks(fields[3], fields[4])
         registry = fields[6]
@@ -1873,9 +1398,9 @@ class SharedBackend(Backend):
             self._untrack(registry - 1, node)
         tag_at = self._tags_off + node * 4
         self._save(tag_at, 4)
-        _U32.pack_into(mm, tag_at, 0)
+        U32.pack_into(mm, tag_at, 0)
         self._save_header()
-        _U32.pack_into(mm, H_NODES_USED, _U32.unpack_from(mm, H_NODES_USED)[0] - 1)
+        U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] - 1)
 
     # --- wildcard limits: the registry and least-recently-used lists ----------------------
 
@@ -1905,7 +1430,7 @@ class SharedBackend(Backend):
             )
         at = base + free * REG_SIZE
         self._save(at, REG_SIZE)
-        _REG.pack_into(mm, at, digest, 0, NIL, NIL)
+        REG.pack_into(mm, at, digest, 0, NIL, NIL)
         self._regs[path] = (free, digest)
         return free
 
@@ -1921,14 +1446,14 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         at = self._registry_off + registry * REG_SIZE
-        node = _U32.unpack_from(mm, at + R_HEAD)[0]
+        node = U32.unpack_from(mm, at + R_HEAD)[0]
         nodes_off, node_size = self._nodes_off, self._node_size
         soonest: float | None = None
         in_flight = False
         for _ in range(LRU_SCAN):
             if node == NIL:
                 break
-            fields = _NODE.unpack_from(mm, nodes_off + node * node_size)
+            fields = NODE.unpack_from(mm, nodes_off + node * node_size)
             if node in pinned:
                 node = fields[8]
                 continue
@@ -1955,18 +1480,18 @@ class SharedBackend(Backend):
         assert mm is not None
         at = self._registry_off + registry * REG_SIZE
         nodes_off, node_size = self._nodes_off, self._node_size
-        tail = _U32.unpack_from(mm, at + R_TAIL)[0]
+        tail = U32.unpack_from(mm, at + R_TAIL)[0]
         self._save(at, REG_SIZE)
         offset = nodes_off + node * node_size
         self._save(offset, NODE_HEAD)
-        _U32.pack_into(mm, offset + N_PREV, tail)
-        _U32.pack_into(mm, offset + N_NEXT, NIL)
+        U32.pack_into(mm, offset + N_PREV, tail)
+        U32.pack_into(mm, offset + N_NEXT, NIL)
         if tail != NIL:
             self._save(nodes_off + tail * node_size, NODE_HEAD)
-            _U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
+            U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
         else:
-            _U32.pack_into(mm, at + R_HEAD, node)
-        _U32.pack_into(mm, at + R_TAIL, node)
+            U32.pack_into(mm, at + R_HEAD, node)
+        U32.pack_into(mm, at + R_TAIL, node)
 
     def _lru_unlink(self, registry: int, node: int) -> None:
         mm = self._mm
@@ -1974,19 +1499,19 @@ class SharedBackend(Backend):
         at = self._registry_off + registry * REG_SIZE
         nodes_off, node_size = self._nodes_off, self._node_size
         offset = nodes_off + node * node_size
-        prev = _U32.unpack_from(mm, offset + N_PREV)[0]
-        nxt = _U32.unpack_from(mm, offset + N_NEXT)[0]
+        prev = U32.unpack_from(mm, offset + N_PREV)[0]
+        nxt = U32.unpack_from(mm, offset + N_NEXT)[0]
         self._save(at, REG_SIZE)
         if prev != NIL:
             self._save(nodes_off + prev * node_size, NODE_HEAD)
-            _U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
+            U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
         else:
-            _U32.pack_into(mm, at + R_HEAD, nxt)
+            U32.pack_into(mm, at + R_HEAD, nxt)
         if nxt != NIL:
             self._save(nodes_off + nxt * node_size, NODE_HEAD)
-            _U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
+            U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
         else:
-            _U32.pack_into(mm, at + R_TAIL, prev)
+            U32.pack_into(mm, at + R_TAIL, prev)
 
     def _touch(self, node: int, limit: Limit, now: float, pinned: list[int]) -> None:
         """Mark a wildcard key most recently used in its limit's list. A key counted so far
@@ -1996,9 +1521,9 @@ class SharedBackend(Backend):
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
         registry = self._registry(limit.path)
-        current = _U32.unpack_from(mm, offset + N_REG)[0] - 1
+        current = U32.unpack_from(mm, offset + N_REG)[0] - 1
         if current == registry:
-            if _U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_TAIL)[0] != node:
+            if U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_TAIL)[0] != node:
                 self._lru_unlink(registry, node)
                 self._lru_append(registry, node)
             return
@@ -2017,11 +1542,11 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
-        _, _, start, first, last, length, *_ = _NODE.unpack_from(mm, offset)
+        _, _, start, first, last, length, *_ = NODE.unpack_from(mm, offset)
         if not length:
             return 0, 0.0
         chunk = first
-        stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
+        stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self._chunk_at(chunk) + 8)
         left = length
         oldest: float = stamps[start]
         passed = NIL  # the last chunk wholly expired
@@ -2032,8 +1557,8 @@ class SharedBackend(Backend):
                 break
             if start == CHUNK_STAMPS:
                 passed = chunk
-                chunk, start = _U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
-                stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
+                chunk, start = U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
+                stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self._chunk_at(chunk) + 8)
             oldest = stamps[start]
         if left == length:
             return left, oldest
@@ -2047,8 +1572,8 @@ class SharedBackend(Backend):
         if passed != NIL:
             self._free_chunks(first, passed)
         mm[offset + N_OFFSET] = start
-        _U32.pack_into(mm, offset + N_FIRST, chunk)
-        _U32.pack_into(mm, offset + N_LEN, left)
+        U32.pack_into(mm, offset + N_FIRST, chunk)
+        U32.pack_into(mm, offset + N_LEN, left)
         return left, oldest
 
     def _clear_window(self, offset: int) -> None:
@@ -2061,7 +1586,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
-        _, _, start, first, last, length, _, _, _, idle = _NODE.unpack_from(mm, offset)
+        _, _, start, first, last, length, _, _, _, idle = NODE.unpack_from(mm, offset)
         self._save(offset, NODE_HEAD)
         position = (start + length) % CHUNK_STAMPS
         if not length:
@@ -2072,13 +1597,13 @@ class SharedBackend(Backend):
         elif not position:
             chunk = self._new_chunk(now)
             self._save(self._chunk_at(last), 8)
-            _U32.pack_into(mm, self._chunk_at(last), chunk)
+            U32.pack_into(mm, self._chunk_at(last), chunk)
             last = chunk
-            _U32.pack_into(mm, offset + N_LAST, last)
+            U32.pack_into(mm, offset + N_LAST, last)
         # The slot past the last entry is free space: no journal entry needed.
-        _F64.pack_into(mm, self._chunk_at(last) + 8 + 8 * position, now)
-        _U32.pack_into(mm, offset + N_LEN, length + 1)
-        _F64.pack_into(mm, offset + N_IDLE, max(idle, now + rate.seconds))
+        F64.pack_into(mm, self._chunk_at(last) + 8 + 8 * position, now)
+        U32.pack_into(mm, offset + N_LEN, length + 1)
+        F64.pack_into(mm, offset + N_IDLE, max(idle, now + rate.seconds))
 
     def _give_back(self, node: int, stamp: float, seconds: float) -> None:
         """Remove the first window entry equal to ``stamp`` (it may have slid out): the
@@ -2087,14 +1612,14 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
-        _, _, start, first, last, length, *_ = _NODE.unpack_from(mm, offset)
+        _, _, start, first, last, length, *_ = NODE.unpack_from(mm, offset)
         if not length:
             return
         chunks: list[int] = []
         values: list[float] = []
         chunk = first
         for _ in range((start + length + CHUNK_STAMPS - 1) // CHUNK_STAMPS):
-            following, *stamps = _CHUNK.unpack_from(mm, self._chunk_at(chunk))
+            following, *stamps = CHUNK_FMT.unpack_from(mm, self._chunk_at(chunk))
             chunks.append(chunk)
             values.extend(stamps)
             chunk = following
@@ -2114,15 +1639,15 @@ class SharedBackend(Backend):
             where = self._chunk_at(chunks[index]) + 8
             self._save(where, 8 * CHUNK_STAMPS)
             part = values[index * CHUNK_STAMPS : (index + 1) * CHUNK_STAMPS]
-            _CHUNK_STAMPS.pack_into(mm, where, *part)
+            CHUNK_STAMPS_FMT.pack_into(mm, where, *part)
         if used < len(chunks):
             self._free_chunks(chunks[-1], chunks[-1])
             last = chunks[used - 1]
             self._save(self._chunk_at(last), 8)
-            _U32.pack_into(mm, self._chunk_at(last), NIL)
-            _U32.pack_into(mm, offset + N_LAST, last)
-        _U32.pack_into(mm, offset + N_LEN, length - 1)
-        _F64.pack_into(mm, offset + N_IDLE, values[start + length - 2] + seconds)
+            U32.pack_into(mm, self._chunk_at(last), NIL)
+            U32.pack_into(mm, offset + N_LAST, last)
+        U32.pack_into(mm, offset + N_LEN, length - 1)
+        F64.pack_into(mm, offset + N_IDLE, values[start + length - 2] + seconds)
 
     def _new_chunk(self, now: float) -> int:
         """A window chunk off the free list (or never used yet), its link set to NIL. When
@@ -2135,7 +1660,7 @@ class SharedBackend(Backend):
         if free != NIL:
             chunk = free
             self._save(self._chunk_at(chunk), 8)
-            self._set_chunk_counters(_U32.unpack_from(mm, self._chunk_at(chunk))[0], high)
+            self._set_chunk_counters(U32.unpack_from(mm, self._chunk_at(chunk))[0], high)
         elif high < self._chunks:
             chunk = high
             self._set_chunk_counters(free, high + 1)
@@ -2147,7 +1672,7 @@ class SharedBackend(Backend):
                 f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>",
                 kind="rate",
             )
-        _U32.pack_into(mm, self._chunk_at(chunk), NIL)
+        U32.pack_into(mm, self._chunk_at(chunk), NIL)
         return chunk
 
     def _reclaim_windows(self, now: float) -> bool:
@@ -2161,14 +1686,14 @@ class SharedBackend(Backend):
         nodes_off, node_size = self._nodes_off, self._node_size
         freed = 0
         for index in range(self._layout.registry):  # type: ignore[union-attr]
-            digest, _, node, _ = _REG.unpack_from(mm, base + index * REG_SIZE)
+            digest, _, node, _ = REG.unpack_from(mm, base + index * REG_SIZE)
             if not digest:
                 continue
             for _ in range(LRU_SCAN):
                 if node == NIL or freed >= LRU_SCAN:
                     break
                 offset = nodes_off + node * node_size
-                fields = _NODE.unpack_from(mm, offset)
+                fields = NODE.unpack_from(mm, offset)
                 if fields[5] and fields[9] <= now:
                     self._save(offset, NODE_HEAD)
                     self._free_chunks(fields[3], fields[4])
@@ -2184,7 +1709,7 @@ class SharedBackend(Backend):
         free, high = self._chunk_counters()
         self._save_header()
         self._save(self._chunk_at(last), 8)
-        _U32.pack_into(mm, self._chunk_at(last), free)
+        U32.pack_into(mm, self._chunk_at(last), free)
         self._set_chunk_counters(first, high)
 
     def _chunk_counters(self) -> tuple[int, int]:
@@ -2195,7 +1720,7 @@ class SharedBackend(Backend):
         if (
             high > self._chunks
             or (free != NIL and free >= high)
-            or _U32.unpack_from(mm, H_CHUNK_CHECK)[0] != _chunk_check(mm[H_CHUNK_FREE:MUT_END])
+            or U32.unpack_from(mm, H_CHUNK_CHECK)[0] != chunk_check(mm[H_CHUNK_FREE:MUT_END])
         ):
             raise _Damaged("its window chunk counters are out of range")
         return free, high
@@ -2206,7 +1731,7 @@ class SharedBackend(Backend):
         assert mm is not None
         counters = struct.pack("<II", free, high)
         mm[H_CHUNK_FREE:MUT_END] = counters
-        _U32.pack_into(mm, H_CHUNK_CHECK, _chunk_check(counters))
+        U32.pack_into(mm, H_CHUNK_CHECK, chunk_check(counters))
 
     # --- leases ---------------------------------------------------------------------------
 
@@ -2220,16 +1745,16 @@ class SharedBackend(Backend):
         if free != NIL:
             lease = free
             at = self._leases_off + lease * LEASE_SIZE
-            if _LEASE_HEAD.unpack_from(mm, at)[1]:
+            if LEASE_HEAD.unpack_from(mm, at)[1]:
                 raise _Damaged("its list of free leases holds a lease in use")
             self._save(at, LEASE_SIZE)
-            _U32.pack_into(mm, H_LEASE_FREE, _U32.unpack_from(mm, at + L_REFS)[0])
+            U32.pack_into(mm, H_LEASE_FREE, U32.unpack_from(mm, at + L_REFS)[0])
         elif high < self._layout.leases:  # type: ignore[union-attr]
             lease = high
             # Leases past the mark have never been written since the table was created.
-            if _LEASE_HEAD.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)[1]:
+            if LEASE_HEAD.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)[1]:
                 raise _Damaged("its lease mark is below a lease in use")
-            _U32.pack_into(mm, H_LEASE_HIGH, high + 1)
+            U32.pack_into(mm, H_LEASE_HIGH, high + 1)
         else:
             raise _NoRoom(
                 f"all {high} leases are held (one per request in flight on the host); give "
@@ -2237,10 +1762,10 @@ class SharedBackend(Backend):
                 kind="concurrency",
             )
         serial = serial % 0xFFFFFFFF + 1
-        _U32.pack_into(mm, H_SERIAL, serial)
-        _U32.pack_into(mm, H_LIVE, live + 1)
+        U32.pack_into(mm, H_SERIAL, serial)
+        U32.pack_into(mm, H_LIVE, live + 1)
         refs = (*nodes, *(0,) * (MAX_REFS - len(nodes)))
-        _LEASE.pack_into(
+        LEASE.pack_into(
             mm, self._leases_off + lease * LEASE_SIZE, pid, serial, 0.0, len(nodes), *refs
         )
         return lease, serial
@@ -2250,25 +1775,25 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         at = self._leases_off + lease * LEASE_SIZE
-        fields = _LEASE.unpack_from(mm, at)
+        fields = LEASE.unpack_from(mm, at)
         nodes_off, node_size = self._nodes_off, self._node_size
         for node in fields[4 : 4 + fields[3]]:
             offset = nodes_off + node * node_size
             self._save(offset, NODE_HEAD)
-            count = _U32.unpack_from(mm, offset)[0]
-            _U32.pack_into(mm, offset, count - 1 if count else 0)
+            count = U32.unpack_from(mm, offset)[0]
+            U32.pack_into(mm, offset, count - 1 if count else 0)
         self._save_header()
         self._save(at, LEASE_SIZE)
-        _LEASE_HEAD.pack_into(mm, at, 0, 0)
-        _U32.pack_into(mm, at + L_REFS, _U32.unpack_from(mm, H_LEASE_FREE)[0])
-        _U32.pack_into(mm, H_LEASE_FREE, lease)
-        _U32.pack_into(mm, H_LIVE, max(0, _U32.unpack_from(mm, H_LIVE)[0] - 1))
+        LEASE_HEAD.pack_into(mm, at, 0, 0)
+        U32.pack_into(mm, at + L_REFS, U32.unpack_from(mm, H_LEASE_FREE)[0])
+        U32.pack_into(mm, H_LEASE_FREE, lease)
+        U32.pack_into(mm, H_LIVE, max(0, U32.unpack_from(mm, H_LIVE)[0] - 1))
 
     def _release(self, grant: _SharedGrant, status: int | None, delay: float, now: float) -> None:
         mm = self._mm
         assert mm is not None
         at = self._leases_off + grant.lease * LEASE_SIZE
-        if _LEASE_HEAD.unpack_from(mm, at) != (grant.pid, grant.serial):
+        if LEASE_HEAD.unpack_from(mm, at) != (grant.pid, grant.serial):
             return  # reclaimed meanwhile (its owner was taken for dead)
         sample = grant.sample
         if sample is not None:
@@ -2285,8 +1810,8 @@ class SharedBackend(Backend):
                 self._give_back(grant.nodes[index], stamp, limit.rate.seconds)
         if delay > 0:
             self._save(at, LEASE_SIZE)
-            _U32.pack_into(mm, at, 0)
-            _F64.pack_into(mm, at + L_EXPIRY, now + delay)
+            U32.pack_into(mm, at, 0)
+            F64.pack_into(mm, at + L_EXPIRY, now + delay)
             self._heap_push(now + delay, grant.lease, grant.serial)
         else:
             self._free_lease(grant.lease)
@@ -2297,69 +1822,67 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         base = self._heap_off
-        size = _U32.unpack_from(mm, H_HEAP_LEN)[0]
+        size = U32.unpack_from(mm, H_HEAP_LEN)[0]
         if size >= self._layout.leases:  # type: ignore[union-attr]
             raise _Damaged("its delay heap is longer than its leases")
         position = size
         while position:
             parent = (position - 1) >> 1
-            entry = _HEAP.unpack_from(mm, base + parent * HEAP_SIZE)
+            entry = HEAP.unpack_from(mm, base + parent * HEAP_SIZE)
             if entry[0] <= due:
                 break
             self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-            _HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
+            HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
             position = parent
         self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-        _HEAP.pack_into(mm, base + position * HEAP_SIZE, due, lease, serial)
+        HEAP.pack_into(mm, base + position * HEAP_SIZE, due, lease, serial)
         self._save_header()
-        _U32.pack_into(mm, H_HEAP_LEN, size + 1)
+        U32.pack_into(mm, H_HEAP_LEN, size + 1)
 
     def _heap_pop(self) -> tuple[float, int, int]:
         mm = self._mm
         assert mm is not None
         base = self._heap_off
-        size = _U32.unpack_from(mm, H_HEAP_LEN)[0] - 1
-        top: tuple[float, int, int] = _HEAP.unpack_from(mm, base)
+        size = U32.unpack_from(mm, H_HEAP_LEN)[0] - 1
+        top: tuple[float, int, int] = HEAP.unpack_from(mm, base)
         if size >= self._layout.leases or top[1] >= self._layout.leases or not top[2]:  # type: ignore[union-attr]
             # Serial 0 marks a free lease: freeing one again would count its old slots
             # down twice (a heap length grown by garbage reads such entries).
             raise _Damaged("its delay heap is out of range")
         self._save_header()
-        _U32.pack_into(mm, H_HEAP_LEN, size)
+        U32.pack_into(mm, H_HEAP_LEN, size)
         if size:
-            last = _HEAP.unpack_from(mm, base + size * HEAP_SIZE)
+            last = HEAP.unpack_from(mm, base + size * HEAP_SIZE)
             position = 0
             while True:
                 child = 2 * position + 1
                 if child >= size:
                     break
-                entry = _HEAP.unpack_from(mm, base + child * HEAP_SIZE)
+                entry = HEAP.unpack_from(mm, base + child * HEAP_SIZE)
                 if child + 1 < size:
-                    right = _HEAP.unpack_from(mm, base + (child + 1) * HEAP_SIZE)
+                    right = HEAP.unpack_from(mm, base + (child + 1) * HEAP_SIZE)
                     if right[0] < entry[0]:
                         child, entry = child + 1, right
                 if entry[0] >= last[0]:
                     break
                 self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-                _HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
+                HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
                 position = child
             self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-            _HEAP.pack_into(mm, base + position * HEAP_SIZE, *last)
+            HEAP.pack_into(mm, base + position * HEAP_SIZE, *last)
         return top
 
     def _mature(self, now: float) -> None:
         """Apply the delayed releases that are due; each one is its own transaction."""
         mm = self._mm
         assert mm is not None
-        if not _U32.unpack_from(mm, H_HEAP_LEN)[0] or _F64.unpack_from(mm, self._heap_off)[0] > now:
+        if not U32.unpack_from(mm, H_HEAP_LEN)[0] or F64.unpack_from(mm, self._heap_off)[0] > now:
             return
         started = time.perf_counter()
         leases_off = self._leases_off
-        while (
-            _U32.unpack_from(mm, H_HEAP_LEN)[0] and _F64.unpack_from(mm, self._heap_off)[0] <= now
-        ):
+        while U32.unpack_from(mm, H_HEAP_LEN)[0] and F64.unpack_from(mm, self._heap_off)[0] <= now:
             _, lease, serial = self._heap_pop()
-            if _LEASE_HEAD.unpack_from(mm, leases_off + lease * LEASE_SIZE) == (0, serial):
+            if LEASE_HEAD.unpack_from(mm, leases_off + lease * LEASE_SIZE) == (0, serial):
                 self._free_lease(lease)
             self._commit()
         if self.delay_stage is not None:
@@ -2369,7 +1892,7 @@ class SharedBackend(Backend):
 
     def _own_start(self) -> int:
         if self._start_time is None:
-            stat = _proc_stat(os.getpid())
+            stat = proc_stat(os.getpid())
             if stat is None or not stat[1]:
                 return 0  # unknown this time (e.g. out of descriptors): asked again next time
             self._start_time = stat[1]
@@ -2383,26 +1906,26 @@ class SharedBackend(Backend):
         base = self._procs_off
         pid = self._pid
         index = self._proc_index
-        if index >= 0 and _U32.unpack_from(mm, base + index * PROC_SIZE)[0] == pid:
+        if index >= 0 and U32.unpack_from(mm, base + index * PROC_SIZE)[0] == pid:
             return
         start = self._own_start()
         high = self._procs_high()
         free = -1
         for index in range(high):
-            entry_pid, _, entry_start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
+            entry_pid, _, entry_start = PROC.unpack_from(mm, base + index * PROC_SIZE)
             if entry_pid == pid:
                 if entry_start and start and entry_start != start:
                     # A process that had our pid before us died: its leases are void.
                     self._reclaim_pid(pid)
                     self._save(base + index * PROC_SIZE, PROC_SIZE)
-                    _PROC.pack_into(mm, base + index * PROC_SIZE, pid, 0, start)
+                    PROC.pack_into(mm, base + index * PROC_SIZE, pid, 0, start)
                 self._proc_index = index
                 return
             if not entry_pid and free < 0:
                 free = index
         if free < 0:
             for index, entry_pid, entry_start in self._owners():
-                if _dead(entry_pid, entry_start, deep=True):
+                if is_dead(entry_pid, entry_start, deep=True):
                     self._drop_process(index, entry_pid, entry_start)
                     if free < 0:
                         free = index
@@ -2413,17 +1936,17 @@ class SharedBackend(Backend):
                     f"more with ?procs=<n>"
                 )
             free = high
-            if _U32.unpack_from(mm, base + free * PROC_SIZE)[0]:
+            if U32.unpack_from(mm, base + free * PROC_SIZE)[0]:
                 # Slots past the mark have never been written since the table was created.
                 raise _Damaged("its process mark is below a registered process")
             self._save_header()
-            _U32.pack_into(mm, H_PROCS_HIGH, high + 1)
+            U32.pack_into(mm, H_PROCS_HIGH, high + 1)
         self._save(base + free * PROC_SIZE, PROC_SIZE)
-        _PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
+        PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
         self._proc_index = free
 
     def _procs_high(self) -> int:
-        high: int = _U32.unpack_from(self._mm, H_PROCS_HIGH)[0]  # type: ignore[arg-type]
+        high: int = U32.unpack_from(self._mm, H_PROCS_HIGH)[0]  # type: ignore[arg-type]
         if high > self._layout.procs:  # type: ignore[union-attr]
             raise _Damaged("its process counter is out of range")
         return high
@@ -2440,7 +1963,7 @@ class SharedBackend(Backend):
         mine = self._proc_index
         owners = []
         for index in range(self._procs_high()):
-            pid, _, start = _PROC.unpack_from(mm, base + index * PROC_SIZE)
+            pid, _, start = PROC.unpack_from(mm, base + index * PROC_SIZE)
             if pid and (index != mine or pid != self._pid):
                 owners.append((index, pid, start))
         return owners
@@ -2453,7 +1976,7 @@ class SharedBackend(Backend):
         deep = deep or clock - self._last_deep_check >= DEEP_CHECK_EVERY
         if deep:
             self._last_deep_check = clock
-        dead = [owner for owner in owners if _dead(owner[1], owner[2], deep=deep)]
+        dead = [owner for owner in owners if is_dead(owner[1], owner[2], deep=deep)]
         if not dead:
             return False
         self._enter()
@@ -2471,7 +1994,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         at = self._procs_off + index * PROC_SIZE
-        if _PROC.unpack_from(mm, at) != (pid, 0, start):
+        if PROC.unpack_from(mm, at) != (pid, 0, start):
             return  # the slot changed hands meanwhile
         if self._reclaim_pid(pid):
             logger.warning(
@@ -2488,7 +2011,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         base = self._leases_off
-        high = min(_U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
+        high = min(U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
         owned = [
             lease
             for lease, (owner, serial) in enumerate(
@@ -2506,12 +2029,12 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         for index, pid, start in self._owners():
-            if _dead(pid, start, deep=True):
+            if is_dead(pid, start, deep=True):
                 self._drop_process(index, pid, start)
         # Counted from the lease table, not read from the header: a live count garbage
         # made too high would keep a table too small for the configuration forever.
         base = self._leases_off
-        high = min(_U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
+        high = min(U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
         leases = mm[base : base + high * LEASE_SIZE]
         return sum(1 for (serial,) in struct.iter_unpack("<4xI32x", leases) if serial)
 
@@ -2548,16 +2071,16 @@ class SharedBackend(Backend):
         # registry entry -> keys it tracks, and digest -> entry
         tracked: dict[int, int] = {}
         entry_of: dict[int, int] = {}
-        for index, (digest, count, _, _) in enumerate(_REG.iter_unpack(regs)):
+        for index, (digest, count, _, _) in enumerate(REG.iter_unpack(regs)):
             if digest:
                 tracked[index] = count
                 entry_of[digest] = index
-        high = _U32.unpack_from(mm, H_LEASE_HIGH)[0]
+        high = U32.unpack_from(mm, H_LEASE_HIGH)[0]
         if high > layout.leases:
             raise _Damaged("its lease counters are out of range")
         held: set[int] = set()
         leases = mm[self._leases_off : self._leases_off + high * LEASE_SIZE]
-        for _, serial, _, count, *refs in _LEASE.iter_unpack(leases):
+        for _, serial, _, count, *refs in LEASE.iter_unpack(leases):
             if serial:
                 held.update(refs[:count])
         # registry entry -> its keys in flight: (key, node fields)
@@ -2593,11 +2116,11 @@ class SharedBackend(Backend):
         return totals
 
     def _node_fields(self, node: int) -> tuple[tuple[Any, ...], str]:
-        """A node's fields (``_NODE``) and key. Under the lock."""
+        """A node's fields (``NODE``) and key. Under the lock."""
         mm = self._mm
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
-        fields = _NODE.unpack_from(mm, offset)
+        fields = NODE.unpack_from(mm, offset)
         raw = mm[offset + NODE_HEAD : offset + NODE_HEAD + fields[1]]
         return fields, raw.decode("utf-8", "surrogateescape")
 
@@ -2619,10 +2142,10 @@ class SharedBackend(Backend):
         cutoff = now - rate.seconds
         start, chunk, left = fields[2], fields[3], fields[5]
         while left:
-            stamps = _CHUNK_STAMPS.unpack_from(mm, self._chunk_at(chunk) + 8)
+            stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self._chunk_at(chunk) + 8)
             for stamp in stamps[start : start + left]:
                 if stamp > cutoff:
                     return KeyUsage(key, fields[0], left, stamp - cutoff)
                 left -= 1
-            chunk, start = _U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
+            chunk, start = U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
         return KeyUsage(key, fields[0], 0, 0.0)
