@@ -58,6 +58,7 @@ __all__ = [
     "ALGORITHMS",
     "PROBE_EVERY",
     "PROBE_SAMPLES",
+    "SAMPLE_CEILING",
     "WINDOW_SAMPLES",
     "WINDOW_SECONDS",
     "AdaptiveReport",
@@ -102,8 +103,10 @@ _AIMD_BACKOFF = 0.9
 # than TCP's doubling: latency shows an increase only a window later.
 _SLOW_START_GROWTH = 1.5
 _SLOW_START_EXIT = 1.1
-# The most one sample counts for in a window's mean, as a multiple of the baseline.
-_CEILING = 2.0
+#: The most one sample counts for in a window's mean, as a multiple of the baseline: a
+#: backend that gathers a window outside the controller (in a Redis hash, say) adds
+#: ``min(latency, SAMPLE_CEILING x min_latency)`` per good sample to keep its decisions.
+SAMPLE_CEILING = 2.0
 # One window of faulty responses never cuts the limit by more than half.
 _DROP_FLOOR = 0.5
 # The attributes of Controller.STATE that are counts.
@@ -317,7 +320,7 @@ class Controller:
         # floor anyway, vegas sees half the limit queued, aimd a drop. A stall of the host
         # (a GC pause, a starved CPU) gives a few requests many times the usual latency;
         # uncapped, they alone would drag a window's mean, and the limit, down.
-        self._ceiling = _CEILING * latency if latency > 0.0 else math.inf
+        self._ceiling = SAMPLE_CEILING * latency if latency > 0.0 else math.inf
 
     def _next(
         self, estimate: float, latency: float, baseline: float, peak: int, drop_share: float
