@@ -14,6 +14,7 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
+from gatekeeper_wsgi.adaptive import SAMPLE_CEILING, Controller  # noqa: E402
 from gatekeeper_wsgi.backends.redis import _bulk, _Input, _Release  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
 from tests.servers import ClusterRedis, gather  # noqa: E402
@@ -95,9 +96,33 @@ def test_a_stale_state_write_is_ignored(prefixed: str) -> None:
         backend = redis_backend(gk)
         hash_key = backend.adaptive_key("shop/work")
         target = _Input([hash_key], [_bulk(hash_key.encode())], [], [], "", [], [])
-        stale = "=not-the-claim 0 39 0 0 0 0 " + " ".join(["0"] * 14)
+        stale = "=not-the-claim 0 39 0 0 0 0 0 " + " ".join(["0"] * 14)
         backend._send([_Release("x", target, stale, 0.0, 0.0, write=True)])
         assert settled(gk) == before
+    finally:
+        gk.close()
+
+
+def test_a_sample_adds_at_most_the_cap_as_the_controller_counts_it(prefixed: str) -> None:
+    """The window the script gathers counts a good sample as ``adaptive.Controller.sample``
+    does, at most SAMPLE_CEILING x the baseline (so a host stall that hits a few requests
+    drags no limit down on Redis either); the cap comes with each written state."""
+    gk = keeper(prefixed, {"shop/work": AUTO})
+    try:
+        backend = redis_backend(gk)
+        hash_key = backend.adaptive_key("shop/work")
+        gk.admit("shop", "work", "c").release(200)
+        stored = settled(gk)
+        min_latency = float(stored["s"].split()[Controller.STATE.index("min_latency")])
+        assert float(stored["cap"]) == SAMPLE_CEILING * min_latency
+        # A cap far below any real latency, and a claim out so every sample is gathered.
+        backend.client.hset(
+            hash_key, mapping={"claim": "elsewhere", "until": 1e18, "due": 0, "cap": 1e-6}
+        )
+        sum0 = float(backend.client.hget(hash_key, "sum") or 0)
+        for _ in range(5):
+            gk.admit("shop", "work", "c").release(200)
+        assert float(settled(gk)["sum"]) == pytest.approx(sum0 + 5e-6, abs=1e-12)
     finally:
         gk.close()
 

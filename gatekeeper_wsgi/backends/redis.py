@@ -50,7 +50,7 @@ from redis.commands.core import Script
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
-from gatekeeper_wsgi.adaptive import AdaptiveReport, AdaptiveSpec, Controller
+from gatekeeper_wsgi.adaptive import SAMPLE_CEILING, AdaptiveReport, AdaptiveSpec, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     TOP_KEYS,
@@ -865,8 +865,12 @@ class RedisBackend(Backend):
         controller.sample(latency, int(claim[3]), bool(int(claim[4])), admitted, now)
         state = list(controller.state())
         window = " ".join(_number(state[index]) for index in _WINDOW)
-        spec_words = f"={claim_id} {_number(state[_DUE])} {controller.limit} {window} " + " ".join(
-            map(_number, state)
+        # The most one good sample may add to the window's sum in the script, as the
+        # controller's own sample() counts it (0: no baseline yet, no cap).
+        cap = SAMPLE_CEILING * controller.min_latency
+        spec_words = (
+            f"={claim_id} {_number(state[_DUE])} {controller.limit} {window} {_number(cap)} "
+            + " ".join(map(_number, state))
         )
         self._remember(path, controller.limit)
         key_bulks = [_bulk(hash_key.encode())]

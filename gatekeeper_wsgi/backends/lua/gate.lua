@@ -30,6 +30,8 @@
 -- out) claims it: the script hands the state and that sample to the releasing process,
 -- which feeds them to adaptive.Controller and writes the next state back in a later call
 -- ('=' specs), guarded by the claim id; samples released meanwhile are kept and added.
+-- Its 'cap' (seconds) is the most one good sample adds to 'sum', as the controller's own
+-- sample() counts it (adaptive.SAMPLE_CEILING x its baseline; absent before it has one).
 --
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
@@ -39,7 +41,7 @@
 --            "<code>:<latency in us>:<faulty 1/0>";
 --            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
 --            answer never came (freed now, and never taken if it runs later);
---            "=<claim> <due> <limit> <n> <sum> <drops> <peak> <state>" writes a claimed
+--            "=<claim> <due> <limit> <n> <sum> <drops> <peak> <cap> <state>" writes a claimed
 --            adaptive state (one key: the hash)
 -- then, when an admission follows:
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
@@ -106,7 +108,7 @@ local function sample(hash, key, latency, faulty, claim, extra)
   local t = clock()
   local inflight = redis.call('ZCOUNT', key, t + 1, '+inf') + extra -- itself included
   local now_s = t / 1000000
-  local f = redis.call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak')
+  local f = redis.call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
   local due = tonumber(f[1])
   if (not due or now_s >= due) and (not f[2] or (tonumber(f[3]) or 0) < now_s) then
     local w = redis.call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
@@ -121,7 +123,12 @@ local function sample(hash, key, latency, faulty, claim, extra)
   if faulty == 1 then
     add(hash, 'drops', 'HINCRBY', 1)
   else
-    add(hash, 'sum', 'HINCRBYFLOAT', latency / 1000000)
+    local seconds = latency / 1000000
+    local cap = tonumber(f[6])
+    if cap and cap > 0 and seconds > cap then
+      seconds = cap
+    end
+    add(hash, 'sum', 'HINCRBYFLOAT', seconds)
   end
   if inflight > (tonumber(f[4]) or 0) then
     redis.call('HSET', hash, 'peak', inflight)
@@ -134,8 +141,8 @@ end
 -- A claimed window's next state, from the process that claimed it: applied only if the
 -- claim is still its own; what was sampled since the claim is added to the new window.
 local function write_state(hash, spec)
-  local claim, due, limit, n, sum, drops, peak, state =
-    string.match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+  local claim, due, limit, n, sum, drops, peak, cap, state =
+    string.match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
   local f = redis.call('HMGET', hash, 'claim', 'n', 'sum', 'drops', 'n0', 'sum0', 'drops0', 'cpeak')
   if f[1] ~= claim then
     return
@@ -149,7 +156,7 @@ local function write_state(hash, spec)
     'n', tonumber(n) + (tonumber(f[2]) or 0) - (tonumber(f[5]) or 0),
     'sum', tonumber(sum) + (tonumber(f[3]) or 0) - (tonumber(f[6]) or 0),
     'drops', tonumber(drops) + (tonumber(f[4]) or 0) - (tonumber(f[7]) or 0),
-    'peak', peak)
+    'peak', peak, 'cap', cap)
   redis.call('HDEL', hash, 'claim', 'until', 'n0', 'sum0', 'drops0', 'cpeak')
   redis.call('PEXPIRE', hash, ADAPTIVE_LIFE)
 end
