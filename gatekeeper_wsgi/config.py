@@ -23,11 +23,25 @@ from werkzeug.routing import Map, Rule
 from werkzeug.utils import import_string
 
 from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec
-from gatekeeper_wsgi.errors import LEVELS, ConfigError, Level
+from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.limitindex import LimitIndex
+
+# Re-exported: the configuration's value types, at the import path they always had.
+from gatekeeper_wsgi.values import (
+    CALLER_RE,
+    DEFAULT_MAX_KEYS,
+    LEVELS,
+    Limit,
+    Mode,
+    QueueSpec,
+    Rate,
+    TimeoutHeader,
+    scheme_of,
+)
 
 __all__ = [
     "CALLER_RE",
+    "DEFAULT_MAX_KEYS",
     "FAULT_FORMATS",
     "MODES",
     "ON_BACKEND_ERROR",
@@ -47,8 +61,6 @@ __all__ = [
     "merge_settings",
 ]
 
-#: ``mode`` (global and per limit): refuse over-limit requests, or only report them.
-Mode = Literal["enforce", "shadow"]
 #: ``on_backend_error``: admit (fail open) or refuse (fail closed) while the backend is down.
 BackendErrorPolicy = Literal["allow", "reject"]
 #: ``fault.format``: negotiated by ``Accept``, or forced.
@@ -58,8 +70,6 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 ON_BACKEND_ERROR: tuple[BackendErrorPolicy, ...] = get_args(BackendErrorPolicy)
 FAULT_FORMATS: tuple[FaultFormat, ...] = get_args(FaultFormat)
 
-#: SPEC §4.7: what a caller name may be.
-CALLER_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}|\*")
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
@@ -71,7 +81,6 @@ _RATE_RE = re.compile(
     re.ASCII,
 )
 
-DEFAULT_MAX_KEYS = 100_000
 #: The largest integer any setting takes (counts, sizes): larger is a typo or an attack.
 MAX_INTEGER = 10**9
 #: The longest delay or queue wait, in seconds (a week): it becomes a Retry-After.
@@ -103,99 +112,6 @@ def shown(value: object) -> str:
     except Exception:
         text = f"<{type(value).__name__}>"
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…"
-
-
-@dataclass(frozen=True, slots=True)
-class Rate:
-    """``N`` admissions in any rolling window of ``seconds``; ``text`` as configured."""
-
-    limit: int
-    seconds: float
-    text: str
-
-
-@dataclass(frozen=True)
-class QueueSpec:
-    """Wait up to ``wait`` seconds in a FIFO of at most ``size`` waiters."""
-
-    size: int
-    wait: float
-
-
-@dataclass(frozen=True)
-class TimeoutHeader:
-    """A response header whose value, matching ``pattern``, marks a timeout."""
-
-    name: str
-    pattern: re.Pattern[str]
-    text: str
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class Limit:
-    """One configured limit, addressed by its path (``shop``, ``shop/checkout/*``)."""
-
-    path: str
-    segments: tuple[str, ...]
-    #: requests in flight; for ``concurrency = "auto"`` the upper bound ``adaptive.max``
-    concurrency: int | None = None
-    rate: Rate | None = None
-    key: str = "caller"
-    #: statuses that count against ``rate``; None counts every admission
-    count: frozenset[int] | None = None
-    max_keys: int = DEFAULT_MAX_KEYS
-    delay: float | None = None
-    timeout_status: frozenset[int] | None = None
-    timeout_header: TimeoutHeader | None = None
-    timeout_body: re.Pattern[bytes] | None = None
-    queue: QueueSpec | None = None
-    #: "enforce" / "shadow"; None follows the global mode
-    mode: Mode | None = None
-    #: set for ``concurrency = "auto"``: the backend enforces the limit its controller finds
-    adaptive: AdaptiveSpec | None = None
-
-    #: ``"project"``, ``"service"`` or ``"caller"`` (derived from the path)
-    level: Level = field(init=False, compare=False)
-    #: whether a segment is ``*`` (one counter per value; derived from the path)
-    wildcard: bool = field(init=False, compare=False)
-    #: ``concurrency``, or no bound when None (derived; one comparison per admission);
-    #: -inf for an adaptive limit, so that this one comparison sends every admission of it
-    #: to the current limit of its controller, and static limits pay nothing for that
-    capacity: float = field(init=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Read on every admission: computed once, not by a property.
-        object.__setattr__(self, "level", LEVELS[len(self.segments) - 1])
-        object.__setattr__(self, "wildcard", "*" in self.segments)
-        capacity = math.inf if self.concurrency is None else self.concurrency
-        if self.adaptive is not None:
-            capacity = -math.inf
-        object.__setattr__(self, "capacity", capacity)
-
-    def _identity(self) -> tuple[Any, ...]:
-        th = self.timeout_header
-        return (
-            self.path,
-            self.concurrency,
-            self.rate,
-            self.key,
-            self.count,
-            self.max_keys,
-            self.delay,
-            self.timeout_status,
-            None if th is None else (th.name, th.text),
-            None if self.timeout_body is None else self.timeout_body.pattern,
-            self.queue,
-            self.mode,
-            self.adaptive,
-        )
-
-    def __eq__(self, other: object) -> bool:
-        # Compiled patterns compare by identity; compare their sources instead.
-        return isinstance(other, Limit) and self._identity() == other._identity()
-
-    def __hash__(self) -> int:
-        return hash(self._identity())
 
 
 @dataclass(frozen=True)
@@ -605,12 +521,10 @@ class _Checker:
 
     def backend(self, value: object) -> str:
         url = self.string("backend", value)
-        from gatekeeper_wsgi.backends import backend_scheme  # the registry imports this module
-
         try:
-            backend_scheme(url)
-        except ConfigError as exc:
-            raise self.error("backend", exc.problem) from None
+            scheme_of(url)
+        except ValueError as exc:
+            raise self.error("backend", str(exc)) from None
         return url
 
     def fault(self, value: object) -> FaultConfig:

@@ -18,13 +18,12 @@ from types import MappingProxyType
 from typing import Any
 
 from gatekeeper_wsgi.backends import backend_from_url
-from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, LimitTotals, Slot
+from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, LimitTotals
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
 from gatekeeper_wsgi.errors import (
     BackendError,
     CapacityError,
     ConfigError,
-    RateInfo,
     Rejected,
     escape_controls,
 )
@@ -33,6 +32,7 @@ from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
+from gatekeeper_wsgi.values import RateInfo, Slot
 
 __all__ = ["Admission", "ConfigSource", "GateKeeper"]
 
@@ -374,27 +374,20 @@ class GateKeeper:
         caller: str,
         environ: Mapping[str, Any] = _EMPTY,
         user: str | None = None,
+        started: float | None = None,
     ) -> Admission:
         """Admit a request or raise :class:`Rejected` (after queueing, if configured).
 
         ``caller`` must already be a valid caller name (see ``CALLER_RE``); ``environ``
         supplies ``REMOTE_ADDR``, ``REMOTE_USER`` and headers for ``key`` kinds other than
         the caller; ``user`` overrides ``REMOTE_USER`` (Django's ``request.user``).
+        ``started`` (a ``time.perf_counter()`` reading) is when timing begins: the
+        integrations pass the moment they began to name the request, so naming counts as
+        resolving.
         """
-        return self._admit(project, service, caller, environ, user, time.perf_counter())
-
-    def _admit(
-        self,
-        project: str,
-        service: str,
-        caller: str,
-        environ: Mapping[str, Any],
-        user: str | None,
-        started: float,
-    ) -> Admission:
-        """:meth:`admit`, timed from ``started`` (``time.perf_counter()``): the middlewares
-        pass the moment they began to name the request, so naming counts as resolving."""
         perf = time.perf_counter
+        if started is None:
+            started = perf()
         now = started if self._perf_clock else self._clock()
         route, slots, delay = self._limits_of(project, service, caller, environ, user, now)
         resolved = perf()
@@ -429,7 +422,7 @@ class GateKeeper:
                 if self.config.on_backend_error == "reject":
                     monitor.decision(started, resolved, perf(), False)
                     rejected = Rejected("GK-BACKEND-UNAVAILABLE", retry_after=1.0)
-                    raise self._counted(rejected) from exc
+                    raise self.count_rejection(rejected) from exc
                 grant = None  # fail open
             except Rejected:
                 waited = self._take_wait() if queueing else 0.0
@@ -558,7 +551,7 @@ class GateKeeper:
                 limit_value=self._concurrency_value(slot),
                 retry_after=denial.retry_after,
             )
-        return self._counted(rejected, slot.key) if counted else rejected
+        return self.count_rejection(rejected, slot.key) if counted else rejected
 
     def _concurrency_value(self, slot: Slot) -> str:
         """A concurrency limit's value in faults: an adaptive one's current limit."""
@@ -567,7 +560,9 @@ class GateKeeper:
             return str(self.backend.adaptive_limit(slot.key, limit))
         return str(limit.concurrency)
 
-    def _counted(self, rejected: Rejected, key: str | None = None) -> Rejected:
+    def count_rejection(self, rejected: Rejected, key: str | None = None) -> Rejected:
+        """Count a rejection decided outside the engine (an integration's missing caller)
+        in the counters, as the engine counts its own; returns it, to be raised."""
         self.monitor.count_rejection(rejected.code, rejected.limit_path, key)
         return rejected
 
@@ -708,7 +703,7 @@ class GateKeeper:
                     del self._queues[queued.key]
                 self._waiting -= 1
                 self._cond.notify_all()
-                # Its own stage, and taken out of `decide` by _admit: a decision's time is
+                # Its own stage, and taken out of `decide` by admit: a decision's time is
                 # the backend's answer, not the seconds spent waiting for a slot.
                 waited = time.perf_counter() - entered
                 self.monitor.stages["queue_wait"].record(waited)
@@ -725,7 +720,7 @@ class GateKeeper:
         value = self._concurrency_value(slot) if limit.concurrency is not None else None
         if value is None and limit.rate is not None:
             value = limit.rate.text
-        return self._counted(
+        return self.count_rejection(
             Rejected(
                 code, level=limit.level, limit_path=limit.path, limit_value=value, retry_after=wait
             ),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Literal, get_args
+
+# Re-exported here, where they were first defined; they live in the leaf module.
+from gatekeeper_wsgi.values import FAULT_CODES, LEVELS, Level, LimitKind, RateInfo
 
 __all__ = [
     "FAULT_CODES",
+    "LEVELS",
     "BackendError",
     "CapacityError",
     "ConfigError",
@@ -18,10 +20,6 @@ __all__ = [
     "RateInfo",
     "Rejected",
 ]
-
-
-#: Which count of a limit refused a request (a Denial's, a CapacityError's ``kind``).
-LimitKind = Literal["concurrency", "rate"]
 
 
 class GateKeeperError(Exception):
@@ -96,31 +94,6 @@ class CapacityError(GateKeeperError):
         #: pick by what the limit has (concurrency when it has one)
         self.kind = kind
         super().__init__(what)
-
-
-#: code -> (HTTP status, reason)
-FAULT_CODES: dict[str, tuple[int, str]] = {
-    "GK-CONCURRENCY-LIMIT": (503, "Too many concurrent requests"),
-    "GK-RATE-LIMIT": (429, "Too many requests"),
-    "GK-QUEUE-FULL": (503, "Too many requests waiting"),
-    "GK-QUEUE-TIMEOUT": (503, "Waited too long for a free slot"),
-    "GK-CALLER-MISSING": (400, "Missing or invalid caller identification"),
-    "GK-BACKEND-UNAVAILABLE": (503, "Limit backend unavailable"),
-}
-
-#: The three levels a request is identified at (SPEC §1), outermost first.
-Level = Literal["project", "service", "caller"]
-LEVELS: tuple[Level, ...] = get_args(Level)
-
-
-@dataclass(frozen=True)
-class RateInfo:
-    """What the IETF ``RateLimit-Policy`` / ``RateLimit`` fields say about a rate limit."""
-
-    quota: int  #: N of "N per window"
-    window: float  #: window length in seconds
-    remaining: int  #: admissions still possible now
-    reset: float  #: seconds until one more admission is possible
 
 
 class Rejected(GateKeeperError):

@@ -22,12 +22,21 @@ from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
 from gatekeeper_wsgi.config import FAULT_FORMATS, Config, FaultFormat
-from gatekeeper_wsgi.errors import FAULT_CODES, Rejected
+from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.values import FAULT_CODES
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
 
-__all__ = ["FAULT_FORMATS", "FAULT_NAMESPACE", "Renderer", "render_fault"]
+__all__ = [
+    "ACCEPT_CAP",
+    "FAULT_FORMATS",
+    "FAULT_NAMESPACE",
+    "Renderer",
+    "accept_prefers_xml",
+    "render_fault",
+    "xml_text",
+]
 
 logger = logging.getLogger("gatekeeper")
 
@@ -63,7 +72,8 @@ _LONE_SURROGATES = re.compile("[\ud800-\udfff]+")
 _NOT_HEADER_SAFE = re.compile("[^\x20-\x7e]+")
 
 
-def _xml_text(value: str) -> str:
+def xml_text(value: str) -> str:
+    """``value`` as XML character data: escaped, characters XML 1.0 forbids dropped."""
     return escape(_XML_FORBIDDEN.sub("", value), _XML_TEXT_ENTITIES)
 
 
@@ -84,7 +94,7 @@ def _sf_string(value: str) -> str:
 
 # Per code: the constant head of the ServiceFault (code and reason) and the JSON "type".
 _XML_HEAD: dict[str, tuple[str, str]] = {
-    code: (_xml_text(code), _xml_text(reason)) for code, (_, reason) in FAULT_CODES.items()
+    code: (xml_text(code), xml_text(reason)) for code, (_, reason) in FAULT_CODES.items()
 }
 _JSON_TYPE: dict[str, str] = {code: f"urn:gatekeeper-wsgi:fault:{code}" for code in FAULT_CODES}
 
@@ -92,8 +102,8 @@ _JSON_TYPE: dict[str, str] = {code: f"urn:gatekeeper-wsgi:fault:{code}" for code
 def _service_fault_xml(rejected: Rejected, request_id: str, indent: str) -> str:
     """The ``<ServiceFault>`` element, its first line unindented, children at ``indent + 2``."""
     code, reason = _XML_HEAD.get(rejected.code) or (
-        _xml_text(rejected.code),
-        _xml_text(rejected.reason),
+        xml_text(rejected.code),
+        xml_text(rejected.reason),
     )
     inner = indent + "  "
     lines = [
@@ -102,11 +112,11 @@ def _service_fault_xml(rejected: Rejected, request_id: str, indent: str) -> str:
         f"{inner}<reason>{reason}</reason>",
     ]
     if rejected.level is not None:
-        lines.append(f"{inner}<level>{_xml_text(rejected.level)}</level>")
+        lines.append(f"{inner}<level>{xml_text(rejected.level)}</level>")
     if rejected.limit_path is not None:
-        value = "" if rejected.limit_value is None else _xml_text(rejected.limit_value)
+        value = "" if rejected.limit_value is None else xml_text(rejected.limit_value)
         lines.append(f'{inner}<limit path="{_xml_attr(rejected.limit_path)}">{value}</limit>')
-    lines.append(f"{inner}<requestId>{_xml_text(request_id)}</requestId>")
+    lines.append(f"{inner}<requestId>{xml_text(request_id)}</requestId>")
     if rejected.retry_after is not None:
         lines.append(f"{inner}<retryAfter>{rejected.retry_after}</retryAfter>")
     lines.append(f"{indent}</ServiceFault>")
@@ -128,7 +138,7 @@ def _render_soap11(rejected: Rejected, request_id: str) -> bytes:
         "  <soap:Body>\n"
         "    <soap:Fault>\n"
         "      <faultcode>soap:Server</faultcode>\n"
-        f"      <faultstring>{_xml_text(rejected.reason)}</faultstring>\n"
+        f"      <faultstring>{xml_text(rejected.reason)}</faultstring>\n"
         "      <detail>\n"
         f"        {_service_fault_xml(rejected, request_id, '        ')}\n"
         "      </detail>\n"
@@ -146,7 +156,7 @@ def _render_soap12(rejected: Rejected, request_id: str) -> bytes:
         "    <env:Fault>\n"
         "      <env:Code><env:Value>env:Receiver</env:Value></env:Code>\n"
         "      <env:Reason>\n"
-        f'        <env:Text xml:lang="en">{_xml_text(rejected.reason)}</env:Text>\n'
+        f'        <env:Text xml:lang="en">{xml_text(rejected.reason)}</env:Text>\n'
         "      </env:Reason>\n"
         "      <env:Detail>\n"
         f"        {_service_fault_xml(rejected, request_id, '        ')}\n"
@@ -200,12 +210,19 @@ def _is_xml_mimetype(mimetype: str) -> bool:
     return mimetype in _XML_MIMETYPES or mimetype.endswith("+xml")
 
 
-@lru_cache(maxsize=512)
-def _accept_prefers_xml(accept: str) -> bool | None:
-    """True: XML preferred, False: JSON preferred or tied, None: Accept says nothing about either.
+def accept_prefers_xml(accept: str) -> bool | None:
+    """What an ``Accept`` header prefers: True XML, False JSON (or a tie between types the
+    client named), None when it says nothing about either. At most ``ACCEPT_CAP``
+    characters are parsed, so a 64 KiB header costs no more than a short one."""
+    if len(accept) > ACCEPT_CAP:
+        # Keep whole media ranges only: a range cut in half could read as another type.
+        accept = accept[:ACCEPT_CAP].rpartition(",")[0]
+    return _parsed_preference(accept)
 
-    Clients send few distinct Accept values, so the parse is cached (bounded).
-    """
+
+@lru_cache(maxsize=512)
+def _parsed_preference(accept: str) -> bool | None:
+    # Clients send few distinct Accept values, so the parse is cached (bounded).
     try:
         parsed = parse_accept_header(accept, MIMEAccept)
         xml_quality = max(parsed.quality(mimetype) for mimetype in _XML_MIMETYPES)
@@ -230,10 +247,7 @@ ACCEPT_CAP = 1024
 def _wants_xml(environ: WSGIEnvironment, mimetype: str) -> bool:
     accept = environ.get("HTTP_ACCEPT")
     if isinstance(accept, str) and accept.strip():
-        if len(accept) > ACCEPT_CAP:
-            # Keep whole media ranges only: a range cut in half could read as another type.
-            accept = accept[:ACCEPT_CAP].rpartition(",")[0]
-        prefers_xml = _accept_prefers_xml(accept)
+        prefers_xml = accept_prefers_xml(accept)
         if prefers_xml is not None:
             return prefers_xml
     return _is_xml_mimetype(mimetype)

@@ -29,11 +29,11 @@ from defusedxml import DTDForbidden, EntitiesForbidden, ExternalReferenceForbidd
 from defusedxml.ElementTree import ParseError, fromstring
 
 from gatekeeper_wsgi.access import parse_bearer, same_token
-from gatekeeper_wsgi.config import CALLER_RE, Limit
 from gatekeeper_wsgi.engine import ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
-from gatekeeper_wsgi.fault import _accept_prefers_xml, _xml_text
+from gatekeeper_wsgi.fault import accept_prefers_xml, xml_text
 from gatekeeper_wsgi.resolve import Route, key_segment
+from gatekeeper_wsgi.values import CALLER_RE, Limit
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -241,7 +241,7 @@ class Reply(NamedTuple):
 
 
 def _reply(answer: Answer, accept: str, method: str) -> Reply:
-    as_json = bool(accept) and _accept_prefers_xml(accept) is False
+    as_json = bool(accept) and accept_prefers_xml(accept) is False
     payload = _render(answer, as_json=as_json)
     headers = [
         ("Content-Type", "application/json" if as_json else "application/xml; charset=utf-8"),
@@ -299,7 +299,7 @@ def _render(answer: Answer, *, as_json: bool = False) -> bytes:
     result = "" if answer.result is None else f"<result>{answer.result}</result>"
     return (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<response>{result}<msg>{_xml_text(answer.msg)}</msg></response>\n"
+        f"<response>{result}<msg>{xml_text(answer.msg)}</msg></response>\n"
     ).encode("utf-8", "replace")
 
 

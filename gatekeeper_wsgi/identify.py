@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, RequestRedirect, Rule
 
-from gatekeeper_wsgi.config import CALLER_RE, Config
+from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.resolve import key_segment, remember
+from gatekeeper_wsgi.values import CALLER_RE
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment

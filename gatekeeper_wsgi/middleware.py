@@ -9,168 +9,47 @@ garbage collected. This covers streamed responses, generators that raise, respon
 iterated, apps that raise before or after ``start_response``. Each admission is released
 exactly once, and the app's own ``close()`` is called exactly once, by the server's.
 
-This module also holds the kernel the framework plugins share: :class:`Gate` (admit and
-answer a rejection) and :class:`ResponseWatch` (watch a response, release it once, with
-the garbage-collection safety net); the Django middleware reuses both.
+It is a thin client of the integration kernel (:mod:`gatekeeper_wsgi.kernel`): its
+:class:`~gatekeeper_wsgi.kernel.Gate` admits and answers rejections, and the response it
+returns is a :class:`~gatekeeper_wsgi.kernel.ResponseWatch` that also serves as the
+``start_response`` wrapper, the iterable and the closer. The kernel's names are
+re-exported here, where they were first defined.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gatekeeper_wsgi.engine import Admission, ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
-from gatekeeper_wsgi.fault import render_fault
-from gatekeeper_wsgi.identify import Identifier, request_id_from
-from gatekeeper_wsgi.rejectlog import log_rejected
-from gatekeeper_wsgi.resolve import Route, remember
+from gatekeeper_wsgi.kernel import (
+    ADMISSION_KEY,
+    BODY_SCAN_LIMIT,
+    IDENTITY_KEY,
+    REQUEST_ID_KEY,
+    Gate,
+    Identify,
+    ResponseWatch,
+)
+from gatekeeper_wsgi.resolve import remember
 
 if TYPE_CHECKING:
     from _typeshed import OptExcInfo
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
-__all__ = ["ADMISSION_KEY", "Gate", "GateKeeperMiddleware", "ResponseWatch"]
-
-#: environ key holding the request's Admission; its presence means "already counted".
-ADMISSION_KEY = "gatekeeper.admission"
-#: environ key holding (project, service, caller) as identified.
-IDENTITY_KEY = "gatekeeper.identity"
-#: environ key holding the request id used in faults and logs.
-REQUEST_ID_KEY = "gatekeeper.request_id"
-
-# The SPEC scans timeout markers in the first 64 KiB of a body as it streams through.
-BODY_SCAN_LIMIT = 64 * 1024
-
-#: identify(environ) -> (project, service), or None to leave the request unlimited
-Identify = Callable[["WSGIEnvironment"], "tuple[str, str] | None"]
-
-
-class ResponseWatch:
-    """Watches one response for the signs of a faulty backend (SPEC §3): an exception, a
-    5xx status, or a timeout marker in the status, a header or the body's first 64 KiB;
-    and releases its admission once.
-
-    Framework plugins feed it what they see and call :meth:`finish`; whoever holds the
-    response holds the watch, so a response dropped without ``close()`` finishes it when
-    it is garbage collected (``__del__``: cheaper per request than ``weakref.finalize``).
-    Finishing twice does nothing.
-    """
-
-    __slots__ = ("_scanned", "_tail", "admission", "faulty", "status")
-
-    def __init__(self, admission: Admission) -> None:
-        self.admission = admission
-        self.status: int | None = None
-        self.faulty = False
-        # Only a route with a body marker scans; chunk() returns before reading these
-        # otherwise, and most requests are spared setting them.
-        if admission.route.timeout_body is not None:
-            self._scanned = 0
-            self._tail = b""
-
-    @property
-    def scans_body(self) -> bool:
-        return self.admission.route.timeout_body is not None
-
-    def headers(self, status: int, headers: Iterable[tuple[str, str]]) -> None:
-        """The response's status and headers (again, when ``start_response`` is re-called)."""
-        self.status = status
-        route: Route = self.admission.route
-        marker = route.timeout_header
-        self.faulty = status >= 500 or (
-            route.timeout_status is not None and status in route.timeout_status
-        )
-        if marker is not None and not self.faulty:
-            name = marker.name.lower()
-            for key, value in headers:
-                if key.lower() == name and marker.pattern.search(value):
-                    self.faulty = True
-                    break
-
-    def chunk(self, data: bytes) -> None:
-        """A piece of the body as it streams through; scanned within the first 64 KiB."""
-        pattern = self.admission.route.timeout_body
-        if pattern is None or self.faulty or self._scanned >= BODY_SCAN_LIMIT:
-            return
-        data = data[: BODY_SCAN_LIMIT - self._scanned]
-        self._scanned += len(data)
-        # Keep a tail, so a marker split across two chunks is still found.
-        window = self._tail + data
-        if pattern.search(window):
-            self.faulty = True
-        self._tail = window[-256:]
-
-    def error(self) -> None:
-        """The app raised."""
-        self.faulty = True
-
-    def finish(self) -> None:
-        """Release the admission (after its delay when the response was faulty)."""
-        self.admission.release(self.status, faulty=self.faulty)
-
-    def __del__(self) -> None:
-        # The safety net: nothing closed the response. An exception here could only be
-        # printed as "Exception ignored", and the backend's own expiry still frees the
-        # slots, so none escapes.
-        try:
-            admission = self.admission
-            if not admission.released:
-                admission.release(self.status, faulty=self.faulty)
-        except Exception:
-            pass
-
-    def stream(
-        self, content: Iterable[bytes], *, finish_on_error: bool, length: int | None = None
-    ) -> Iterator[bytes]:
-        """``content`` passed through, scanned for a body marker; finished when exhausted,
-        or - when the body's ``length`` is known - as soon as that many bytes were handed
-        out: a client reading a body of known size sees its end before the server asks
-        for more (or closes), and its next request, on another thread, must fit.
-
-        Iterated with ``for``, not ``yield from``: closing this generator (a server
-        dropping it when the client went away) must not close ``content`` as well - its
-        ``close()`` is called once, by whoever closes the response. An error mid-stream
-        is faulty; with ``finish_on_error`` it also releases at once (for a server that
-        skips ``close()`` when the stream raises).
-        """
-        scans = self.admission.route.timeout_body is not None
-        left = -1 if length is None else length
-        try:
-            for chunk in content:  # not `yield from`: see the docstring
-                if scans:
-                    self.chunk(chunk)
-                if left >= 0:
-                    left -= len(chunk)
-                    if left <= 0:
-                        left = -1
-                        self.finish()
-                yield chunk
-        except GeneratorExit:  # closed early: the client went away
-            raise
-        except BaseException:
-            self.faulty = True
-            if finish_on_error:
-                self.finish()
-            raise
-        self.finish()
-
-    async def astream(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The async form of :meth:`stream` (with ``finish_on_error``)."""
-        try:
-            async for chunk in content:
-                self.chunk(chunk)
-                yield chunk
-        except (GeneratorExit, asyncio.CancelledError):
-            raise
-        except BaseException:
-            self.faulty = True
-            self.finish()
-            raise
-        self.finish()
+__all__ = [
+    "ADMISSION_KEY",
+    "BODY_SCAN_LIMIT",
+    "IDENTITY_KEY",
+    "REQUEST_ID_KEY",
+    "Gate",
+    "GateKeeperMiddleware",
+    "Identify",
+    "ResponseWatch",
+]
 
 
 class _WatchedResponse(ResponseWatch):
@@ -257,86 +136,6 @@ def _status_code(status: str) -> int:
     except ValueError:
         code = 500
     return remember(_STATUS_CODES, status, code, len(status))
-
-
-class Gate:
-    """The steps every integration shares around its framework: name the caller, admit,
-    and answer a rejection (ServiceFault, rejected-request log, stage timings).
-
-    The WSGI middleware and the Django middleware both go through it, so admission and
-    rejection behave the same wherever a request comes from.
-    """
-
-    def __init__(self, keeper: GateKeeper) -> None:
-        self.keeper = keeper
-        self._first_request = True
-
-    def identifier(self) -> Identifier:
-        """The request helpers of the configuration in force (the engine rebuilds them
-        when it swaps in a reloaded configuration)."""
-        return self.keeper.identifier
-
-    def server_is_multiprocess(self, environ: WSGIEnvironment) -> bool:
-        """Whether the server says other processes serve the app too (PEP 3333's
-        ``wsgi.multiprocess``); asked on the first request, so a per-process backend can
-        warn. A plugin whose framework sets the flag itself overrides this."""
-        return bool(environ.get("wsgi.multiprocess"))
-
-    def admit(
-        self,
-        identifier: Identifier,
-        environ: WSGIEnvironment,
-        project: str,
-        service: str,
-        user: str | None = None,
-        *,
-        started: float,
-    ) -> Admission:
-        """Admit the request (raises :class:`Rejected`) and mark it counted in ``environ``."""
-        keeper = self.keeper
-        if self._first_request:
-            self._first_request = False
-            if self.server_is_multiprocess(environ):
-                keeper.backend.multiprocess()
-        caller = identifier.caller(environ)
-        if caller is None:
-            config = identifier.config
-            if config.caller.required:
-                raise keeper._counted(Rejected("GK-CALLER-MISSING"))
-            caller = config.caller.default
-        environ[IDENTITY_KEY] = (project, service, caller)
-        admission = environ[ADMISSION_KEY] = keeper._admit(
-            project, service, caller, environ, user, started
-        )
-        return admission
-
-    def fault(
-        self,
-        identifier: Identifier,
-        environ: WSGIEnvironment,
-        rejected: Rejected,
-        log_environ: Mapping[str, Any] | None = None,
-    ) -> tuple[str, list[tuple[str, str]], bytes]:
-        """The ServiceFault of a rejection (status line, headers, body), logged on
-        ``gatekeeper.rejected``; the request id used is left in ``environ``."""
-        started = time.perf_counter()
-        config = identifier.config
-        request_id = request_id_from(environ, identifier.request_id_key)
-        environ[REQUEST_ID_KEY] = request_id
-        response = render_fault(
-            rejected,
-            environ,
-            request_id,
-            fault_format=config.fault.format,
-            request_id_header=config.request_id_header,
-            renderer=config.fault.renderer,
-        )
-        if not log_rejected(
-            environ if log_environ is None else log_environ, rejected, request_id, config
-        ):
-            self.keeper.monitor.rejected_log_dropped += 1
-        self.keeper.monitor.stages["reject"].record(time.perf_counter() - started)
-        return response
 
 
 class GateKeeperMiddleware:

@@ -19,12 +19,13 @@ import ipaddress
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from gatekeeper_wsgi.backends.base import Slot
-from gatekeeper_wsgi.config import CALLER_RE, Config, Limit, TimeoutHeader
+from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.values import CALLER_RE, Limit, Slot, TimeoutHeader
 
 __all__ = [
     "MEMO_KEY_CHARS",
     "MEMO_SIZE",
+    "CallerLimit",
     "Route",
     "ip_segment",
     "key_segment",
@@ -112,9 +113,10 @@ def _network(value: str, ipv6_prefix: int) -> str:
     return f"{network}-{ipv6_prefix}"
 
 
-class _CallerCandidate:
-    """A caller-level limit of one route, how to read its key from a request, and what
-    its slot needs besides the key (computed once per route, not per request)."""
+class CallerLimit:
+    """A caller-level limit that can apply to one route (``Route.caller_candidates``), how
+    to read its key from a request (``source``, ``environ_key``), and what its slot needs
+    besides the key: computed once per route, not per request."""
 
     __slots__ = (
         "counts",
@@ -192,7 +194,7 @@ class Route:
         callers = index.callers(project, service)
         prefix = f"{project}/{service}/"
         self.caller_candidates = tuple(
-            _CallerCandidate(limit, prefix, self.enforces(limit), config.ipv6_prefix)
+            CallerLimit(limit, prefix, self.enforces(limit), config.ipv6_prefix)
             for limit in callers
         )
         # The first candidate in that order that matches the request wins. A `*` one always
@@ -200,8 +202,8 @@ class Route:
         # segment is the request's value for its key. Indexing the exact ones by (source,
         # segment) - first in order kept - finds the winner in O(key sources), however
         # many per-caller limits there are (a spray of new callers never scans them).
-        self._wildcard: tuple[int, _CallerCandidate] | None = None
-        self._exact: dict[str, dict[str, tuple[int, _CallerCandidate]]] = {}
+        self._wildcard: tuple[int, CallerLimit] | None = None
+        self._exact: dict[str, dict[str, tuple[int, CallerLimit]]] = {}
         for position, candidate in enumerate(self.caller_candidates):
             if candidate.segment == "*":
                 if self._wildcard is None:

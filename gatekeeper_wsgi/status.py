@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from gatekeeper_wsgi.access import check_token
 from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
-from gatekeeper_wsgi.config import Config, Limit
+from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.redact import mask_url
+from gatekeeper_wsgi.values import Limit
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment

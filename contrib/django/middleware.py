@@ -15,7 +15,7 @@ from django.urls import Resolver404, get_urlconf, resolve
 
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.identify import Identifier
-from gatekeeper_wsgi.middleware import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
+from gatekeeper_wsgi.kernel import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
 from gatekeeper_wsgi.naming import UNRESOLVED
 from gatekeeper_wsgi.naming import name_segment as service_segment
 from gatekeeper_wsgi.resolve import remember

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from argparse import Namespace
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import click
 from flask import current_app
@@ -22,20 +22,33 @@ from flask.cli import AppGroup, with_appcontext
 from gatekeeper_wsgi.cli.options import COMMANDS, Command, Option
 
 if TYPE_CHECKING:
-    from .extension import AppState
+    from gatekeeper_wsgi.engine import ConfigSource
 
-__all__ = ["gatekeeper_cli"]
+__all__ = ["EXTENSION_KEY", "AppSettings", "gatekeeper_cli"]
+
+#: ``app.extensions`` key of an app's state (the extension's ``AppState``). Defined here,
+#: where the commands look it up, so that this module needs nothing of the extension's
+#: (the extension imports this one to register the commands).
+EXTENSION_KEY = "gatekeeper"
+
+
+@runtime_checkable
+class AppSettings(Protocol):
+    """What the commands need of the extension's per-app state (``AppState``)."""
+
+    def refresh(self, *, if_changed: bool = False, in_request: bool = False) -> None: ...
+
+    def effective_settings(self) -> ConfigSource: ...
+
 
 gatekeeper_cli = AppGroup(
     "gatekeeper", help="Check the limits, watch live counters, replay rejected requests."
 )
 
 
-def _state() -> AppState:
-    from .extension import EXTENSION_KEY, AppState
-
+def _state() -> AppSettings:
     state = current_app.extensions.get(EXTENSION_KEY)
-    if not isinstance(state, AppState):
+    if not isinstance(state, AppSettings):
         raise click.UsageError(f"GateKeeper is not initialised on the app {current_app.name!r}")
     state.refresh(if_changed=True)
     return state

@@ -48,6 +48,8 @@ from gatekeeper_wsgi.middleware import GateKeeperMiddleware
 from gatekeeper_wsgi.naming import UNRESOLVED, name_segment
 from gatekeeper_wsgi.resolve import remember
 
+from .cli import EXTENSION_KEY, gatekeeper_cli
+
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
     from flask.sansio.blueprints import BlueprintSetupState
@@ -58,8 +60,6 @@ __all__ = ["EXTENSION_KEY", "UNRESOLVED_SERVICE", "AppState", "GateKeeper"]
 
 logger = logging.getLogger("gatekeeper")
 
-#: ``app.extensions`` key of an app's :class:`AppState`.
-EXTENSION_KEY = "gatekeeper"
 #: Service of requests that match no route (404, 405, redirects, untrusted hosts): the
 #: core's one constant, under the name this module always exported.
 UNRESOLVED_SERVICE = UNRESOLVED
@@ -182,8 +182,6 @@ class GateKeeper:
         state = AppState(self, app, source, config, inner)
         app.wsgi_app = state  # type: ignore[method-assign]
         app.extensions[EXTENSION_KEY] = state
-        from .cli import gatekeeper_cli
-
         app.cli.add_command(gatekeeper_cli)
         with self._lock:
             self._apps = [ref for ref in self._apps if ref() is not None]

@@ -14,32 +14,20 @@ from urllib.parse import urlsplit
 from gatekeeper_wsgi.backends.base import Backend
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.redact import mask_text, mask_url
+from gatekeeper_wsgi.values import BACKENDS, scheme_of
 
 if TYPE_CHECKING:
     from gatekeeper_wsgi.config import Config
 
 __all__ = ["BACKENDS", "backend_from_url", "backend_scheme", "check_backend_url"]
 
-#: URL scheme -> "module:class"
-BACKENDS: dict[str, str] = {
-    "memory": "gatekeeper_wsgi.backends.memory:MemoryBackend",
-    "shared": "gatekeeper_wsgi.backends.shared:SharedBackend",
-    "redis": "gatekeeper_wsgi.backends.redis:RedisBackend",
-    "rediss": "gatekeeper_wsgi.backends.redis:RedisBackend",
-    "unix": "gatekeeper_wsgi.backends.redis:RedisBackend",
-    "valkey": "gatekeeper_wsgi.backends.redis:RedisBackend",
-}
-
 
 def backend_scheme(url: str) -> str:
     """The registry scheme of a backend URL; ConfigError for an unknown one."""
-    scheme = url.split(":", 1)[0].strip().lower() if ":" in url else url.strip().lower()
-    if scheme not in BACKENDS:
-        known = ", ".join(sorted(BACKENDS))
-        raise ConfigError("backend", f"unknown backend {mask_url(url)!r}; expected one of: {known}")
-    if scheme == "memory" and url.strip().lower() not in ("memory", "memory://", "memory:"):
-        raise ConfigError("backend", f"the memory backend takes no address, got {url!r}")
-    return scheme
+    try:
+        return scheme_of(url)
+    except ValueError as exc:
+        raise ConfigError("backend", str(exc)) from None
 
 
 def _backend_class(url: str) -> tuple[str, type[Backend]]:

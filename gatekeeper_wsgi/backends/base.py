@@ -19,9 +19,8 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
-from gatekeeper_wsgi.config import Limit
-from gatekeeper_wsgi.errors import LimitKind
 from gatekeeper_wsgi.monitor import Stage
+from gatekeeper_wsgi.values import Limit, LimitKind, Slot
 
 __all__ = [
     "NO_WATCH",
@@ -40,14 +39,6 @@ TOP_KEYS = 50
 
 #: No keys to watch (the default of :meth:`Backend.totals`).
 NO_WATCH: Mapping[str, Collection[str]] = MappingProxyType({})
-
-
-class Slot(NamedTuple):
-    """One limit a request must fit under."""
-
-    key: str  #: the concrete path counted, e.g. ``shop/login/10.0.0.7``
-    limit: Limit
-    enforce: bool  #: False in shadow mode: over-limit is reported, not refused
 
 
 class Denial(NamedTuple):

@@ -32,8 +32,8 @@ from gatekeeper_wsgi.backends.base import (
     LimitTotals,
     Slot,
 )
-from gatekeeper_wsgi.config import Limit
 from gatekeeper_wsgi.errors import CapacityError
+from gatekeeper_wsgi.values import Limit
 
 __all__ = ["MemoryBackend"]
 
