@@ -29,6 +29,7 @@ from gatekeeper_wsgi.errors import (
 )
 from gatekeeper_wsgi.fileformats import read_file
 from gatekeeper_wsgi.identify import Identifier
+from gatekeeper_wsgi.limitindex import counts
 from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
@@ -83,6 +84,16 @@ class Admission:
     def released(self) -> bool:
         """Whether :meth:`release` was called."""
         return not self._held
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """The slots held: one per level whose limit counts this request (its concrete
+        path and the configured limit). Empty once released, or when no limit counts it."""
+        try:
+            grant = self._held[0]
+        except IndexError:  # released, maybe by another thread just now
+            return ()
+        return () if grant is None else tuple(grant.slots)
 
     def release(self, status: int | None = None, *, faulty: bool = False) -> None:
         """Give the slots back: now, or after ``delay`` when the response was faulty.
@@ -737,11 +748,7 @@ class GateKeeper:
         """Per counting limit of the configuration: in flight summed over its keys, keys
         tracked and in flight, and details of its busiest and lately refused keys; None
         when the backend does not keep totals (see :meth:`Backend.totals`)."""
-        limits = [
-            limit
-            for limit in self.config.limits.values()
-            if limit.concurrency is not None or limit.rate is not None
-        ]
+        limits = [limit for limit in self.config.limits.values() if counts(limit)]
         watch = self.monitor.refused_keys()
         return self.backend.totals(limits, self._clock(), top=top, watch=watch)
 

@@ -68,6 +68,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.limitindex import counts
 from gatekeeper_wsgi.monitor import STAGES
 from gatekeeper_wsgi.status import limit_totals
 
@@ -169,7 +170,7 @@ class _Observation:
         inflight: dict[str, int] = {}
         keys: dict[str, int] = {}
         for limit in config.limits.values():
-            if limit.concurrency is None and limit.rate is None:
+            if not counts(limit):
                 continue
             found = totals.get(limit.path)
             inflight[limit.path] = 0 if found is None else found.inflight

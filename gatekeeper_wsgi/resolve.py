@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.limitindex import counts, inherit
 from gatekeeper_wsgi.values import CALLER_RE, Limit, Slot, TimeoutHeader
 
 __all__ = [
@@ -136,7 +137,7 @@ class CallerLimit:
         self.prefix = prefix
         self.enforce = enforce
         #: False for a limit that only sets a delay: it matches but takes no slot
-        self.counts = limit.concurrency is not None or limit.rate is not None
+        self.counts = counts(limit)
         self.segment = limit.segments[2]
         self.kind = limit.key
         self.environ_key = ""
@@ -181,16 +182,12 @@ class Route:
         )
         # The index looks at only the limits that can match: O(segments), not O(limits).
         index = config.limit_index
-        chosen: list[Limit] = []
-        slots: list[Slot] = []
-        for values in ((project,), (project, service)):
-            limit = index.most_specific(values)
-            if limit is None:
-                continue
-            chosen.append(limit)
-            if limit.concurrency is not None or limit.rate is not None:
-                slots.append(Slot("/".join(values), limit, self.enforces(limit)))
-        self.slots = tuple(slots)
+        chain = index.chain((project, service))
+        self.slots = tuple(
+            Slot(key, limit, self.enforces(limit))
+            for key, limit in zip((project, f"{project}/{service}"), chain, strict=True)
+            if limit is not None and counts(limit)
+        )
         callers = index.callers(project, service)
         prefix = f"{project}/{service}/"
         self.caller_candidates = tuple(
@@ -215,20 +212,17 @@ class Route:
         # that value alone and is memoized by it: a repeat caller costs one dict lookup.
         sources = {candidate.source for candidate in self.caller_candidates}
         self._source = sources.pop() if len(sources) == 1 else None
-        # The most specific level that sets a value wins: service over project.
-        self.delay = 0.0
-        self.timeout_status: frozenset[int] | None = None
-        self.timeout_header: TimeoutHeader | None = None
-        self.timeout_body: Any = None
-        for limit in chosen:
-            if limit.delay is not None:
-                self.delay = limit.delay
-            if limit.timeout_status is not None:
-                self.timeout_status = limit.timeout_status
-            if limit.timeout_header is not None:
-                self.timeout_header = limit.timeout_header
-            if limit.timeout_body is not None:
-                self.timeout_body = limit.timeout_body
+        # What the levels pass down (limitindex.inherit: the most specific level that sets
+        # a value wins); a caller-level limit's delay overrides it per request (the same
+        # rule one level further down, see caller_level).
+        inherited = inherit(chain)
+        self.delay = inherited.delay_seconds
+        status, header, body = inherited[1:]
+        self.timeout_status = None if status is None else status.timeout_status
+        self.timeout_header: TimeoutHeader | None = (
+            None if header is None else header.timeout_header
+        )
+        self.timeout_body: Any = None if body is None else body.timeout_body
         #: whether a status or header marker can make a response faulty (besides a 5xx)
         self.marks_headers = self.timeout_status is not None or self.timeout_header is not None
 

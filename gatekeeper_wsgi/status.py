@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from gatekeeper_wsgi.access import check_token
 from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
 from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.limitindex import counting_limit, counts
 from gatekeeper_wsgi.redact import mask_url
 from gatekeeper_wsgi.values import Limit
 
@@ -65,18 +66,12 @@ Allow = Callable[["WSGIEnvironment"], bool]
 
 
 def limit_of(config: Config, path: str) -> Limit | None:
-    """The configured limit a concrete path (``shop/login/alice``) is counted under.
-
-    The limit admission resolves for it (the configuration's segment index: the most
-    specific matching path, an exact segment beating ``*`` from the left), if that limit
-    counts (a concurrency or a rate). O(segments), however many limits are configured, so
-    grouping a backend's keys (one that keeps no totals) costs O(keys), not
-    O(keys x limits).
+    """The configured limit a concrete path (``shop/login/alice``) is counted under: the
+    one admission resolves for it (:func:`~gatekeeper_wsgi.limitindex.counting_limit`),
+    if it counts. O(segments), however many limits are configured, so grouping a
+    backend's keys (one that keeps no totals) costs O(keys), not O(keys x limits).
     """
-    limit = config.limit_index.most_specific(tuple(path.split("/")))
-    if limit is None or (limit.concurrency is None and limit.rate is None):
-        return None
-    return limit
+    return counting_limit(config.limit_index, path)
 
 
 def inflight_by_limit(
@@ -141,17 +136,17 @@ def limit_totals(
     grouped = inflight_by_limit(config, gatekeeper.inflight())
     totals: dict[str, LimitTotals] = {}
     for limit in config.limits.values():
-        if limit.concurrency is None and limit.rate is None:
+        if not counts(limit):
             continue
-        counts = grouped.get(limit.path, {})
+        by_key = grouped.get(limit.path, {})
         busy = sorted(
-            ((path, n) for path, n in counts.items() if n > 0), key=lambda item: (-item[1], item[0])
+            ((path, n) for path, n in by_key.items() if n > 0), key=lambda item: (-item[1], item[0])
         )
         details = [KeyUsage(path, n, None, 0.0) for path, n in busy[:top]]
         if not limit.wildcard and not details:
-            details = [KeyUsage(limit.path, counts.get(limit.path, 0), None, 0.0)]
+            details = [KeyUsage(limit.path, by_key.get(limit.path, 0), None, 0.0)]
         totals[limit.path] = LimitTotals(
-            sum(counts.values()), len(counts), len(busy), tuple(details)
+            sum(by_key.values()), len(by_key), len(busy), tuple(details)
         )
     return totals
 
@@ -194,7 +189,7 @@ def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
     concrete: dict[str, dict[str, Any]] = {}
     for limit in sorted(config.limits.values(), key=lambda lim: lim.path):
         summary = _limit_summary(limit)
-        counting = limit.concurrency is not None or limit.rate is not None
+        counting = counts(limit)
         found = totals.get(limit.path)
         if found is None:
             details: tuple[KeyUsage, ...] = ()

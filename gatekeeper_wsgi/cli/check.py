@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from gatekeeper_wsgi.backends import check_backend_url
 from gatekeeper_wsgi.config import DEFAULT_MAX_KEYS, Config, Limit, load_config
 from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.limitindex import counts, inherit
 from gatekeeper_wsgi.redact import mask_text
 from gatekeeper_wsgi.status import public_backend_url
 
@@ -34,7 +35,7 @@ def _governing(config: Config, segments: tuple[str, ...]) -> Limit | None:
 
 
 def _own(limit: Limit | None) -> list[str]:
-    if limit is None or (limit.concurrency is None and limit.rate is None):
+    if limit is None or not counts(limit):
         return ["no limit of its own"]
     parts = []
     adaptive = limit.adaptive
@@ -69,43 +70,41 @@ def _own(limit: Limit | None) -> list[str]:
 
 
 def _inherited(config: Config, segments: tuple[str, ...]) -> list[str]:
-    """Effective delay and timeout markers at a node: the most specific level that sets
-    one wins; markers come from the project and service levels only."""
-    chain = [_governing(config, segments[:depth]) for depth in range(1, len(segments) + 1)]
+    """Effective delay and timeout markers at a node, by the engine's own rule
+    (:func:`~gatekeeper_wsgi.limitindex.inherit`), each with the limit it comes from."""
+    inherited = inherit(config.limit_index.chain(segments))
     here = "/".join(segments)
     parts = []
 
     def source(limit: Limit) -> str:
         return "" if limit.path == here else f" (from {limit.path})"
 
-    delay = next(
-        (lim for lim in reversed(chain) if lim is not None and lim.delay is not None), None
-    )
-    if delay is not None and delay.delay:
-        parts.append(f"delay {_number(delay.delay or 0)}s{source(delay)}")
-    markers = chain[:2]
-    status = next((m for m in reversed(markers) if m is not None and m.timeout_status), None)
-    if status is not None and status.timeout_status is not None:
+    delay, status, header, body = inherited
+    if delay is not None and inherited.delay_seconds:
+        parts.append(f"delay {_number(inherited.delay_seconds)}s{source(delay)}")
+    if status is not None and status.timeout_status:
         codes = ",".join(str(s) for s in sorted(status.timeout_status))
         parts.append(f"timeout_status {codes}{source(status)}")
-    header = next((m for m in reversed(markers) if m is not None and m.timeout_header), None)
     if header is not None and header.timeout_header is not None:
         parts.append(f"timeout_header {header.timeout_header.text!r}{source(header)}")
-    body = next((m for m in reversed(markers) if m is not None and m.timeout_body), None)
     if body is not None and body.timeout_body is not None:
         pattern = body.timeout_body.pattern.decode("utf-8", "replace")
         parts.append(f"timeout_body /{pattern}/{source(body)}")
-    if (delay is None or not delay.delay) and any((status, header, body)):
+    if not inherited.delay_seconds and any((status, header, body)):
         parts.append("delay 0s")
     return parts
 
 
-def limit_tree(config: Config) -> list[str]:
-    """The effective limit tree, one line per path (configured paths and their parents)."""
+def limit_tree(config: Config, paths: Iterable[str] = ()) -> list[str]:
+    """The effective limit tree, one line per path: the configured paths and their
+    parents, plus the concrete ``paths`` given (``shop/checkout/crm``: what a request of
+    that project, service and caller is counted under, and what it inherits)."""
     nodes: set[tuple[str, ...]] = set()
-    for limit in config.limits.values():
-        for depth in range(1, len(limit.segments) + 1):
-            nodes.add(limit.segments[:depth])
+    for segments in [limit.segments for limit in config.limits.values()] + [
+        tuple(path.split("/")) for path in paths
+    ]:
+        for depth in range(1, len(segments) + 1):
+            nodes.add(segments[:depth])
     ordered = sorted(nodes, key=_sort_key)
     last_child: dict[tuple[str, ...], tuple[str, ...]] = {}
     for node in ordered:

@@ -15,8 +15,9 @@ from gatekeeper_wsgi.backends import backend_from_url
 from gatekeeper_wsgi.cli.check import ConfigInput
 from gatekeeper_wsgi.config import Config, Limit, load_config
 from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.limitindex import counting_limit
 from gatekeeper_wsgi.redact import mask_text
-from gatekeeper_wsgi.status import limit_of, public_backend_url
+from gatekeeper_wsgi.status import public_backend_url
 
 __all__ = ["printable", "run_status"]
 
@@ -81,7 +82,7 @@ def run_status(
             backend.close()
     entries = []
     for path, count in sorted(inflight.items()):
-        limit = limit_of(loaded, path) if loaded is not None else None
+        limit = counting_limit(loaded.limit_index, path) if loaded is not None else None
         entries.append(_Entry(path, count, limit))
     if as_json:
         document: dict[str, Any] = {
