@@ -552,7 +552,8 @@ class GateKeeper:
                 limit_path=limit.path,
                 limit_value=rate.text,
                 retry_after=denial.retry_after,
-                rate=RateInfo(rate.limit, rate.seconds, denial.remaining, denial.retry_after),
+                # Refused by its rate: none remains in the window.
+                rate=RateInfo(rate.limit, rate.seconds, 0, denial.retry_after),
             )
         else:
             rejected = Rejected(
@@ -630,7 +631,7 @@ class GateKeeper:
             kind = "concurrency"
         elif kind == "concurrency" and limit.concurrency is None:
             kind = "rate"
-        return Denial(exc.at, kind, exc.retry_after, 0)
+        return Denial(exc.at, kind, exc.retry_after)
 
     def _log_capacity(self, slot: Slot, exc: CapacityError, now: float) -> None:
         path = slot.limit.path

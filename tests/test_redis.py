@@ -535,5 +535,5 @@ def test_from_url_builds_a_redis_backend(prefixed: str) -> None:
     backend = backend_from_url(prefixed)
     assert isinstance(backend, RedisBackend)
     assert backend.prefix == prefixed.rsplit("prefix=", 1)[1]
-    assert not backend.engine_clock and not backend.local
+    assert not backend.local
     backend.close()

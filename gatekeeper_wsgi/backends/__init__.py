@@ -61,11 +61,10 @@ def check_backend_url(url: str) -> None:
 def backend_from_url(url: str, config: Config | None = None) -> Backend:
     """Instantiate the backend a URL names; an unknown scheme raises ConfigError.
 
-    Backends other than memory are built by ``cls.from_url(url, config)``; the config lets
+    Built by ``cls.from_url(url, config)`` (:meth:`Backend.from_url`); the config lets
     them size themselves (``max_keys``, rate limits) before the first request.
     """
     scheme, cls = _backend_class(url)
-    if scheme == "memory":
-        return cls()
-    urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them
-    return cls.from_url(url, config)  # type: ignore[attr-defined, no-any-return]
+    if scheme != "memory":
+        urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them
+    return cls.from_url(url, config)

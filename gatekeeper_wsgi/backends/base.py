@@ -16,11 +16,14 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
 from gatekeeper_wsgi.monitor import Stage
 from gatekeeper_wsgi.values import Limit, LimitKind, Slot
+
+if TYPE_CHECKING:
+    from gatekeeper_wsgi.config import Config
 
 __all__ = [
     "NO_WATCH",
@@ -47,7 +50,6 @@ class Denial(NamedTuple):
     at: int  #: position of the refusing slot in the slots given
     kind: LimitKind  #: ``"concurrency"`` or ``"rate"``
     retry_after: float  #: seconds until a retry may succeed (>= 0)
-    remaining: int  #: rate limits: admissions still possible now
 
 
 class KeyUsage(NamedTuple):
@@ -116,9 +118,6 @@ class Backend(ABC):
     #: True when every contender lives in this process, so a local release is the only
     #: event that frees a slot and waiters need no polling.
     local = True
-    #: True when the backend counts time by the ``now`` the engine passes (so an injected
-    #: clock drives windows and delays); False when it uses its own (Redis ``TIME``).
-    engine_clock = True
     #: Seconds between retries of a queued request when ``local`` is False.
     poll_interval = 0.005
     #: Where the engine wants the time spent maturing delayed releases recorded.
@@ -126,6 +125,13 @@ class Backend(ABC):
     #: True when the backend enforces an adaptive limit's current value (``observe``,
     #: ``adaptive``); a backend without it enforces ``adaptive.max`` (the engine warns).
     adaptive_limits = False
+
+    @classmethod
+    def from_url(cls, url: str, config: Config | None = None) -> Backend:
+        """The backend a URL of its scheme names (the registry calls this). ``config``, when
+        given, lets it size itself before the first request (``max_keys``, rate limits:
+        the shared table's size). The default takes no address and no options (memory)."""
+        return cls()
 
     @abstractmethod
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
@@ -202,6 +208,12 @@ class Backend(ABC):
         """Requests in flight and delayed releases of the whole backend (every process and
         host it spans), for ``gatekeeper status``; None when it cannot tell. Not on the
         request path: it may cost O(leases)."""
+        return None
+
+    def usage(self) -> dict[str, Any] | None:
+        """How full the backend's own capacity is (keys, leases, window entries... and
+        their capacities, for ``gatekeeper status`` and capacity planning); None when it
+        has no fixed capacity to report. Not on the request path."""
         return None
 
     @classmethod

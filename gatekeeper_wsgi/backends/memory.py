@@ -206,7 +206,7 @@ class MemoryBackend(Backend):
                         if enforce:
                             self._undo(counters)
                             wait = self._soonest(counter, now)
-                            return Denial(len(counters), "concurrency", wait, 0)
+                            return Denial(len(counters), "concurrency", wait)
                         shadowed += (len(counters),)
                 rate = limit.rate
                 if rate is not None:
@@ -223,7 +223,7 @@ class MemoryBackend(Backend):
                             reserved.append((counter, limit.count))
                     elif enforce:
                         self._undo(counters)
-                        return Denial(len(counters), "rate", window[head] - cutoff, 0)
+                        return Denial(len(counters), "rate", window[head] - cutoff)
                     elif len(counters) not in shadowed:
                         # Shadow over concurrency still counts in the window; a full window
                         # is not extended (as enforce mode would not have admitted).
@@ -261,13 +261,13 @@ class MemoryBackend(Backend):
                 if limit.adaptive is not None:
                     concurrency = self._gauge(key, counter, limit, now).limit
                 if concurrency is not None and counter.inflight >= concurrency:
-                    return Denial(index, "concurrency", self._soonest(counter, now), 0)
+                    return Denial(index, "concurrency", self._soonest(counter, now))
                 window = counter.window
                 if limit.rate is not None and window is not None:
                     cutoff = now - limit.rate.seconds
                     first = bisect_right(window, cutoff, counter.head)
                     if len(window) - first >= limit.rate.limit:
-                        return Denial(index, "rate", window[first] - cutoff, 0)
+                        return Denial(index, "rate", window[first] - cutoff)
         return None
 
     def _gauge(self, key: str, counter: _Counter, limit: Limit, now: float) -> Controller:

@@ -20,7 +20,7 @@ O(limits + requests in flight), not the keys. An adaptive limit is one for all h
 script enforces the value its hash holds, releases add their samples, and the process whose
 release finds a window due computes the next value with :class:`~gatekeeper_wsgi.adaptive.
 Controller` and writes it back in a later call. All time is Redis ``TIME``, so host clocks
-do not matter (``engine_clock = False``); only latencies are measured on the host.
+do not matter (nor an injected engine clock); only latencies are measured on the host.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ class _Breaker:
 
 def _denial(result: list[Any]) -> Denial:
     """The Denial of a refusing gate.lua answer {0, slot, kind, retry after in us}."""
-    return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6, 0)
+    return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6)
 
 
 class _Outbox:
@@ -522,7 +522,6 @@ class RedisBackend(Backend):
     """
 
     local = False
-    engine_clock = False
     poll_interval = 0.005
     adaptive_limits = True
 

@@ -364,7 +364,6 @@ class SharedBackend(Backend):
     """
 
     local = False
-    engine_clock = True
     adaptive_limits = True
 
     def __init__(
@@ -1017,7 +1016,7 @@ class SharedBackend(Backend):
                 adaptive = True
             if concurrency is not None and U32.unpack_from(mm, offset)[0] >= concurrency:
                 if enforce:
-                    return Denial(index, "concurrency", self._soonest(node, now), 0)
+                    return Denial(index, "concurrency", self._soonest(node, now))
                 shadowed.append(index)
             rate = limit.rate
             if rate is not None:
@@ -1025,7 +1024,7 @@ class SharedBackend(Backend):
                 length, oldest = self._purge(node, cutoff)
                 if length >= rate.limit:
                     if enforce:
-                        return Denial(index, "rate", oldest - cutoff, 0)
+                        return Denial(index, "rate", oldest - cutoff)
                     if index not in shadowed:
                         shadowed.append(index)
                     rate_full.append(index)
