@@ -46,6 +46,8 @@ IDENTITY_KEY = "gatekeeper.identity"
 #: environ key holding the request id used in faults and logs.
 REQUEST_ID_KEY = "gatekeeper.request_id"
 
+# ResponseWatch.stream: the body's declared length has been handed out (and released).
+_FINISHED = -2
 # The SPEC scans timeout markers in the first 64 KiB of a body as it streams through.
 BODY_SCAN_LIMIT = 64 * 1024
 
@@ -142,6 +144,7 @@ class ResponseWatch:
         skips ``close()`` when the stream raises).
         """
         scans = self.admission.route.timeout_body is not None
+        # Bytes still to hand out; -1: length unknown, _FINISHED: all handed out.
         left = -1 if length is None else length
         try:
             for chunk in content:  # not `yield from`: see the docstring
@@ -150,7 +153,7 @@ class ResponseWatch:
                 if left >= 0:
                     left -= len(chunk)
                     if left <= 0:
-                        left = -1
+                        left = _FINISHED
                         self.finish()
                 yield chunk
         except GeneratorExit:  # closed early: the client went away
@@ -160,7 +163,8 @@ class ResponseWatch:
             if finish_on_error:
                 self.finish()
             raise
-        self.finish()
+        if left != _FINISHED:  # else finished already (a second call would do nothing)
+            self.finish()
 
     async def astream(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The async form of :meth:`stream` (with ``finish_on_error``)."""

@@ -94,6 +94,10 @@ def _expire(counter: _Counter, window: array[float], cutoff: float) -> int:
 
 
 class _MemoryGrant(Grant):
+    """A memory admission. Its release is claimed by taking it out of the backend's live
+    set under the lock (exactly once, however many threads race), so it carries no claim
+    token of its own: :meth:`Grant.claim` is not for it."""
+
     __slots__ = ("counters", "reserved", "stamp")
 
     def __init__(
@@ -109,7 +113,6 @@ class _MemoryGrant(Grant):
         self.slots = slots
         self.shadowed = shadowed
         self.adaptive = adaptive
-        self._unclaimed = [True]
         self.counters = counters
         #: the admission time, entered in the window of every rate slot that recorded it
         self.stamp = stamp
@@ -373,10 +376,13 @@ class MemoryBackend(Backend):
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         if TYPE_CHECKING:  # checked by mypy only: an assert costs every release
             assert isinstance(grant, _MemoryGrant)
-        if not grant.claim():
-            return
         with self._lock:
-            self._live.discard(grant)
+            # Leaving the live set under the lock is the claim: a second release (any
+            # thread, any moment) finds it gone and does nothing.
+            live = self._live
+            if grant not in live:
+                return
+            live.remove(grant)
             for counter, count in grant.reserved:
                 if status not in count:
                     # Only a live entry is given back (it may have slid out already); the
