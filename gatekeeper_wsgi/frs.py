@@ -32,7 +32,8 @@ from gatekeeper_wsgi.access import parse_bearer, same_token
 from gatekeeper_wsgi.engine import ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import accept_prefers_xml, xml_text
-from gatekeeper_wsgi.resolve import Route, key_segment
+from gatekeeper_wsgi.requestvalues import key_segment
+from gatekeeper_wsgi.resolve import Route
 from gatekeeper_wsgi.values import CALLER_RE, Limit
 
 if TYPE_CHECKING:

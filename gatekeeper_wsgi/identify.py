@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, RequestRedirect, Rule
 
 from gatekeeper_wsgi.config import Config
-from gatekeeper_wsgi.resolve import key_segment, remember
+from gatekeeper_wsgi.requestvalues import key_segment, remember
 from gatekeeper_wsgi.values import CALLER_RE
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from gatekeeper_wsgi.kernel import (
     Identify,
     ResponseWatch,
 )
-from gatekeeper_wsgi.resolve import remember
+from gatekeeper_wsgi.requestvalues import remember
 
 if TYPE_CHECKING:
     from _typeshed import OptExcInfo

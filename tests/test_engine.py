@@ -28,6 +28,7 @@ from gatekeeper_wsgi import resolve
 from gatekeeper_wsgi.config import load_config
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.values import CALLER_RE
 from tests.conftest import FakeClock, busy
 from tests.servers import wait_until
 
@@ -328,7 +329,7 @@ def test_memoized_caller_level_answers_as_the_limits_say(
             limits[f"shop/api/{segment}"] = {"concurrency": n + 1, "key": kind}
     route = resolve.Route(load_config({"project": "shop", "limits": limits}), "shop", "api")
     for value in values * 2:
-        caller = value if value and resolve.CALLER_RE.fullmatch(value) else "anonymous"
+        caller = value if value and CALLER_RE.fullmatch(value) else "anonymous"
         environ = {"REMOTE_ADDR": value, "HTTP_X_KEY": value}
         assert route.caller_level(caller, environ, value) == route._caller_level(
             caller, environ, value

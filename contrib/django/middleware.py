@@ -18,7 +18,7 @@ from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.kernel import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
 from gatekeeper_wsgi.naming import UNRESOLVED
 from gatekeeper_wsgi.naming import name_segment as service_segment
-from gatekeeper_wsgi.resolve import remember
+from gatekeeper_wsgi.requestvalues import remember
 
 from .conf import get_gatekeeper
 from .signals import request_rejected

@@ -46,7 +46,7 @@ from gatekeeper_wsgi.engine import GateKeeper as Engine
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.middleware import GateKeeperMiddleware
 from gatekeeper_wsgi.naming import UNRESOLVED, name_segment
-from gatekeeper_wsgi.resolve import remember
+from gatekeeper_wsgi.requestvalues import remember
 
 from .cli import EXTENSION_KEY, gatekeeper_cli
 
