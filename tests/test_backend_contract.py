@@ -1,0 +1,102 @@
+"""The backend contract lives in the ABC (``backends/base.py``): every registered backend is
+built through ``Backend.from_url``, answers the optional extras the base declares, and a
+refusal carries only what a backend can tell (no ``remaining`` that is always 0)."""
+
+from __future__ import annotations
+
+import inspect
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+from werkzeug.test import Client
+
+from gatekeeper_wsgi import fault
+from gatekeeper_wsgi.backends import BACKENDS, backend_from_url
+from gatekeeper_wsgi.backends.base import Backend, Denial
+from gatekeeper_wsgi.backends.memory import MemoryBackend
+from gatekeeper_wsgi.engine import GateKeeper
+from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.frs import FrequencyService
+from tests.conftest import FakeClock
+
+
+def _registered() -> list[type[Backend]]:
+    classes = []
+    for target in sorted(set(BACKENDS.values())):
+        module_name, class_name = target.split(":")
+        try:
+            module = import_module(module_name)
+        except ImportError:  # an optional extra not installed: nothing to check
+            continue
+        classes.append(getattr(module, class_name))
+    return classes
+
+
+@pytest.mark.parametrize("cls", _registered(), ids=lambda cls: cls.__name__)
+def test_every_registered_backend_is_built_through_the_abc(cls: type[Backend]) -> None:
+    """Each registered class is a Backend whose ``from_url(url, config)`` is the ABC's
+    signature (a backend may add keyword-only options), so the registry needs no cast."""
+    assert issubclass(cls, Backend)
+    parameters = list(inspect.signature(cls.from_url).parameters.values())
+    assert [p.name for p in parameters[:2]] == ["url", "config"]
+    assert parameters[1].default is None
+    assert all(p.kind is p.KEYWORD_ONLY for p in parameters[2:])
+
+
+def test_memory_is_built_by_the_default_from_url() -> None:
+    """``memory`` goes through ``Backend.from_url`` like every backend: a fresh, empty one."""
+    first, second = backend_from_url("memory"), backend_from_url("memory://")
+    assert isinstance(first, MemoryBackend) and isinstance(second, MemoryBackend)
+    assert first is not second
+    assert first.inflight(0.0) == {} and first.usage() is None
+
+
+def test_shared_usage_reports_its_capacities(tmp_path: Path) -> None:
+    """``usage()``, declared on the base, reports the shared table's keys and leases
+    against their capacities."""
+    backend = backend_from_url(f"shared://{tmp_path / 'gk.shm'}")
+    try:
+        usage = backend.usage()
+        assert usage is not None
+        assert usage["keys"] <= usage["key_capacity"]
+        assert usage["leases"] == 0 < usage["lease_capacity"]
+    finally:
+        backend.close()
+
+
+def test_a_denial_says_where_what_and_when_only() -> None:
+    """A Denial names the refusing slot, the count that refused and when to retry; the
+    remaining admissions of a refused rate are 0 by definition, which the fault says."""
+    assert Denial._fields == ("at", "kind", "retry_after")
+    gk = GateKeeper(
+        {"project": "shop", "limits": {"shop": {"rate": "2/minute"}}}, clock=FakeClock()
+    )
+    try:
+        for _ in range(2):
+            gk.admit("shop", "api", "crm").release(200)
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "api", "crm")
+        rate = refused.value.rate
+        assert rate is not None and (rate.quota, rate.remaining) == (2, 0)
+    finally:
+        gk.close()
+
+
+def test_frs_parses_at_most_accept_cap_characters_of_accept() -> None:
+    """The frequency service reads Accept through the fault module's one parser, which
+    parses at most ACCEPT_CAP characters: 50 distinct 100 KiB headers that differ only
+    past the cap are answered alike and cached as one, never as 5 MB of keys."""
+    gk = GateKeeper({"limits": {"frs/login/*": {"rate": "5/minute"}}}, clock=FakeClock())
+    try:
+        client = Client(FrequencyService(gk))
+        body = b"<request><cmd_type>query</cmd_type><key>k</key><biz_id>login</biz_id></request>"
+        fault._parsed_preference.cache_clear()
+        for n in range(50):
+            accept = "application/json, " + "x-a/b;q=0.1, " * 8_000 + f"x-{n}/y"
+            response = client.post("/", data=body, headers={"Accept": accept})
+            assert response.status_code == 200
+            assert response.get_json() == {"result": 0, "msg": "not restricted"}
+        assert fault._parsed_preference.cache_info().currsize == 1
+    finally:
+        gk.close()
