@@ -111,29 +111,7 @@ class Admission:
             grant = held.pop()
         except IndexError:  # another thread took it between the test and the pop
             return
-        started = time.perf_counter()
-        keeper = self._keeper
-        delay = self.delay if faulty else 0.0
-        if grant is not None:
-            try:
-                now = started if keeper._perf_clock else keeper._clock()
-                try:
-                    if grant.adaptive:
-                        keeper.backend.observe(grant, faulty, now)
-                finally:
-                    # Whatever a sample does, the slots come back.
-                    keeper.backend.release(grant, status, delay, now)
-            except BackendError as exc:
-                # The backend's own expiry (lease) gives these slots back; never fail a
-                # response.
-                keeper._log_backend_error(exc)
-            if keeper._waiting:
-                with keeper._cond:
-                    keeper._cond.notify_all()
-        elapsed = time.perf_counter() - started
-        if delay > 0:
-            keeper.monitor.stages["delay_place"].record(elapsed)
-        (keeper._error_stage if faulty else keeper._response_stage).record(elapsed)
+        self._keeper._settle(grant, status, faulty, self.delay if faulty else 0.0)
 
 
 class GateKeeper:
@@ -743,6 +721,35 @@ class GateKeeper:
             ),
             slot.key,
         )
+
+    # --- release --------------------------------------------------------------------------
+
+    def _settle(self, grant: Grant | None, status: int | None, faulty: bool, delay: float) -> None:
+        """The work of :meth:`Admission.release`, once it has won the grant: feed an
+        adaptive limit its sample, give the slots back (after ``delay``), wake waiters, and
+        time it as the ``response`` stage (``service_error`` when faulty)."""
+        started = time.perf_counter()
+        if grant is not None:
+            backend = self.backend
+            try:
+                now = started if self._perf_clock else self._clock()
+                try:
+                    if grant.adaptive:
+                        backend.observe(grant, faulty, now)
+                finally:
+                    # Whatever a sample does, the slots come back.
+                    backend.release(grant, status, delay, now)
+            except BackendError as exc:
+                # The backend's own expiry (lease) gives these slots back; never fail a
+                # response.
+                self._log_backend_error(exc)
+            if self._waiting:
+                with self._cond:
+                    self._cond.notify_all()
+        elapsed = time.perf_counter() - started
+        if delay > 0:
+            self.monitor.stages["delay_place"].record(elapsed)
+        (self._error_stage if faulty else self._response_stage).record(elapsed)
 
     # --- observation ----------------------------------------------------------------------
 
