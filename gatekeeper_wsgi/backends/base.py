@@ -6,8 +6,12 @@ request — one per applicable limit — and the backend admits on all of them o
 atomically (SPEC §4.1). Each admission is a *lease*: releasing deletes it, a delayed
 decrease moves its expiry, and a crashed holder's lease is reclaimed (shared, Redis).
 
-For the status page and Prometheus a backend may also keep per-limit totals
-(:meth:`Backend.totals`), so that a scrape costs O(limits), not O(tracked keys).
+The whole contract is :class:`Backend`: how the registry builds one (:meth:`Backend.from_url`),
+what every backend must answer (``acquire``, ``release``, ``inflight``), and the optional
+extras with their defaults, so that callers never probe for an attribute: per-limit
+totals (:meth:`Backend.totals`, so a status read or scrape costs O(limits), not O(tracked
+keys)), adaptive limits, :meth:`Backend.census`, :meth:`Backend.usage`. The value types
+a backend counts (``Slot``, ``Limit``) come from the leaf :mod:`gatekeeper_wsgi.values`.
 """
 
 from __future__ import annotations
