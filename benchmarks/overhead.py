@@ -14,7 +14,9 @@ One app, several ways, measured interleaved in one run (so machine noise hits al
 - Django: bare; the gatekeeper Django middleware (3 levels + rate); django-ratelimit
   (one limit per address, on the Django cache: local memory, or Redis with ``redis``).
 
-The peers have no host-wide file store, so they sit out ``--backend shared``.
+The peers have no host-wide file store, so they sit out ``--backend shared``. On a
+shared, loaded machine ``--cpu`` times the one-thread rows by the measuring thread's CPU
+time (``time.thread_time``), which other processes do not inflate (no 8-thread rows then).
 Prints median µs per request, the cost over the bare app, and that cost as a share of the
 peer's cost over the same bare app; with 8 threads the time is wall time / requests (what
 the GIL and the locks leave of parallelism).
@@ -26,6 +28,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -69,9 +72,16 @@ def apps(framework: str, backend: str, url: Callable[[], str]) -> dict[str, WSGI
 
 
 def measure(
-    framework: str, backend: str, redis_url: str | None, rounds: int, requests: int
+    framework: str,
+    backend: str,
+    redis_url: str | None,
+    rounds: int,
+    requests: int,
+    *,
+    cpu: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """{"1": {way: µs}, "8": {way: µs}}: medians over interleaved rounds."""
+    """{"1": {way: µs}, "8": {way: µs}}: medians over interleaved rounds. With ``cpu``,
+    the one-thread figures are the measuring thread's CPU time, and there is no "8"."""
     with ExitStack() as stack:
         if backend == "redis":
             server = stack.enter_context(_common.redis_server(redis_url))
@@ -96,12 +106,17 @@ def measure(
         ways = apps(framework, backend, url)
         for app in ways.values():  # warm up: imports, connections, scripts, first pages
             _common.run(app, 300)
-        return {
-            "1": _common.interleaved(ways, rounds, lambda app: _common.run(app, requests)),
-            "8": _common.interleaved(
-                ways, rounds, lambda app: _common.run_threads(app, requests, 8)
-            ),
+        clock = time.thread_time if cpu else time.perf_counter
+        results = {
+            "1": _common.interleaved(
+                ways, rounds, lambda app: _common.run(app, requests, clock=clock)
+            )
         }
+        if not cpu:  # CPU time of one thread says nothing of what 8 threads leave
+            results["8"] = _common.interleaved(
+                ways, rounds, lambda app: _common.run_threads(app, requests, 8)
+            )
+        return results
 
 
 def _tmpfs() -> str | None:
@@ -118,14 +133,21 @@ def main(argv: list[str] | None = None) -> int:
         "--requests", type=int, help="per round and way (default 1000, 300 on Redis)"
     )
     parser.add_argument("--json", type=Path, help="also write the medians here")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="time by this thread's CPU time (one thread only): for a shared, loaded machine",
+    )
     args = parser.parse_args(argv)
     requests = args.requests or (300 if args.backend == "redis" else 1000)
-    results = measure(args.framework, args.backend, args.redis_url, args.rounds, requests)
+    results = measure(
+        args.framework, args.backend, args.redis_url, args.rounds, requests, cpu=args.cpu
+    )
 
     bare, peer = BARE[args.framework], PEER[args.framework]
     print(
         f"{args.framework}, backend {args.backend}: {args.rounds} rounds x {requests} "
-        f"requests, medians, direct WSGI calls"
+        f"requests, medians, direct WSGI calls" + (", CPU time of the thread" if args.cpu else "")
     )
     print(
         f"{'':48}{'threads':>8}{'µs/request':>12}{'over bare':>11}{'x bare':>8}"
