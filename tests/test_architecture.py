@@ -35,7 +35,7 @@ FRAMEWORKS = ("django", "flask", "redis")
 #: adaptive fast path loads a scratch ``adaptive.Controller``'s window fields directly
 #: (to be replaced by a small public method of Controller). Nothing else may join.
 KNOWN_REACH_INS = frozenset(
-    ("gatekeeper_wsgi.backends.shared", name)
+    ("gatekeeper_wsgi.backends.shared.backend", name)
     for name in ("_due", "_count", "_total", "_drops", "_peak")
 )
 
