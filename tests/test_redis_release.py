@@ -252,6 +252,10 @@ def test_a_forked_worker_starts_its_own_sender(own_redis: ControlledRedis) -> No
         child.start()
     finally:
         own_redis.resume()
+    # The master sends its release (inflight() flushes first) before the child asks: a
+    # child refused meanwhile would send its releases itself for a second (the fairness
+    # rule after a refusal) and might finish without ever needing its sender.
+    assert gk.inflight() == {}
     go.set()
     outcome = results.get(timeout=60)
     child.join(timeout=60)
