@@ -98,7 +98,7 @@ class _MemoryGrant(Grant):
     set under the lock (exactly once, however many threads race), so it carries no claim
     token of its own: :meth:`Grant.claim` is not for it."""
 
-    __slots__ = ("counters", "reserved", "stamp")
+    __slots__ = ("counters", "faulty", "reserved", "stamp")
 
     def __init__(
         self,
@@ -118,6 +118,8 @@ class _MemoryGrant(Grant):
         self.stamp = stamp
         #: (counter, statuses that count) of the rate reservations the release decides on
         self.reserved = reserved
+        #: set by observe (adaptive grants only): the sample the release feeds
+        self.faulty: bool | None = None
 
 
 def _usage(key: str, counter: _Counter, limit: Limit, now: float) -> KeyUsage:
@@ -288,12 +290,9 @@ class MemoryBackend(Backend):
     def observe(self, grant: Grant, faulty: bool, now: float) -> None:
         if TYPE_CHECKING:
             assert isinstance(grant, _MemoryGrant)
-        stamp = grant.stamp
-        with self._lock:
-            for counter in grant.counters:
-                gauge = counter.gauge
-                if gauge is not None:
-                    gauge.sample(now - stamp, counter.inflight, faulty, stamp, now)
+        # Kept for the release, which feeds it under the lock it takes anyway (the engine
+        # calls release right after, with the same now).
+        grant.faulty = faulty
 
     def adaptive(self) -> dict[str, AdaptiveReport]:
         with self._lock:
@@ -383,24 +382,41 @@ class MemoryBackend(Backend):
             if grant not in live:
                 return
             live.remove(grant)
-            for counter, count in grant.reserved:
-                if status not in count:
-                    # Only a live entry is given back (it may have slid out already); the
-                    # window is in order, so a bisection finds it.
-                    window = counter.window
-                    assert window is not None
-                    stamp = grant.stamp
-                    index = bisect_left(window, stamp, counter.head)
-                    if index < len(window) and window[index] == stamp:
-                        del window[index]
-            if delay > 0:
-                entry = (now + delay, next(self._seq), grant.counters, grant.slots)
-                heapq.heappush(self._delayed, entry)
-            else:
-                for counter in grant.counters:
-                    counter.inflight -= 1
-            if self._delayed and self._delayed[0][0] <= now:
-                self._mature(now)
+            try:
+                if grant.faulty is not None:
+                    self._feed(grant, now)
+            finally:
+                # Whatever a sample does, the slots come back.
+                for counter, count in grant.reserved:
+                    if status not in count:
+                        # Only a live entry is given back (it may have slid out already); the
+                        # window is in order, so a bisection finds it.
+                        window = counter.window
+                        assert window is not None
+                        stamp = grant.stamp
+                        index = bisect_left(window, stamp, counter.head)
+                        if index < len(window) and window[index] == stamp:
+                            del window[index]
+                if delay > 0:
+                    entry = (now + delay, next(self._seq), grant.counters, grant.slots)
+                    heapq.heappush(self._delayed, entry)
+                else:
+                    for counter in grant.counters:
+                        counter.inflight -= 1
+                if self._delayed and self._delayed[0][0] <= now:
+                    self._mature(now)
+
+    @staticmethod
+    def _feed(grant: _MemoryGrant, now: float) -> None:
+        """observe()'s sample, fed under the release's lock rather than a second one: with
+        many threads, one more lock round per request is what an adaptive limit would
+        cost. In flight still counts the request itself."""
+        stamp = grant.stamp
+        faulty = bool(grant.faulty)
+        for counter in grant.counters:
+            gauge = counter.gauge
+            if gauge is not None:
+                gauge.sample(now - stamp, counter.inflight, faulty, stamp, now)
 
     def _mature(self, now: float) -> None:
         started = time.perf_counter()
