@@ -211,6 +211,17 @@ class Controller:
         "_probe_total",
     )
 
+    def window(self) -> tuple[float, int, float, int, int]:
+        """The window being gathered: ``(due, count, latency total, drops, peak)``."""
+        return self._due, self._count, self._total, self._drops, self._peak
+
+    def load_window(self, window: tuple[float, int, float, int, int], min_latency: float) -> None:
+        """Take a window gathered elsewhere (and the baseline its samples are capped by),
+        so :meth:`sample` adds to it: a backend that keeps the window in a file loads it
+        into one spare controller per release instead of restoring a whole state."""
+        self._due, self._count, self._total, self._drops, self._peak = window
+        self._set_baseline(min_latency)
+
     def state(self) -> tuple[float, ...]:
         """The numbers :data:`STATE` names (``_probing`` None as NaN, booleans as 0/1)."""
         probing = self._probing

@@ -14,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gatekeeper_wsgi.adaptive import ALGORITHMS, PROBE_EVERY, AdaptiveSpec, Controller
+from gatekeeper_wsgi.adaptive import (
+    ALGORITHMS,
+    PROBE_EVERY,
+    SAMPLE_CEILING,
+    AdaptiveSpec,
+    Controller,
+)
 
 BASE = 0.020  # seconds: the modelled backend's unloaded latency
 
@@ -317,3 +323,42 @@ def test_a_state_of_the_wrong_length_is_refused() -> None:
     """A state from another version of the controller is an error, not a silent misread."""
     with pytest.raises(ValueError, match="numbers"):
         Controller.restore(AdaptiveSpec(), (1.0, 2.0))
+
+
+@given(
+    window=st.tuples(
+        st.floats(0.0, 100.0),
+        st.integers(0, 50),
+        st.floats(0.0, 10.0),
+        st.integers(0, 50),
+        st.integers(0, 200),
+    ),
+    baseline=st.floats(0.0, 1.0),
+    latency=st.floats(0.0, 5.0),
+    inflight=st.integers(0, 200),
+    faulty=st.booleans(),
+)
+def test_a_loaded_window_gathers_as_the_whole_controller(
+    window: tuple[float, int, float, int, int],
+    baseline: float,
+    latency: float,
+    inflight: int,
+    faulty: bool,
+) -> None:
+    """A spare controller loaded with a window and its baseline (the shared file's fast
+    path) adds a sample to it exactly as the controller the window belongs to, stalls
+    capped at SAMPLE_CEILING x the baseline included."""
+    spec = AdaptiveSpec("gradient", min=2, max=300, initial=20)
+    # The window's own controller: a whole state holding that window and baseline.
+    state = dict(zip(Controller.STATE, Controller(spec, 0.0).state(), strict=True))
+    state.update(zip(("_due", "_count", "_total", "_drops", "_peak"), window, strict=True))
+    state["min_latency"] = baseline
+    whole = Controller.restore(spec, tuple(state.values()))
+    spare = Controller(spec, 0.0)
+    spare.load_window(window, baseline)
+    now = window[0] - 1.0  # before the window is due: only gathered
+    for controller in (whole, spare):
+        controller.sample(latency, inflight, faulty, now - latency, now)
+    assert spare.window() == whole.window()
+    if baseline > 0.0 and not faulty:
+        assert spare.window()[2] <= window[2] + SAMPLE_CEILING * baseline
