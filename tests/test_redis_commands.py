@@ -15,9 +15,9 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
-from gatekeeper_wsgi.backends.redis import RedisBackend, _Release  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
 from tests.test_redis import keeper  # noqa: E402
+from tests.test_redis_tidy import assert_late_admission_takes_nothing, redis_backend  # noqa: E402
 from tests.test_redis_totals import commands_run  # noqa: E402
 from tests.test_totals_backends import full_count  # noqa: E402
 
@@ -29,12 +29,6 @@ THREE_LEVELS: dict[str, Any] = {
     "shop/orders": {"concurrency": 10_000},
     "shop/orders/*": {"concurrency": 10_000, "rate": "100000/minute"},
 }
-
-
-def redis_backend(gk: GateKeeper) -> RedisBackend:
-    backend = gk.backend
-    assert isinstance(backend, RedisBackend)
-    return backend
 
 
 def keys_under(gk: GateKeeper, kind: str) -> set[str]:
@@ -165,21 +159,14 @@ def test_a_late_admission_after_its_give_back_takes_nothing(prefixed: str, first
     limits = {first: {"concurrency": 10}, "shop/work": {"concurrency": 2}}
     gk = keeper(prefixed, limits)
     try:
-        backend = redis_backend(gk)
         key = "shop" if first == "shop" else "shop/work/c"
         route = [
             Slot(key, gk.config.limits[first], True),
             Slot("shop/work", gk.config.limits["shop/work"], True),
         ]
-        packed = backend._input(route)
-        lease = "stale-lease-2"
-        backend._send([_Release(lease, packed, packed.codes, 0.0, 0.0, backend._hold_us)])
-        answer, _ = backend._run([], packed, lease)  # the late admission
-        assert answer != 1 and answer[0] == 0
-        assert gk.inflight() == {}
+        assert_late_admission_takes_nothing(gk, route, "stale-lease-2")
         totals = gk.totals()
         assert totals is not None
-        assert (totals[first].inflight, totals["shop/work"].inflight) == (0, 0)
         assert (totals[first].keys, totals["shop/work"].keys) == (0, 0)
         both = [gk.admit("shop", "work", "c") for _ in range(2)]
         totals = gk.totals()
