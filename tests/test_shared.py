@@ -431,7 +431,7 @@ def _die_inside_the_lock(path: str, conn: Connection) -> None:
     mm = backend._enter()
     node = backend._find(backend._key("shop"))
     offset = backend._nodes_off + node * backend._node_size
-    backend._save(offset, NODE_HEAD)
+    backend._journal.save(offset, NODE_HEAD)
     struct.pack_into("<I", mm, offset, struct.unpack_from("<I", mm, offset)[0] + 5)
     conn.send("inside")
     conn.recv()  # never comes

@@ -218,7 +218,9 @@ def test_a_dead_process_with_the_observers_pid_is_still_reclaimed(tmp_path: Path
     observer = SharedBackend(path)
     mm, me = observer._mm, os.getpid()
     assert mm is not None
-    procs, leases = observer._procs_off, observer._leases_off
+    layout = observer._layout
+    assert layout is not None
+    procs, leases = layout.procs_off, layout.leases_off
     # Rewrite the worker's pid in its registration and its lease to ours (offset 0 of
     # each): the worker had "our" pid.
     for offset in (procs, leases):

@@ -301,7 +301,8 @@ def test_journal_entry_aimed_at_the_header(table: Path, worker: Worker) -> None:
     """A journal entry that would write over the magic (or outside the table) is not
     applied: the table is re-created instead."""
     backend = SharedBackend(table)
-    journal_off = backend._journal_off
+    assert backend._layout is not None
+    journal_off = backend._layout.journal_off
     backend.close()
 
     def damage() -> None:

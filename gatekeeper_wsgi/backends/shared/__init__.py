@@ -7,9 +7,13 @@ table:
 - :mod:`.layout`: the byte layout (its table is that module's docstring), its constants
   and struct formats, the sizes derived from a configuration, the header checks;
 - :mod:`.files`: opening the file safely (private mode, no symlinks, no planted files);
+- :mod:`.faults`: what the structures raise (no room for a request, a damaged table);
+- :mod:`.journal`: the undo journal (save, commit, rollback, recover) and the one
+  transaction context manager every update runs in;
+- :mod:`.leases`: the lease table and the binary delay heap of delayed releases;
 - :mod:`.liveness`: whether a lease's owner process is gone, this boot's id;
-- :mod:`.backend`: :class:`SharedBackend`, the journal, key table, windows, leases, delay
-  heap, adaptive gauges and reclaim on top.
+- :mod:`.backend`: :class:`SharedBackend`, the key table, windows, adaptive gauges and
+  reclaim, composing the structures above.
 """
 
 from __future__ import annotations

@@ -38,11 +38,13 @@ from gatekeeper_wsgi.backends.base import (
     LimitTotals,
     Slot,
 )
+from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
 from gatekeeper_wsgi.backends.shared.files import (
     DEFAULT_MODE,
     check_mode,
     open_private,
 )
+from gatekeeper_wsgi.backends.shared.journal import Journal, Transaction
 from gatekeeper_wsgi.backends.shared.layout import (
     CHAIN,
     CHUNK_FMT,
@@ -64,24 +66,12 @@ from gatekeeper_wsgi.backends.shared.layout import (
     H_CHUNK_FREE,
     H_EPOCH,
     H_EPOCH_COPY,
-    H_HEAP_LEN,
     H_JLEN,
     H_LEASE_FREE,
-    H_LEASE_HIGH,
     H_LIVE,
     H_NODES_USED,
     H_PROCS_HIGH,
-    H_SERIAL,
     HEADER,
-    HEAP,
-    HEAP_SIZE,
-    JENTRY,
-    JENTRY_SIZE,
-    L_EXPIRY,
-    L_REFS,
-    LEASE,
-    LEASE_HEAD,
-    LEASE_SIZE,
     LOCK,
     LRU_SCAN,
     MAGIC,
@@ -89,7 +79,6 @@ from gatekeeper_wsgi.backends.shared.layout import (
     MAGIC_VERSION,
     MAX_REFS,
     MUT_END,
-    MUT_START,
     N_FIRST,
     N_FLAGS,
     N_IDLE,
@@ -119,6 +108,7 @@ from gatekeeper_wsgi.backends.shared.layout import (
     fixed_digest,
     header_problem,
 )
+from gatekeeper_wsgi.backends.shared.leases import Leases
 from gatekeeper_wsgi.backends.shared.liveness import (
     BOOT_ID,
     DEEP_CHECK_EVERY,
@@ -126,7 +116,7 @@ from gatekeeper_wsgi.backends.shared.liveness import (
     proc_stat,
 )
 from gatekeeper_wsgi.config import Config, Limit, Rate
-from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
+from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
 
 __all__ = ["LayoutMismatch", "SharedBackend"]
 
@@ -142,21 +132,6 @@ class LayoutMismatch(BackendError):
     """The file holds a table of another layout that live leases still use."""
 
 
-class _NoRoom(Exception):
-    """The table has no room for what a request needs (a key, a lease, a window entry);
-    :meth:`SharedBackend._admit` turns it into a :class:`CapacityError` for the slot it was
-    working on. ``retry_after``: seconds until room is expected, None if unknown;
-    ``kind``: the count that could not be kept ("concurrency", "rate"), None if either."""
-
-    def __init__(
-        self, what: str, retry_after: float | None = None, kind: LimitKind | None = None
-    ) -> None:
-        super().__init__(what)
-        self.what = what
-        self.retry_after = retry_after
-        self.kind = kind
-
-
 class _Recreated(BackendError):
     """An operation found the table damaged and re-created it; the operation may be run
     again on the new table."""
@@ -170,11 +145,6 @@ class _Untracked(Exception):
     def __init__(self, error: CapacityError) -> None:
         super().__init__(error.what)
         self.error = error
-
-
-class _Damaged(Exception):
-    """The table holds values no correct process writes (garbage, a corrupt journal, a
-    truncated file): it is re-created."""
 
 
 def _path_digest(path: str) -> int:
@@ -231,33 +201,6 @@ class _SharedGrant(Grant):
         #: (faulty, now) of :meth:`SharedBackend.observe`: fed to the adaptive limits by
         #: the release, under the lock that release takes anyway
         self.sample: tuple[bool, float] | None = None
-
-
-class _Transaction:
-    """``with backend._transaction as mm:`` - one update of the table: the thread and file
-    locks taken (and the table checked, attached or recovered) on entry; on an exception
-    the update is rolled back and what may leave a backend raised (``_fail``: a damaged
-    table is re-created first); the locks released in every case. A class, not a
-    ``contextlib.contextmanager``: it is on every admission and release (a generator
-    costs about 1 µs more). Holds no state of its own, so one serves every thread."""
-
-    __slots__ = ("_backend",)
-
-    def __init__(self, backend: SharedBackend) -> None:
-        self._backend = backend
-
-    def __enter__(self) -> mmap.mmap:
-        return self._backend._enter()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, trace: object
-    ) -> None:
-        backend = self._backend
-        try:
-            if exc is not None:
-                backend._fail(exc)
-        finally:
-            backend._leave()
 
 
 _INSTANCES: weakref.WeakSet[SharedBackend] = weakref.WeakSet()
@@ -387,7 +330,7 @@ class SharedBackend(Backend):
         #: no configuration: an observer that takes the table as it is
         self._adopt = config is None and (size, leases, procs, windows) == (None,) * 4
         self._tlock = threading.Lock()
-        self._transaction = _Transaction(self)
+        self._transaction = Transaction(self._enter, self._fail, self._leave)
         self._pid = os.getpid()
         #: id(spec) -> (spec, its numbers in a gauge)
         self._prints: dict[int, tuple[AdaptiveSpec, tuple[int, int, int, int]]] = {}
@@ -469,8 +412,6 @@ class SharedBackend(Backend):
         #: ``_held_epoch``: while it holds any, no other layout version re-creates it
         self._held = 0
         self._held_epoch = 0
-        self._jlen = 0
-        self._saved: dict[int, int] = {}
         self._keys: dict[str, tuple[bytes, int, int, int]] = {}
         self._regs: dict[str, tuple[int, int]] = {}
         self._proc_index = -1
@@ -534,7 +475,7 @@ class SharedBackend(Backend):
                         self._attach()
                     elif jlen:
                         self._recover(jlen)
-            except _Damaged as exc:
+            except Damaged as exc:
                 self._recreate(str(exc))
             mm = self._mm
             assert mm is not None
@@ -664,8 +605,8 @@ class SharedBackend(Backend):
         if self._epoch != self._held_epoch:
             self._held = 0
             self._held_epoch = self._epoch
-        self._jlen = 0
-        self._saved = {}
+        self._journal = Journal(self._mm, layout, self.path)
+        self._leases = Leases(self._mm, layout, self._journal)
         self._keys = {}
         self._regs = {}
         self._proc_index = -1
@@ -675,8 +616,6 @@ class SharedBackend(Backend):
         self._node_size = g.node_size
         self._tags_off = g.tags_off
         self._nodes_off = g.nodes_off
-        self._leases_off = g.leases_off
-        self._heap_off = g.heap_off
         self._procs_off = g.procs_off
         self._registry_off = g.registry_off
         self._gauges_off = g.gauges_off
@@ -734,86 +673,17 @@ class SharedBackend(Backend):
 
     # --- the undo journal -----------------------------------------------------------------
 
-    def _save(self, offset: int, length: int) -> None:
-        """Put the current bytes at ``offset`` in the journal before they change."""
-        saved = self._saved
-        if saved.get(offset, 0) >= length:
-            return
-        mm = self._mm
-        assert mm is not None
-        start = self._jlen
-        end = start + JENTRY_SIZE + length
-        if end > self._journal_cap:
-            # The journal is sized for the largest update (see Layout.derive): a bug.
-            raise BackendError(f"shared table {self.path!r}: update too large for its journal")
-        at = self._journal_off + start
-        JENTRY.pack_into(mm, at, offset, length)
-        mm.move(at + JENTRY_SIZE, offset, length)
-        # Only now is the entry part of the journal.
-        U32.pack_into(mm, H_JLEN, end)
-        self._jlen = end
-        saved[offset] = length
-
-    def _commit(self) -> None:
-        if self._jlen:
-            mm = self._mm
-            assert mm is not None
-            U32.pack_into(mm, H_JLEN, 0)  # the commit point
-            # The entries stay behind: void the first, so that a journal length corrupted
-            # later is found invalid instead of undoing this committed update.
-            JENTRY.pack_into(mm, self._journal_off, 0, 0)
-            self._jlen = 0
-            self._saved = {}
-
     def _rollback(self) -> None:
-        if self._jlen and self._mm is not None:
-            self._undo(self._jlen)
-        self._jlen = 0
-        self._saved = {}
+        if self._mm is not None:
+            self._journal.rollback()
 
     def _recover(self, jlen: int) -> None:
-        self._undo(jlen)
+        self._journal.undo(jlen)
         logger.warning(
             "gatekeeper: a process died while updating shared table %s; its unfinished "
             "update was rolled back",
             self.path,
         )
-
-    def _undo(self, jlen: int) -> None:
-        mm = self._mm
-        assert mm is not None
-        base = self._journal_off
-        if jlen > self._journal_cap:
-            raise _Damaged(f"its journal length {jlen} exceeds the journal")
-        # Every entry is checked before any is applied: a corrupt journal must not write
-        # anywhere (the journal and the header's first fields are never journaled).
-        journal_end = base + self._journal_cap
-        entries = []
-        position = 0
-        while position < jlen:
-            if position + JENTRY_SIZE > jlen:
-                raise _Damaged("its journal ends inside an entry")
-            offset, length = JENTRY.unpack_from(mm, base + position)
-            start = base + position + JENTRY_SIZE
-            position += JENTRY_SIZE + length
-            end = offset + length
-            if (
-                position > jlen
-                or offset < MUT_START
-                or end > self._total
-                or (offset < journal_end and end > base)
-            ):
-                raise _Damaged(f"its journal holds an entry for bytes {offset}..{end}")
-            entries.append((offset, mm[start : start + length]))
-        for offset, old in reversed(entries):
-            mm[offset : offset + len(old)] = old
-        U32.pack_into(mm, H_JLEN, 0)
-        JENTRY.pack_into(mm, base, 0, 0)
-        self._jlen = 0
-        self._saved = {}
-
-    def _save_header(self) -> None:
-        self._save(MUT_START, MUT_END - MUT_START)
 
     # --- public operations ----------------------------------------------------------------
 
@@ -845,20 +715,20 @@ class SharedBackend(Backend):
             if keep:
                 try:
                     self._register()
-                except _NoRoom as exc:
+                except NoRoom as exc:
                     raise self._capacity(_lease_slot(slots), exc) from None
-                self._commit()
+                self._journal.commit()
             try:
                 result = self._admit(slots, now)
             except _Untracked as untracked:
                 if keep:
-                    self._commit()
+                    self._journal.commit()
                 else:
                     self._rollback()
                 raise untracked.error from None
             owners = self._owners() if isinstance(result, Denial) else []
             if keep:
-                self._commit()
+                self._journal.commit()
                 self._held += isinstance(result, _SharedGrant)
             else:
                 self._rollback()
@@ -873,10 +743,10 @@ class SharedBackend(Backend):
         try:
             self._rollback()
         except Exception as undo_error:
-            exc = _Damaged(f"its journal cannot be rolled back ({undo_error})")
+            exc = Damaged(f"its journal cannot be rolled back ({undo_error})")
         if isinstance(exc, (CapacityError, BackendError)) or not isinstance(exc, Exception):
             raise exc
-        if isinstance(exc, (_Damaged, IndexError, ValueError, OverflowError, struct.error)):
+        if isinstance(exc, (Damaged, IndexError, ValueError, OverflowError, struct.error)):
             try:
                 self._recreate(str(exc) or repr(exc))
             except Exception as again:
@@ -901,7 +771,7 @@ class SharedBackend(Backend):
         with self._transaction:
             if grant.epoch == self._epoch:
                 self._release(grant, status, delay, now)
-                self._commit()
+                self._journal.commit()
                 self._held = max(0, self._held - 1)
             self._mature(now)
 
@@ -939,25 +809,21 @@ class SharedBackend(Backend):
 
     def next_due(self) -> float | None:
         try:
-            mm = self._enter()
+            self._enter()
         except BackendError:
             return None
         try:
-            if U32.unpack_from(mm, H_HEAP_LEN)[0]:
-                due: float = F64.unpack_from(mm, self._heap_off)[0]
-                return due
-            return None
+            return self._leases.next_due()
         finally:
             self._leave()
 
     def delayed_pending(self) -> int:
         try:
-            mm = self._enter()
+            self._enter()
         except BackendError:
             return 0
         try:
-            pending: int = U32.unpack_from(mm, H_HEAP_LEN)[0]
-            return pending
+            return self._leases.pending()
         finally:
             self._leave()
 
@@ -1007,7 +873,7 @@ class SharedBackend(Backend):
                     node = self._create(entry, limit, now, nodes)
                 elif limit.wildcard:
                     self._touch(node, limit, now, nodes)
-            except _NoRoom as exc:
+            except NoRoom as exc:
                 raise _Untracked(self._capacity(index, exc)) from None
             offset = nodes_off + node * node_size
             concurrency: float | None = limit.concurrency
@@ -1019,7 +885,7 @@ class SharedBackend(Backend):
                 adaptive = True
             if concurrency is not None and U32.unpack_from(mm, offset)[0] >= concurrency:
                 if enforce:
-                    return Denial(index, "concurrency", self._soonest(node, now))
+                    return Denial(index, "concurrency", self._leases.soonest(node, now))
                 shadowed.append(index)
             rate = limit.rate
             if rate is not None:
@@ -1038,7 +904,7 @@ class SharedBackend(Backend):
         stamps: list[float | None] = []
         for index, node in enumerate(nodes):
             offset = nodes_off + node * node_size
-            self._save(offset, NODE_HEAD)
+            self._journal.save(offset, NODE_HEAD)
             U32.pack_into(mm, offset, U32.unpack_from(mm, offset)[0] + 1)
             rate = slots[index].limit.rate
             # Shadow over concurrency still counts in the window; only a full window is
@@ -1046,14 +912,14 @@ class SharedBackend(Backend):
             if rate is not None and index not in rate_full:
                 try:
                     self._append(node, now, rate)
-                except _NoRoom as exc:
+                except NoRoom as exc:
                     raise self._capacity(index, exc) from None
                 stamps.append(now)
             else:
                 stamps.append(None)
         try:
-            lease, serial = self._new_lease(pid, nodes)
-        except _NoRoom as exc:
+            lease, serial = self._leases.new(pid, nodes)
+        except NoRoom as exc:
             raise self._capacity(_lease_slot(slots), exc) from None
         grant = _SharedGrant(slots, tuple(shadowed), self._epoch, pid, lease, serial, nodes, stamps)
         if adaptive:
@@ -1061,7 +927,7 @@ class SharedBackend(Backend):
             grant.admitted = now
         return grant
 
-    def _capacity(self, index: int, exc: _NoRoom) -> CapacityError:
+    def _capacity(self, index: int, exc: NoRoom) -> CapacityError:
         """The CapacityError for slot ``index`` (the caller rolls the update back)."""
         return CapacityError(
             index,
@@ -1069,19 +935,6 @@ class SharedBackend(Backend):
             retry_after=1.0 if exc.retry_after is None else max(exc.retry_after, 0.001),
             kind=exc.kind,
         )
-
-    def _soonest(self, node: int, now: float) -> float:
-        """Seconds until a delayed release holding ``node`` matures; 0 when none does
-        (a request in flight may finish at any moment)."""
-        mm = self._mm
-        assert mm is not None
-        soonest = None
-        for position in range(min(U32.unpack_from(mm, H_HEAP_LEN)[0], self._layout.leases)):  # type: ignore[union-attr]
-            due, lease, serial = HEAP.unpack_from(mm, self._heap_off + position * HEAP_SIZE)
-            fields = LEASE.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)
-            if fields[1] == serial and node in fields[4 : 4 + fields[3]]:
-                soonest = due if soonest is None else min(soonest, due)
-        return 0.0 if soonest is None else max(0.0, soonest - now)
 
     # --- adaptive limits: one controller per key, in its node's gauge ---------------------
 
@@ -1119,7 +972,7 @@ class SharedBackend(Backend):
         offset = self._nodes_off + node * self._node_size
         if mm[offset + N_FLAGS] & F_GAUGE:
             return self._controller(self._gauges_off + node * GAUGE_SIZE, key, spec, now)
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         mm[offset + N_FLAGS] |= F_GAUGE
         return Controller(spec, now, key=key)
 
@@ -1130,7 +983,7 @@ class SharedBackend(Backend):
         assert mm is not None
         algorithm, low, high, initial = GAUGE_SPEC.unpack_from(mm, at)
         if not 0 < algorithm <= len(ALGORITHMS) or not low <= initial <= high:
-            raise _Damaged("its adaptive gauge holds no valid adaptive table")
+            raise Damaged("its adaptive gauge holds no valid adaptive table")
         made = AdaptiveSpec(ALGORITHMS[algorithm - 1], low, high, initial)
         controller = Controller.restore(made, GAUGE_STATE.unpack_from(mm, at + G_STATE), key=key)
         controller.respec(spec)
@@ -1139,7 +992,7 @@ class SharedBackend(Backend):
     def _store(self, at: int, spec: AdaptiveSpec, controller: Controller) -> None:
         mm = self._mm
         assert mm is not None
-        self._save(at, GAUGE_SIZE)
+        self._journal.save(at, GAUGE_SIZE)
         GAUGE_SPEC.pack_into(mm, at, *self._fingerprint(spec))
         GAUGE_STATE.pack_into(mm, at + G_STATE, *controller.state())
 
@@ -1170,7 +1023,7 @@ class SharedBackend(Backend):
                 baseline = _DOUBLE.unpack_from(mm, at + G_STATE + _BASELINE_OFF)[0]
                 scratch.load_window((due, int(count), total, int(drops), int(peak)), baseline)
                 scratch.sample(now - admitted, inflight, faulty, admitted, now)
-                self._save(at + G_HOT, GAUGE_HOT.size)
+                self._journal.save(at + G_HOT, GAUGE_HOT.size)
                 GAUGE_HOT.pack_into(mm, at + G_HOT, *scratch.window())
                 return
         controller = self._held_controller(node, key, spec, admitted)
@@ -1232,7 +1085,7 @@ class SharedBackend(Backend):
                 return int(current)
             # Made under another table (a reload): what its next admission will enforce.
             return self._controller(at, key, spec, 0.0).limit
-        except (_NoRoom, _Damaged):
+        except (NoRoom, Damaged):
             return spec.initial
         finally:
             self._leave()
@@ -1245,7 +1098,7 @@ class SharedBackend(Backend):
         if entry is None:
             raw = key.encode("utf-8", "surrogateescape")
             if len(raw) >= self._key_size:
-                raise _NoRoom(
+                raise NoRoom(
                     f"key {key[:40]!r}... is longer than the {self._key_size - 1} bytes the "
                     f"table was sized for (the longest limit path of the configuration)"
                 )
@@ -1304,13 +1157,13 @@ class SharedBackend(Backend):
             node = self._chain_victim(first, second, now, pinned)
             self._remove(node)
         offset = self._nodes_off + node * self._node_size
-        self._save(offset, NODE_HEAD + len(raw))
+        self._journal.save(offset, NODE_HEAD + len(raw))
         NODE.pack_into(mm, offset, 0, len(raw) - 1, 0, NIL, NIL, 0, 0, NIL, NIL, 0.0)
         mm[offset + NODE_HEAD : offset + NODE_HEAD + len(raw)] = raw
         tag_at = tags_off + node * 4
-        self._save(tag_at, 4)
+        self._journal.save(tag_at, 4)
         U32.pack_into(mm, tag_at, tag)
-        self._save_header()
+        self._journal.save_header()
         U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] + 1)
         if limit.wildcard:
             self._track(node, limit)
@@ -1331,7 +1184,7 @@ class SharedBackend(Backend):
         registry = self._registry(limit.path)  # an eviction may have freed its entry
         at = self._registry_off + registry * REG_SIZE
         offset = self._nodes_off + node * self._node_size
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         U32.pack_into(mm, offset + N_REG, registry + 1)
         self._lru_append(registry, node)
         U32.pack_into(mm, at + R_COUNT, U32.unpack_from(mm, at + R_COUNT)[0] + 1)
@@ -1348,14 +1201,14 @@ class SharedBackend(Backend):
         else:
             U32.pack_into(mm, at + R_COUNT, count)
         offset = self._nodes_off + node * self._node_size
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         U32.pack_into(mm, offset + N_REG, 0)
 
     def _chain_victim(self, first: int, second: int, now: float, pinned: list[int]) -> int:
         """An idle node of two full buckets to make room for a new key. Never a node with
         requests in flight or entries left in its rate window: evicting it would reset its
         limit (a spray of fresh keys could then free any caller), so without an idle one
-        the new key is refused (``_NoRoom``)."""
+        the new key is refused (``NoRoom``)."""
         mm = self._mm
         assert mm is not None
         soonest: float | None = None
@@ -1371,7 +1224,7 @@ class SharedBackend(Backend):
                 in_flight = in_flight or bool(fields[0])
                 if not fields[0]:
                     soonest = fields[9] if soonest is None else min(soonest, fields[9])
-        raise _NoRoom(
+        raise NoRoom(
             f"both hash buckets of a new key are full of keys in use (in flight or inside "
             f"a rate window); give the table more room with ?size=<keys> (it holds "
             f"{self._buckets * CHAIN})",
@@ -1391,9 +1244,9 @@ class SharedBackend(Backend):
         if registry:
             self._untrack(registry - 1, node)
         tag_at = self._tags_off + node * 4
-        self._save(tag_at, 4)
+        self._journal.save(tag_at, 4)
         U32.pack_into(mm, tag_at, 0)
-        self._save_header()
+        self._journal.save_header()
         U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] - 1)
 
     # --- wildcard limits: the registry and least-recently-used lists ----------------------
@@ -1418,12 +1271,12 @@ class SharedBackend(Backend):
             if not stored and free < 0:
                 free = index
         if free < 0:
-            raise _NoRoom(
+            raise NoRoom(
                 f"no room for wildcard limit {path!r} (the table tracks "
                 f"{self._layout.registry} wildcard limits; a reload added more)"  # type: ignore[union-attr]
             )
         at = base + free * REG_SIZE
-        self._save(at, REG_SIZE)
+        self._journal.save(at, REG_SIZE)
         REG.pack_into(mm, at, digest, 0, NIL, NIL)
         self._regs[path] = (free, digest)
         return free
@@ -1434,7 +1287,7 @@ class SharedBackend(Backend):
         """Make room under a wildcard limit at ``max_keys``: evict the least recently used
         idle key among its ``LRU_SCAN`` least recently used. A key in flight or inside its
         rate window is never evicted (that would reset its limit): with none idle, the new
-        key is refused (``_NoRoom``), as nginx refuses when its zone cannot allocate. The
+        key is refused (``NoRoom``), as nginx refuses when its zone cannot allocate. The
         busy keys looked at move to the end of the list, so that long requests at its head
         do not hide the idle keys behind them from the next new key."""
         mm = self._mm
@@ -1462,7 +1315,7 @@ class SharedBackend(Backend):
                 self._lru_unlink(registry, node)
                 self._lru_append(registry, node)
             node = following
-        raise _NoRoom(
+        raise NoRoom(
             f"wildcard limit {path!r} tracks max_keys={count} keys and its least recently "
             f"used are all in use (in flight or inside their rate window); raise its max_keys",
             None if soonest is None else soonest - now,
@@ -1475,13 +1328,13 @@ class SharedBackend(Backend):
         at = self._registry_off + registry * REG_SIZE
         nodes_off, node_size = self._nodes_off, self._node_size
         tail = U32.unpack_from(mm, at + R_TAIL)[0]
-        self._save(at, REG_SIZE)
+        self._journal.save(at, REG_SIZE)
         offset = nodes_off + node * node_size
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         U32.pack_into(mm, offset + N_PREV, tail)
         U32.pack_into(mm, offset + N_NEXT, NIL)
         if tail != NIL:
-            self._save(nodes_off + tail * node_size, NODE_HEAD)
+            self._journal.save(nodes_off + tail * node_size, NODE_HEAD)
             U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
         else:
             U32.pack_into(mm, at + R_HEAD, node)
@@ -1495,14 +1348,14 @@ class SharedBackend(Backend):
         offset = nodes_off + node * node_size
         prev = U32.unpack_from(mm, offset + N_PREV)[0]
         nxt = U32.unpack_from(mm, offset + N_NEXT)[0]
-        self._save(at, REG_SIZE)
+        self._journal.save(at, REG_SIZE)
         if prev != NIL:
-            self._save(nodes_off + prev * node_size, NODE_HEAD)
+            self._journal.save(nodes_off + prev * node_size, NODE_HEAD)
             U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
         else:
             U32.pack_into(mm, at + R_HEAD, nxt)
         if nxt != NIL:
-            self._save(nodes_off + nxt * node_size, NODE_HEAD)
+            self._journal.save(nodes_off + nxt * node_size, NODE_HEAD)
             U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
         else:
             U32.pack_into(mm, at + R_TAIL, prev)
@@ -1556,7 +1409,7 @@ class SharedBackend(Backend):
             oldest = stamps[start]
         if left == length:
             return left, oldest
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         # Expired chunks go back as one chain: a journal entry or two, however many
         # thousand entries expired at once.
         if not left:
@@ -1581,7 +1434,7 @@ class SharedBackend(Backend):
         assert mm is not None
         offset = self._nodes_off + node * self._node_size
         _, _, start, first, last, length, _, _, _, idle = NODE.unpack_from(mm, offset)
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         position = (start + length) % CHUNK_STAMPS
         if not length:
             first = last = self._new_chunk(now)
@@ -1590,7 +1443,7 @@ class SharedBackend(Backend):
             struct.pack_into("<II", mm, offset + N_FIRST, first, last)
         elif not position:
             chunk = self._new_chunk(now)
-            self._save(self._chunk_at(last), 8)
+            self._journal.save(self._chunk_at(last), 8)
             U32.pack_into(mm, self._chunk_at(last), chunk)
             last = chunk
             U32.pack_into(mm, offset + N_LAST, last)
@@ -1621,7 +1474,7 @@ class SharedBackend(Backend):
             at = values.index(stamp, start, start + length)
         except ValueError:
             return
-        self._save(offset, NODE_HEAD)
+        self._journal.save(offset, NODE_HEAD)
         if length == 1:
             self._free_chunks(first, last)
             self._clear_window(offset)
@@ -1631,13 +1484,13 @@ class SharedBackend(Backend):
         used = (start + length - 1 + CHUNK_STAMPS - 1) // CHUNK_STAMPS
         for index in range(at // CHUNK_STAMPS, used):
             where = self._chunk_at(chunks[index]) + 8
-            self._save(where, 8 * CHUNK_STAMPS)
+            self._journal.save(where, 8 * CHUNK_STAMPS)
             part = values[index * CHUNK_STAMPS : (index + 1) * CHUNK_STAMPS]
             CHUNK_STAMPS_FMT.pack_into(mm, where, *part)
         if used < len(chunks):
             self._free_chunks(chunks[-1], chunks[-1])
             last = chunks[used - 1]
-            self._save(self._chunk_at(last), 8)
+            self._journal.save(self._chunk_at(last), 8)
             U32.pack_into(mm, self._chunk_at(last), NIL)
             U32.pack_into(mm, offset + N_LAST, last)
         U32.pack_into(mm, offset + N_LEN, length - 1)
@@ -1649,11 +1502,11 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         free, high = self._chunk_counters()
-        self._save_header()
+        self._journal.save_header()
         chunk: int
         if free != NIL:
             chunk = free
-            self._save(self._chunk_at(chunk), 8)
+            self._journal.save(self._chunk_at(chunk), 8)
             self._set_chunk_counters(U32.unpack_from(mm, self._chunk_at(chunk))[0], high)
         elif high < self._chunks:
             chunk = high
@@ -1661,7 +1514,7 @@ class SharedBackend(Backend):
         elif self._reclaim_windows(now):
             return self._new_chunk(now)
         else:
-            raise _NoRoom(
+            raise NoRoom(
                 f"all {high * CHUNK_STAMPS} rate window entries are in use; give the table "
                 f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>",
                 kind="rate",
@@ -1689,7 +1542,7 @@ class SharedBackend(Backend):
                 offset = nodes_off + node * node_size
                 fields = NODE.unpack_from(mm, offset)
                 if fields[5] and fields[9] <= now:
-                    self._save(offset, NODE_HEAD)
+                    self._journal.save(offset, NODE_HEAD)
                     self._free_chunks(fields[3], fields[4])
                     self._clear_window(offset)
                     freed += 1
@@ -1701,8 +1554,8 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         free, high = self._chunk_counters()
-        self._save_header()
-        self._save(self._chunk_at(last), 8)
+        self._journal.save_header()
+        self._journal.save(self._chunk_at(last), 8)
         U32.pack_into(mm, self._chunk_at(last), free)
         self._set_chunk_counters(first, high)
 
@@ -1716,7 +1569,7 @@ class SharedBackend(Backend):
             or (free != NIL and free >= high)
             or U32.unpack_from(mm, H_CHUNK_CHECK)[0] != chunk_check(mm[H_CHUNK_FREE:MUT_END])
         ):
-            raise _Damaged("its window chunk counters are out of range")
+            raise Damaged("its window chunk counters are out of range")
         return free, high
 
     def _set_chunk_counters(self, free: int, high: int) -> None:
@@ -1729,65 +1582,9 @@ class SharedBackend(Backend):
 
     # --- leases ---------------------------------------------------------------------------
 
-    def _new_lease(self, pid: int, nodes: list[int]) -> tuple[int, int]:
-        mm = self._mm
-        assert mm is not None
-        live, free, high, _, serial = struct.unpack_from("<5I", mm, H_LIVE)
-        if high > self._layout.leases or (free != NIL and free >= high):  # type: ignore[union-attr]
-            raise _Damaged("its lease counters are out of range")
-        self._save_header()
-        if free != NIL:
-            lease = free
-            at = self._leases_off + lease * LEASE_SIZE
-            if LEASE_HEAD.unpack_from(mm, at)[1]:
-                raise _Damaged("its list of free leases holds a lease in use")
-            self._save(at, LEASE_SIZE)
-            U32.pack_into(mm, H_LEASE_FREE, U32.unpack_from(mm, at + L_REFS)[0])
-        elif high < self._layout.leases:  # type: ignore[union-attr]
-            lease = high
-            # Leases past the mark have never been written since the table was created.
-            if LEASE_HEAD.unpack_from(mm, self._leases_off + lease * LEASE_SIZE)[1]:
-                raise _Damaged("its lease mark is below a lease in use")
-            U32.pack_into(mm, H_LEASE_HIGH, high + 1)
-        else:
-            raise _NoRoom(
-                f"all {high} leases are held (one per request in flight on the host); give "
-                f"the table more with ?leases=<n>",
-                kind="concurrency",
-            )
-        serial = serial % 0xFFFFFFFF + 1
-        U32.pack_into(mm, H_SERIAL, serial)
-        U32.pack_into(mm, H_LIVE, live + 1)
-        refs = (*nodes, *(0,) * (MAX_REFS - len(nodes)))
-        LEASE.pack_into(
-            mm, self._leases_off + lease * LEASE_SIZE, pid, serial, 0.0, len(nodes), *refs
-        )
-        return lease, serial
-
-    def _free_lease(self, lease: int) -> None:
-        """Give the lease's slots back and put it on the free list."""
-        mm = self._mm
-        assert mm is not None
-        at = self._leases_off + lease * LEASE_SIZE
-        fields = LEASE.unpack_from(mm, at)
-        nodes_off, node_size = self._nodes_off, self._node_size
-        for node in fields[4 : 4 + fields[3]]:
-            offset = nodes_off + node * node_size
-            self._save(offset, NODE_HEAD)
-            count = U32.unpack_from(mm, offset)[0]
-            U32.pack_into(mm, offset, count - 1 if count else 0)
-        self._save_header()
-        self._save(at, LEASE_SIZE)
-        LEASE_HEAD.pack_into(mm, at, 0, 0)
-        U32.pack_into(mm, at + L_REFS, U32.unpack_from(mm, H_LEASE_FREE)[0])
-        U32.pack_into(mm, H_LEASE_FREE, lease)
-        U32.pack_into(mm, H_LIVE, max(0, U32.unpack_from(mm, H_LIVE)[0] - 1))
-
     def _release(self, grant: _SharedGrant, status: int | None, delay: float, now: float) -> None:
-        mm = self._mm
-        assert mm is not None
-        at = self._leases_off + grant.lease * LEASE_SIZE
-        if LEASE_HEAD.unpack_from(mm, at) != (grant.pid, grant.serial):
+        leases = self._leases
+        if not leases.holds(grant.lease, grant.pid, grant.serial):
             return  # reclaimed meanwhile (its owner was taken for dead)
         sample = grant.sample
         if sample is not None:
@@ -1803,82 +1600,17 @@ class SharedBackend(Backend):
             if limit.count is not None and status not in limit.count and limit.rate is not None:
                 self._give_back(grant.nodes[index], stamp, limit.rate.seconds)
         if delay > 0:
-            self._save(at, LEASE_SIZE)
-            U32.pack_into(mm, at, 0)
-            F64.pack_into(mm, at + L_EXPIRY, now + delay)
-            self._heap_push(now + delay, grant.lease, grant.serial)
+            leases.delay(grant.lease, grant.serial, now + delay)
         else:
-            self._free_lease(grant.lease)
-
-    # --- delayed releases: a min-heap by expiry -------------------------------------------
-
-    def _heap_push(self, due: float, lease: int, serial: int) -> None:
-        mm = self._mm
-        assert mm is not None
-        base = self._heap_off
-        size = U32.unpack_from(mm, H_HEAP_LEN)[0]
-        if size >= self._layout.leases:  # type: ignore[union-attr]
-            raise _Damaged("its delay heap is longer than its leases")
-        position = size
-        while position:
-            parent = (position - 1) >> 1
-            entry = HEAP.unpack_from(mm, base + parent * HEAP_SIZE)
-            if entry[0] <= due:
-                break
-            self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-            HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
-            position = parent
-        self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-        HEAP.pack_into(mm, base + position * HEAP_SIZE, due, lease, serial)
-        self._save_header()
-        U32.pack_into(mm, H_HEAP_LEN, size + 1)
-
-    def _heap_pop(self) -> tuple[float, int, int]:
-        mm = self._mm
-        assert mm is not None
-        base = self._heap_off
-        size = U32.unpack_from(mm, H_HEAP_LEN)[0] - 1
-        top: tuple[float, int, int] = HEAP.unpack_from(mm, base)
-        if size >= self._layout.leases or top[1] >= self._layout.leases or not top[2]:  # type: ignore[union-attr]
-            # Serial 0 marks a free lease: freeing one again would count its old slots
-            # down twice (a heap length grown by garbage reads such entries).
-            raise _Damaged("its delay heap is out of range")
-        self._save_header()
-        U32.pack_into(mm, H_HEAP_LEN, size)
-        if size:
-            last = HEAP.unpack_from(mm, base + size * HEAP_SIZE)
-            position = 0
-            while True:
-                child = 2 * position + 1
-                if child >= size:
-                    break
-                entry = HEAP.unpack_from(mm, base + child * HEAP_SIZE)
-                if child + 1 < size:
-                    right = HEAP.unpack_from(mm, base + (child + 1) * HEAP_SIZE)
-                    if right[0] < entry[0]:
-                        child, entry = child + 1, right
-                if entry[0] >= last[0]:
-                    break
-                self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-                HEAP.pack_into(mm, base + position * HEAP_SIZE, *entry)
-                position = child
-            self._save(base + position * HEAP_SIZE, HEAP_SIZE)
-            HEAP.pack_into(mm, base + position * HEAP_SIZE, *last)
-        return top
+            leases.free(grant.lease)
 
     def _mature(self, now: float) -> None:
         """Apply the delayed releases that are due; each one is its own transaction."""
-        mm = self._mm
-        assert mm is not None
-        if not U32.unpack_from(mm, H_HEAP_LEN)[0] or F64.unpack_from(mm, self._heap_off)[0] > now:
+        leases = self._leases
+        if not leases.due(now):
             return
         started = time.perf_counter()
-        leases_off = self._leases_off
-        while U32.unpack_from(mm, H_HEAP_LEN)[0] and F64.unpack_from(mm, self._heap_off)[0] <= now:
-            _, lease, serial = self._heap_pop()
-            if LEASE_HEAD.unpack_from(mm, leases_off + lease * LEASE_SIZE) == (0, serial):
-                self._free_lease(lease)
-            self._commit()
+        leases.mature(now)
         if self.delay_stage is not None:
             self.delay_stage.record(time.perf_counter() - started)
 
@@ -1910,8 +1642,8 @@ class SharedBackend(Backend):
             if entry_pid == pid:
                 if entry_start and start and entry_start != start:
                     # A process that had our pid before us died: its leases are void.
-                    self._reclaim_pid(pid)
-                    self._save(base + index * PROC_SIZE, PROC_SIZE)
+                    self._leases.reclaim(pid)
+                    self._journal.save(base + index * PROC_SIZE, PROC_SIZE)
                     PROC.pack_into(mm, base + index * PROC_SIZE, pid, 0, start)
                 self._proc_index = index
                 return
@@ -1925,24 +1657,24 @@ class SharedBackend(Backend):
                         free = index
         if free < 0:
             if high >= self._layout.procs:  # type: ignore[union-attr]
-                raise _NoRoom(
+                raise NoRoom(
                     f"all {high} process slots are taken by live processes; give the table "
                     f"more with ?procs=<n>"
                 )
             free = high
             if U32.unpack_from(mm, base + free * PROC_SIZE)[0]:
                 # Slots past the mark have never been written since the table was created.
-                raise _Damaged("its process mark is below a registered process")
-            self._save_header()
+                raise Damaged("its process mark is below a registered process")
+            self._journal.save_header()
             U32.pack_into(mm, H_PROCS_HIGH, high + 1)
-        self._save(base + free * PROC_SIZE, PROC_SIZE)
+        self._journal.save(base + free * PROC_SIZE, PROC_SIZE)
         PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
         self._proc_index = free
 
     def _procs_high(self) -> int:
         high: int = U32.unpack_from(self._mm, H_PROCS_HIGH)[0]  # type: ignore[arg-type]
         if high > self._layout.procs:  # type: ignore[union-attr]
-            raise _Damaged("its process counter is out of range")
+            raise Damaged("its process counter is out of range")
         return high
 
     def _owners(self) -> list[tuple[int, int, int]]:
@@ -1985,33 +1717,15 @@ class SharedBackend(Backend):
         at = self._procs_off + index * PROC_SIZE
         if PROC.unpack_from(mm, at) != (pid, 0, start):
             return  # the slot changed hands meanwhile
-        if self._reclaim_pid(pid):
+        if self._leases.reclaim(pid):
             logger.warning(
                 "gatekeeper: process %d died holding slots of shared table %s; reclaimed them",
                 pid,
                 self.path,
             )
-        self._save(at, PROC_SIZE)
+        self._journal.save(at, PROC_SIZE)
         mm[at : at + PROC_SIZE] = bytes(PROC_SIZE)
-        self._commit()
-
-    def _reclaim_pid(self, pid: int) -> int:
-        """Give back the leases ``pid`` holds (not its delayed ones: those are ownerless)."""
-        mm = self._mm
-        assert mm is not None
-        base = self._leases_off
-        high = min(U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
-        owned = [
-            lease
-            for lease, (owner, serial) in enumerate(
-                struct.iter_unpack("<II32x", mm[base : base + high * LEASE_SIZE])
-            )
-            if owner == pid and serial
-        ]
-        for lease in owned:
-            self._free_lease(lease)
-            self._commit()
-        return len(owned)
+        self._journal.commit()
 
     def _live_leases_after_reclaim(self) -> int:
         """Live leases once those of dead processes are reclaimed. Under the lock."""
@@ -2020,12 +1734,7 @@ class SharedBackend(Backend):
         for index, pid, start in self._owners():
             if is_dead(pid, start, deep=True):
                 self._drop_process(index, pid, start)
-        # Counted from the lease table, not read from the header: a live count garbage
-        # made too high would keep a table too small for the configuration forever.
-        base = self._leases_off
-        high = min(U32.unpack_from(mm, H_LEASE_HIGH)[0], self._layout.leases)  # type: ignore[union-attr]
-        leases = mm[base : base + high * LEASE_SIZE]
-        return sum(1 for (serial,) in struct.iter_unpack("<4xI32x", leases) if serial)
+        return self._leases.live()
 
     # --- observation ----------------------------------------------------------------------
 
@@ -2064,14 +1773,7 @@ class SharedBackend(Backend):
             if digest:
                 tracked[index] = count
                 entry_of[digest] = index
-        high = U32.unpack_from(mm, H_LEASE_HIGH)[0]
-        if high > layout.leases:
-            raise _Damaged("its lease counters are out of range")
-        held: set[int] = set()
-        leases = mm[self._leases_off : self._leases_off + high * LEASE_SIZE]
-        for _, serial, _, count, *refs in LEASE.iter_unpack(leases):
-            if serial:
-                held.update(refs[:count])
+        held = self._leases.held_nodes()
         # registry entry -> its keys in flight: (key, node fields)
         busy: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
         for node in held:
@@ -2117,7 +1819,7 @@ class SharedBackend(Backend):
         """(key, node fields) of a key the table holds, else None. Under the lock."""
         try:
             node = self._find(self._key(key))
-        except _NoRoom:  # longer than any key the table can hold
+        except NoRoom:  # longer than any key the table can hold
             return None
         return None if node < 0 else (key, self._node_fields(node)[0])
 

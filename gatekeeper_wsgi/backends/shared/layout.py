@@ -83,6 +83,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from gatekeeper_wsgi.adaptive import Controller
 from gatekeeper_wsgi.config import Config, Limit
@@ -119,6 +120,10 @@ GEOMETRY = struct.Struct("<8I")  # at 272
 NODE = struct.Struct("<IHBxIIIIIId")
 LEASE = struct.Struct("<IIdI5I")
 LEASE_HEAD = struct.Struct("<II")  # pid, serial
+#: at L_COUNT: the node count and the MAX_REFS node fields
+LEASE_NODES = struct.Struct(f"<I{MAX_REFS}I")
+#: at H_LIVE: live leases, first free lease, leases ever used, heap entries, last serial
+LEASE_COUNTERS = struct.Struct("<5I")
 HEAP = struct.Struct("<dII")
 PROC = struct.Struct("<IIQ")
 REG = struct.Struct("<QIII4x")
@@ -161,12 +166,14 @@ H_FILE_BYTES = 304
 # node fields
 NODE_HEAD = NODE.size  # 40: the key follows
 N_INFLIGHT, N_OFFSET, N_FLAGS, N_FIRST, N_LAST, N_LEN = 0, 6, 7, 8, 12, 16
+#: at N_OFFSET: a node's window (oldest entry's index, first and last chunk, entries)
+WINDOW = struct.Struct("<BxIII")
 #: in a node's flags: its gauge holds its key's controller (a new node's flags are 0, so
 #: a gauge left by the key a node held before is never read, nor its page touched)
 F_GAUGE = 1
 N_REG, N_PREV, N_NEXT, N_IDLE = 20, 24, 28, 32
 LEASE_SIZE = LEASE.size  # 40
-L_EXPIRY, L_REFS = 8, 20
+L_EXPIRY, L_COUNT, L_REFS = 8, 16, 20
 HEAP_SIZE = HEAP.size
 PROC_SIZE = PROC.size
 REG_SIZE = REG.size
@@ -193,6 +200,32 @@ GAUGE_HOT = struct.Struct(f"<{len(HOT)}d")
 GAUGE_HEAD = struct.Struct(f"<4I{8 * Controller.STATE.index('limit')}xd")
 if G_STATE + GAUGE_STATE.size > GAUGE_SIZE:
     raise RuntimeError("Controller.STATE no longer fits a gauge")
+
+
+class NodeView(NamedTuple):
+    """A node's fields (``NODE``) by name; read with :func:`node_view`, off the hot path
+    (which reads single fields at the ``N_*`` offsets)."""
+
+    inflight: int  #: requests in flight (held or delayed)
+    key_length: int
+    start: int  #: index of the oldest window entry in the first chunk
+    first: int  #: first window chunk
+    last: int  #: last window chunk (NIL: none)
+    length: int  #: window entries
+    registry: int  #: registry entry + 1 (0: not a wildcard key)
+    older: int  #: previous node in its limit's least-recently-used list
+    newer: int  #: next node in that list
+    empty_at: float  #: when its window is empty (last entry + window length)
+
+    def idle(self, now: float) -> bool:
+        """Whether the node may be evicted: nothing in flight (a delayed release keeps its
+        count) and nothing left in its rate window (its last entry has expired)."""
+        return not self.inflight and (not self.length or self.empty_at <= now)
+
+
+def node_view(buffer: mmap.mmap | bytes, offset: int) -> NodeView:
+    """The fields of the node at ``offset``."""
+    return NodeView._make(NODE.unpack_from(buffer, offset))
 
 
 def align(value: int, to: int) -> int:

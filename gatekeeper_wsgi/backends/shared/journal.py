@@ -1,0 +1,163 @@
+"""The undo journal of a shared table and the one context manager every update runs in.
+
+:class:`Journal` owns the journal region (``layout.journal_off``, ``layout.journal`` bytes)
+and the journal length at ``H_JLEN``: before a byte range of the table changes, its old
+bytes are appended as an entry (u64 offset, u32 length, the bytes) and only then is the
+length raised to cover it; :meth:`Journal.commit` sets the length to 0 (the commit point);
+:meth:`Journal.rollback` and :meth:`Journal.undo` write the old bytes back, newest first.
+A process killed mid-update leaves a non-zero length: the next process to take the lock
+undoes it (:meth:`Journal.undo`), having checked every entry first, so a corrupt journal
+writes nowhere (:class:`~.faults.Damaged` instead).
+
+:class:`Transaction` is ``with backend._transaction as mm:``: locks taken on entry, the
+update rolled back on an exception, the locks released in every case. It holds no state
+of its own (one serves every thread).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+
+from gatekeeper_wsgi.backends.shared.faults import Damaged
+from gatekeeper_wsgi.backends.shared.layout import (
+    H_JLEN,
+    JENTRY,
+    JENTRY_SIZE,
+    MUT_END,
+    MUT_START,
+    U32,
+    Layout,
+)
+from gatekeeper_wsgi.errors import BackendError
+
+
+class Journal:
+    """The undo journal of one mapped table (a new one per map: what it saved belongs to
+    that map). ``name`` is the table's path, for messages."""
+
+    __slots__ = ("_base", "_cap", "_jlen", "_mm", "_name", "_saved", "_total")
+
+    def __init__(self, mm: mmap.mmap, layout: Layout, name: str) -> None:
+        self._mm = mm
+        self._base = layout.journal_off
+        self._cap = layout.journal
+        self._total = layout.total
+        self._name = name
+        self._jlen = 0
+        #: offset -> bytes saved from there in this update (saving again is a no-op)
+        self._saved: dict[int, int] = {}
+
+    @property
+    def pending(self) -> int:
+        """Journal bytes of the update in progress (0: none)."""
+        return self._jlen
+
+    def save(self, offset: int, length: int) -> None:
+        """Put the current bytes at ``offset`` in the journal before they change."""
+        saved = self._saved
+        if saved.get(offset, 0) >= length:
+            return
+        mm = self._mm
+        start = self._jlen
+        end = start + JENTRY_SIZE + length
+        if end > self._cap:
+            # The journal is sized for the largest update (see Layout.derive): a bug.
+            raise BackendError(f"shared table {self._name!r}: update too large for its journal")
+        at = self._base + start
+        JENTRY.pack_into(mm, at, offset, length)
+        mm.move(at + JENTRY_SIZE, offset, length)
+        # Only now is the entry part of the journal.
+        U32.pack_into(mm, H_JLEN, end)
+        self._jlen = end
+        saved[offset] = length
+
+    def save_header(self) -> None:
+        """Save the header's mutable block (its counters), once per update."""
+        self.save(MUT_START, MUT_END - MUT_START)
+
+    def commit(self) -> None:
+        """Make the update permanent: the journal length drops to 0."""
+        if self._jlen:
+            mm = self._mm
+            U32.pack_into(mm, H_JLEN, 0)  # the commit point
+            # The entries stay behind: void the first, so that a journal length corrupted
+            # later is found invalid instead of undoing this committed update.
+            JENTRY.pack_into(mm, self._base, 0, 0)
+            self._jlen = 0
+            self._saved = {}
+
+    def rollback(self) -> None:
+        """Undo the update in progress, if any."""
+        if self._jlen:
+            self.undo(self._jlen)
+        self._jlen = 0
+        self._saved = {}
+
+    def undo(self, jlen: int) -> None:
+        """Write back the ``jlen`` journal bytes' old contents, newest first (also those a
+        killed process left). :class:`Damaged` if any entry is invalid, before anything
+        is written."""
+        mm = self._mm
+        base = self._base
+        if jlen > self._cap:
+            raise Damaged(f"its journal length {jlen} exceeds the journal")
+        # Every entry is checked before any is applied: a corrupt journal must not write
+        # anywhere (the journal and the header's first fields are never journaled).
+        journal_end = base + self._cap
+        entries = []
+        position = 0
+        while position < jlen:
+            if position + JENTRY_SIZE > jlen:
+                raise Damaged("its journal ends inside an entry")
+            offset, length = JENTRY.unpack_from(mm, base + position)
+            start = base + position + JENTRY_SIZE
+            position += JENTRY_SIZE + length
+            end = offset + length
+            if (
+                position > jlen
+                or offset < MUT_START
+                or end > self._total
+                or (offset < journal_end and end > base)
+            ):
+                raise Damaged(f"its journal holds an entry for bytes {offset}..{end}")
+            entries.append((offset, mm[start : start + length]))
+        for offset, old in reversed(entries):
+            mm[offset : offset + len(old)] = old
+        U32.pack_into(mm, H_JLEN, 0)
+        JENTRY.pack_into(mm, base, 0, 0)
+        self._jlen = 0
+        self._saved = {}
+
+
+class Transaction:
+    """``with transaction as mm:`` - one update of the table: ``enter()`` takes the thread
+    and file locks (and checks, attaches or recovers the table) and returns the map; on an
+    exception ``fail(exc)`` rolls the update back and raises what may leave a backend; the
+    locks are released by ``leave()`` in every case. A class, not a
+    ``contextlib.contextmanager``: it is on every admission and release (a generator
+    costs about 1 µs more)."""
+
+    __slots__ = ("_enter", "_fail", "_leave")
+
+    def __init__(
+        self,
+        enter: Callable[[], mmap.mmap],
+        fail: Callable[[BaseException], object],
+        leave: Callable[[], None],
+    ) -> None:
+        self._enter = enter
+        self._fail = fail
+        self._leave = leave
+
+    def __enter__(self) -> mmap.mmap:
+        return self._enter()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, trace: object
+    ) -> None:
+        try:
+            if exc is not None:
+                self._fail(exc)
+        finally:
+            self._leave()
