@@ -42,7 +42,7 @@ PEER = {"flask": "Flask-Limiter (1 rate)", "django": "django-ratelimit (1 rate)"
 REPORTS = [
     ("Engine: admit + release, reload", "engine.py", ["--operations", "50000", "--rounds", "3"]),
     (
-        "Shared backend against memory, 1 and 4 processes",
+        "Shared backend: floor, engine, overhead and gunicorn against issue 18's targets",
         "shared.py",
         ["--iterations", "5000", "--rounds", "3"],
     ),

@@ -1,26 +1,52 @@
-"""Admit + release cost of the shared (mmap file) backend against the memory backend.
+"""The shared (mmap file) backend's speed against the memory backend and its floor, with
+the four targets of issue 18 checked side by side in one run.
 
-Run ``python benchmarks/shared.py``. Each worker process builds its own GateKeeper on the
-backend under test and runs ``admit`` + ``release`` in a loop: concurrency limits on all
-three levels plus a per-caller rate limit, none of them ever hit (the cost every admitted
-request pays). With 4 processes the memory backend counts per process (it cannot share);
-the shared backend counts for the host, all four contending for one file lock.
+Run ``python benchmarks/shared.py`` (``--help``; ``--floor`` prints the floor alone). The
+sections, each against its target:
 
-Prints, per backend and process count, the median over rounds of the mean µs per
-admit + release seen by one process, and the host-wide throughput.
+- **floor**: what the primitives an admission is made of cost in CPython here: an OFD
+  lock + unlock pair (``fcntl.fcntl``, as ``flock``/``lockf``, and the GIL-holding call
+  the backend makes), a ``struct`` read-modify-write on an mmap, ``os.getpid()``, the
+  clock. Their sum over what one admit + release must do is the path's floor.
+- **engine**: ``GateKeeper.admit`` + ``release`` in a loop (concurrency limits on all three
+  levels plus a per-caller rate limit, none ever hit), memory and shared, 1, 2 and 4
+  processes. Memory counts per process; shared counts for the host. Target: host-wide
+  admits/s with 2 processes >= 1.5 x one process (shared).
+- **overhead**: a Flask app by direct WSGI calls, bare, on memory and on shared (3
+  concurrency levels + 1 rate), 1 and 8 threads, interleaved. Targets: shared's cost over
+  bare Flask <= 2.5 x memory's with 1 thread; shared with 8 threads <= 1.5 x 1 thread.
+- **throughput**: bare Flask and Flask + gatekeeper on shared under gunicorn (2 workers x 4
+  threads) driven by ``wrk`` (Python threads without it). Target: >= 0.85 of bare.
+
+Figures from a machine other work shares are noisy: quote them with the command and the
+load average printed at the start. With ``--check`` the exit status is 1 when a target is
+missed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import fcntl
+import mmap
 import multiprocessing
 import os
+import shutil
 import statistics
+import struct
 import sys
 import tempfile
+import threading
 import time
+import timeit
+from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
+from pathlib import Path
 from typing import Any
+
+import _common
+import throughput
 
 from gatekeeper_wsgi import GateKeeper
 
@@ -32,8 +58,104 @@ SETTINGS: dict[str, Any] = {
         "shop/orders/*": {"concurrency": 10_000, "rate": "1000000000/minute"},
     },
 }
+SECTIONS = ("floor", "engine", "overhead", "throughput")
 
-TARGET_US = 30.0
+#: issue 18's targets
+OVERHEAD_RATIO = 2.5  # shared's cost over bare Flask ÷ memory's, 1 thread, at most
+THREADS_RATIO = 1.5  # shared's cost over bare Flask, 8 threads ÷ 1 thread, at most
+PROCESSES_GAIN = 1.5  # host-wide admits/s, 2 processes ÷ 1, at least
+THROUGHPUT_SHARE = 0.85  # requests/s under gunicorn, shared ÷ bare, at least
+
+#: What one admit + release of the benchmark's request must do at least: take and drop the
+#: thread and file locks twice (admission, release), and about a dozen read-modify-writes
+#: of the table (three counts up and down, a window entry, a lease taken and freed, the
+#: header's counters and the journal's length), plus the clock of each side.
+FLOOR_LOCK_ROUNDS = 2
+FLOOR_RMWS = 12
+FLOOR_CLOCKS = 2
+
+
+def _tmpfs() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+@contextlib.contextmanager
+def _scratch_map() -> Iterator[tuple[int, mmap.mmap]]:
+    with tempfile.TemporaryDirectory(dir=_tmpfs()) as directory:
+        fd = os.open(os.path.join(directory, "floor"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, 1 << 16)
+            with mmap.mmap(fd, 1 << 16) as mm:
+                yield fd, mm
+        finally:
+            os.close(fd)
+
+
+def floor(number: int) -> dict[str, float]:
+    """ns per operation of the primitives (best of 5 runs of ``number``)."""
+    flock = struct.Struct("hhxxxxqqixxxx")
+    lock = flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+    unlock = flock.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
+    u32 = struct.Struct("<I")
+    libc = ctypes.PyDLL(None, use_errno=True)
+    lock_buffer = ctypes.create_string_buffer(lock, len(lock))
+    unlock_buffer = ctypes.create_string_buffer(unlock, len(unlock))
+    thread_lock = threading.Lock()
+    with _scratch_map() as (fd, mm):
+        cases = {
+            "fcntl.fcntl F_OFD_SETLKW + unlock": lambda: (
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, lock),
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, unlock),
+            ),
+            "ctypes.PyDLL fcntl F_OFD_SETLK + unlock (GIL held)": lambda: (
+                libc.fcntl(fd, fcntl.F_OFD_SETLK, lock_buffer),
+                libc.fcntl(fd, fcntl.F_OFD_SETLK, unlock_buffer),
+            ),
+            "fcntl.flock LOCK_EX + LOCK_UN": lambda: (
+                fcntl.flock(fd, fcntl.LOCK_EX),
+                fcntl.flock(fd, fcntl.LOCK_UN),
+            ),
+            "fcntl.lockf LOCK_EX + LOCK_UN": lambda: (
+                fcntl.lockf(fd, fcntl.LOCK_EX, 1),
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1),
+            ),
+            "threading.Lock acquire + release": lambda: (
+                thread_lock.acquire(),
+                thread_lock.release(),
+            ),
+            "struct unpack_from + pack_into on the mmap": lambda: u32.pack_into(
+                mm, 64, u32.unpack_from(mm, 64)[0] + 1
+            ),
+            "os.getpid()": os.getpid,
+            "time.monotonic()": time.monotonic,
+            "os.lseek(fd, 0, SEEK_END)": lambda: os.lseek(fd, 0, os.SEEK_END),
+            "an empty lambda (the loop's own cost)": lambda: None,
+        }
+        return {
+            name: min(timeit.repeat(case, number=number, repeat=5)) / number * 1e9
+            for name, case in cases.items()
+        }
+
+
+def path_floor(costs: dict[str, float]) -> float:
+    """µs that one admit + release cannot go below, from the primitives' costs."""
+    empty = costs["an empty lambda (the loop's own cost)"]
+    locks = min(
+        costs["fcntl.fcntl F_OFD_SETLKW + unlock"],
+        costs["ctypes.PyDLL fcntl F_OFD_SETLK + unlock (GIL held)"],
+    )
+    thread = costs["threading.Lock acquire + release"]
+    rmw = costs["struct unpack_from + pack_into on the mmap"]
+    clock = costs["time.monotonic()"]
+    nanoseconds = (
+        FLOOR_LOCK_ROUNDS * (locks + thread - 2 * empty)
+        + FLOOR_RMWS * (rmw - empty)
+        + FLOOR_CLOCKS * (clock - empty)
+    )
+    return nanoseconds / 1000
+
+
+# --- engine: admit + release in 1, 2 and 4 processes --------------------------------------
 
 
 def _worker(backend: str, iterations: int, barrier: Barrier, results: Any) -> None:
@@ -71,33 +193,188 @@ def measure(backend: str, processes: int, iterations: int) -> tuple[float, float
     return per_op, processes * iterations / wall
 
 
+def engine(iterations: int, rounds: int) -> dict[tuple[str, int], tuple[float, float]]:
+    """(backend, processes) -> medians of (µs per admit + release, host admits/s); the
+    cells take turns in every round, so noise from elsewhere hits all alike."""
+    cells = [(name, processes) for processes in (1, 2, 4) for name in ("memory", "shared")]
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
+    with tempfile.TemporaryDirectory(dir=_tmpfs()) as directory:
+        for round_ in range(rounds):
+            for name, processes in cells:
+                backend = (
+                    "memory"
+                    if name == "memory"
+                    else f"shared://{directory}/engine-{processes}-{round_}.shm"
+                )
+                samples[name, processes].append(measure(backend, processes, iterations))
+    return {
+        cell: (
+            statistics.median(us for us, _ in values),
+            statistics.median(rate for _, rate in values),
+        )
+        for cell, values in samples.items()
+    }
+
+
+# --- overhead: a Flask app by direct WSGI calls, 1 and 8 threads --------------------------
+
+BARE = "bare Flask"
+WAYS = ("memory", "shared")
+
+
+def overhead(rounds: int, requests: int) -> dict[str, dict[str, float]]:
+    """{"1": {way: µs}, "8": {way: µs}}: medians over interleaved rounds of bare Flask and
+    Flask in the gatekeeper middleware (3 concurrency levels + 1 rate) on each backend."""
+    with tempfile.TemporaryDirectory(dir=_tmpfs(), prefix="gk-bench-") as directory:
+        apps: dict[str, _common.WSGIApp] = {BARE: _common.flask_app()}
+        apps["memory"] = _common.flask_gatekeeper_middleware("memory")
+        apps["shared"] = _common.flask_gatekeeper_middleware(f"shared://{directory}/o.shm")
+        for app in apps.values():  # warm up: imports, first pages of the file
+            _common.run(app, 300)
+        return {
+            "1": _common.interleaved(apps, rounds, lambda app: _common.run(app, requests)),
+            "8": _common.interleaved(
+                apps, rounds, lambda app: _common.run_threads(app, requests, 8)
+            ),
+        }
+
+
+# --- throughput under gunicorn ------------------------------------------------------------
+
+
+def gunicorn_throughput(seconds: float, rounds: int) -> dict[str, float]:
+    """Requests/s (median of interleaved rounds) of bare Flask and Flask + gatekeeper on
+    shared under gunicorn 2 workers x 4 threads, by ``throughput.py``'s servers and load."""
+    generator = "wrk" if shutil.which("wrk") else "python"
+    with contextlib.ExitStack() as stack:
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=_tmpfs())))
+        specs = {
+            BARE: "_common:make_app('flask', 'bare', 'memory', '')",
+            "shared": (
+                f"_common:make_app('flask', 'gatekeeper-middleware', "
+                f"'shared://{directory}/gunicorn.shm', '')"
+            ),
+        }
+        ports = {}
+        for name, spec in specs.items():
+            server, ports[name] = throughput.serve(spec, 2, 4)
+            stack.callback(throughput.stop, server)
+        for port in ports.values():
+            throughput.warm_up(port)
+        samples: dict[str, list[float]] = {name: [] for name in ports}
+        for _ in range(rounds):
+            for name, port in ports.items():
+                if generator == "wrk":
+                    sample = throughput.load_wrk(port, seconds, 16, 2)
+                else:
+                    sample = throughput.load_python(port, seconds, 16)
+                samples[name].append(sample["rps"])
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=20_000, help="per process per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--floor", action="store_true", help="the floor section alone")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}"
+    )
+    parser.add_argument("--iterations", type=int, default=20_000, help="engine: per process")
+    parser.add_argument("--rounds", type=int, default=5, help="engine and overhead")
+    parser.add_argument("--requests", type=int, default=1000, help="overhead: per round")
+    parser.add_argument("--seconds", type=float, default=2.0, help="throughput: per round")
+    parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
-    print(f"{'backend':<8} {'procs':>5} {'µs/admit+release':>17} {'host admits/s':>14}")
-    verdict = 0
-    with tempfile.TemporaryDirectory() as directory:
-        for processes in (1, 4):
-            for name in ("memory", "shared"):
-                per_op, rates = [], []
-                for round_ in range(args.rounds):
-                    backend = (
-                        "memory"
-                        if name == "memory"
-                        else f"shared://{directory}/bench-{processes}-{round_}.shm"
-                    )
-                    us, rate = measure(backend, processes, args.iterations)
-                    per_op.append(us)
-                    rates.append(rate)
-                us = statistics.median(per_op)
-                print(f"{name:<8} {processes:>5} {us:>17.1f} {statistics.median(rates):>14,.0f}")
-                if name == "shared" and processes == 1 and us > TARGET_US:
-                    verdict = 1
-    print(f"target: <= {TARGET_US:.0f} µs per admit+release (shared, 1 process)")
-    return verdict
+    sections = {"floor"} if args.floor else set(args.sections.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; expected some of {SECTIONS}")
+    load = os.getloadavg()[0]
+    print(f"{_common.machine()}; load average {load:.2f} at the start")
+    missed = False
+    summary: list[str] = []
+
+    if "floor" in sections:
+        costs = floor(100_000)
+        print("\nfloor: ns per operation, best of 5")
+        for name, ns in costs.items():
+            print(f"  {name:54}{ns:8.0f}")
+        lowest = path_floor(costs)
+        print(
+            f"  admit + release floor ({FLOOR_LOCK_ROUNDS} lock rounds, {FLOOR_RMWS} "
+            f"read-modify-writes, {FLOOR_CLOCKS} clocks):{lowest:7.1f} µs"
+        )
+    if "engine" in sections:
+        cells = engine(args.iterations, args.rounds)
+        print(f"\nengine: admit + release, median of {args.rounds} rounds")
+        print(f"  {'backend':<8} {'procs':>5} {'µs/admit+release':>17} {'host admits/s':>14}")
+        for (name, processes), (us, rate) in cells.items():
+            print(f"  {name:<8} {processes:>5} {us:>17.1f} {rate:>14,.0f}")
+        one, two = cells["shared", 1], cells["shared", 2]
+        gain = two[1] / one[1]
+        ok = gain >= PROCESSES_GAIN
+        missed |= not ok
+        summary.append(
+            f"host admits/s, 2 processes ÷ 1 (shared): {gain:.2f} "
+            f"(target >= {PROCESSES_GAIN}): {_verdict(ok)}"
+        )
+        if "floor" in sections:
+            summary.append(
+                f"shared admit + release, 1 process: {one[0]:.1f} µs, "
+                f"{one[0] / lowest:.1f} x its floor of {lowest:.1f} µs"
+            )
+    if "overhead" in sections:
+        results = overhead(args.rounds, args.requests)
+        print(f"\noverhead: Flask, direct WSGI calls, median of {args.rounds} rounds")
+        print(f"  {'':24}{'threads':>8}{'µs/request':>12}{'over bare':>11}")
+        cost: dict[tuple[str, str], float] = {}
+        for threads, medians in results.items():
+            for name, value in medians.items():
+                cost[threads, name] = value - medians[BARE]
+                label = name if name == BARE else f"gatekeeper on {name}"
+                print(f"  {label:24}{threads:>8}{value:12.2f}{cost[threads, name]:11.2f}")
+        ratio = cost["1", "shared"] / cost["1", "memory"]
+        ok = ratio <= OVERHEAD_RATIO
+        missed |= not ok
+        summary.append(
+            f"cost over bare Flask, shared ÷ memory, 1 thread: {ratio:.2f} "
+            f"(target <= {OVERHEAD_RATIO}): {_verdict(ok)}"
+        )
+        ratio = cost["8", "shared"] / cost["1", "shared"]
+        ok = ratio <= THREADS_RATIO
+        missed |= not ok
+        summary.append(
+            f"cost over bare Flask on shared, 8 threads ÷ 1: {ratio:.2f} "
+            f"(target <= {THREADS_RATIO}): {_verdict(ok)}"
+        )
+    if "throughput" in sections:
+        rates = gunicorn_throughput(args.seconds, args.throughput_rounds)
+        print(
+            f"\nthroughput: gunicorn 2 workers x 4 threads, median of "
+            f"{args.throughput_rounds} rounds of {args.seconds:g} s"
+        )
+        for name, rate in rates.items():
+            label = name if name == BARE else f"gatekeeper on {name}"
+            print(f"  {label:24}{rate:>10,.0f} req/s")
+        share = rates["shared"] / rates[BARE]
+        ok = share >= THROUGHPUT_SHARE
+        missed |= not ok
+        summary.append(
+            f"gunicorn requests/s, Flask on shared ÷ bare: {share:.2f} "
+            f"(target >= {THROUGHPUT_SHARE}): {_verdict(ok)}"
+        )
+    if summary:
+        print("\ntargets (issue 18):")
+        for line in summary:
+            print(f"  {line}")
+    return 1 if missed and args.check else 0
 
 
 if __name__ == "__main__":
