@@ -1,23 +1,30 @@
 """The backend contract lives in the ABC (``backends/base.py``): every registered backend is
 built through ``Backend.from_url``, answers the optional extras the base declares, and a
-refusal carries only what a backend can tell (no ``remaining`` that is always 0)."""
+refusal carries only what a backend can tell (no ``remaining`` that is always 0), and
+whatever goes wrong inside a backend leaves it as a ``BackendError`` (wrapped once, by the
+base), never as a 500."""
 
 from __future__ import annotations
 
 import inspect
+import json
+from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
+from typing import Any
 
 import pytest
 from werkzeug.test import Client
 
 from gatekeeper_wsgi import fault
 from gatekeeper_wsgi.backends import BACKENDS, backend_from_url
-from gatekeeper_wsgi.backends.base import Backend, Denial
+from gatekeeper_wsgi.backends.base import GUARDED, Backend, Denial
 from gatekeeper_wsgi.backends.memory import MemoryBackend
 from gatekeeper_wsgi.engine import GateKeeper
-from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.errors import BackendError, Rejected
 from gatekeeper_wsgi.frs import FrequencyService
+from gatekeeper_wsgi.middleware import GateKeeperMiddleware
+from gatekeeper_wsgi.values import Limit, Rate, Slot
 from tests.conftest import FakeClock
 
 
@@ -100,3 +107,93 @@ def test_frs_parses_at_most_accept_cap_characters_of_accept() -> None:
         assert fault._parsed_preference.cache_info().currsize == 1
     finally:
         gk.close()
+
+
+@pytest.mark.parametrize("cls", _registered(), ids=lambda cls: cls.__name__)
+def test_every_contract_method_a_backend_defines_is_guarded(cls: type[Backend]) -> None:
+    """The base wraps every contract method a registered backend defines, so no method can
+    let a raw library exception out, however the backend is written."""
+    defined = [name for name in GUARDED if name in cls.__dict__]
+    assert "acquire" in defined and "release" in defined
+    for name in defined:
+        assert getattr(cls.__dict__[name], "__gatekeeper_guarded__", False), name
+
+
+def _hostile_slots() -> list[Slot]:
+    """A sound slot, then one whose rate was built with strings where numbers belong: the
+    backend's own arithmetic fails on it (a TypeError no backend anticipates)."""
+    limit: Any = "5"
+    seconds: Any = "60"
+    hostile_rate = Rate(limit=limit, seconds=seconds, text="5/minute")
+    return [
+        Slot("shop", Limit("shop", ("shop",), concurrency=5), True),
+        Slot("shop/api", Limit("shop/api", ("shop", "api"), rate=hostile_rate), True),
+    ]
+
+
+def test_an_unexpected_exception_inside_a_backend_leaves_as_backend_error(
+    backend_url: str,
+) -> None:
+    """A TypeError deep inside acquire (memory, shared table, Redis) leaves as a
+    BackendError naming the store and quoting the cause; the slot taken before it is given
+    back, and the backend admits normally afterwards."""
+    backend = backend_from_url(backend_url)
+    try:
+        slots = _hostile_slots()
+        with pytest.raises(BackendError, match="TypeError") as failed:
+            backend.acquire(slots, 1000.0)
+        assert str(failed.value).startswith(backend.label)
+        assert isinstance(failed.value.__cause__, TypeError)
+        assert backend.inflight(1000.0).get("shop", 0) == 0
+        grant = backend.acquire(slots[:1], 1000.0)
+        assert not isinstance(grant, Denial)
+        assert backend.inflight(1000.0)["shop"] == 1
+        backend.release(grant, 200, 0.0, 1000.0)
+        assert backend.inflight(1000.0).get("shop", 0) == 0
+    finally:
+        backend.close()
+
+
+def test_a_wrapped_error_masks_the_secrets_its_cause_quotes(tmp_path: Path) -> None:
+    """A library message quoting a URL with a password or a ``password=`` pair is masked in
+    the BackendError, and control characters are escaped (it goes to the log)."""
+    backend = backend_from_url(f"shared://{tmp_path / 'gk.shm'}")
+    try:
+        cause = RuntimeError("redis://:hunter2@db:6379/0 password=hunter2\n\x1b[2J forged")
+        error = backend.backend_error(cause)
+        assert "hunter2" not in str(error) and "\x1b" not in str(error)
+        assert "\n" not in str(error)
+        assert str(error).startswith(f"shared table {str(tmp_path / 'gk.shm')!r}: RuntimeError")
+        assert error.__cause__ is cause
+    finally:
+        backend.close()
+
+
+def _hello(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"hello"]
+
+
+@pytest.mark.parametrize(("policy", "status"), [("allow", 200), ("reject", 503)])
+def test_a_closed_shared_table_answers_by_on_backend_error(
+    tmp_path: Path, policy: str, status: int
+) -> None:
+    """The shared table closed under a running app: every request gets what
+    on_backend_error says (GK-BACKEND-UNAVAILABLE when "reject"), never a 500."""
+    app = GateKeeperMiddleware(
+        _hello,
+        {
+            "project": "shop",
+            "backend": f"shared://{tmp_path / 'gk.shm'}",
+            "on_backend_error": policy,
+            "limits": {"shop": {"concurrency": 1}},
+        },
+    )
+    app.gatekeeper.backend.close()
+    client = Client(app)
+    for _ in range(3):
+        response = client.get("/work")
+        assert response.status_code == status
+        if status == 503:
+            assert json.loads(response.data)["code"] == "GK-BACKEND-UNAVAILABLE"
+    assert app.gatekeeper.monitor.backend_errors == 3

@@ -12,18 +12,31 @@ extras with their defaults, so that callers never probe for an attribute: per-li
 totals (:meth:`Backend.totals`, so a status read or scrape costs O(limits), not O(tracked
 keys)), adaptive limits, :meth:`Backend.census`, :meth:`Backend.usage`. The value types
 a backend counts (``Slot``, ``Limit``) come from the leaf :mod:`gatekeeper_wsgi.values`.
+
+Errors are wrapped once, here: every contract method a backend defines is guarded when
+its class is created (``Backend.__init_subclass__``, as limits' storage base does), so
+whatever goes wrong inside a backend leaves it as a
+:class:`~gatekeeper_wsgi.errors.BackendError` naming the store (:attr:`Backend.label`),
+secrets masked, and the engine applies ``on_backend_error`` instead of answering 500.
+A backend that must tidy up first (the shared table rolls its journal back) does so in its
+own ``except`` and re-raises; code that needs the wrapped error before the method returns
+(Redis's release sender) builds it with :meth:`Backend.backend_error`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
+from gatekeeper_wsgi.errors import BackendError, CapacityError, escape_controls
 from gatekeeper_wsgi.monitor import Stage
+from gatekeeper_wsgi.redact import mask_text
 from gatekeeper_wsgi.values import Limit, LimitKind, Slot
 
 if TYPE_CHECKING:
@@ -46,6 +59,75 @@ TOP_KEYS = 50
 
 #: No keys to watch (the default of :meth:`Backend.totals`).
 NO_WATCH: Mapping[str, Collection[str]] = MappingProxyType({})
+
+#: The methods of the contract whose failures leave a backend as a BackendError. Not
+#: ``from_url`` / ``check_url``: refusing a URL is a ConfigError, and they run at start-up.
+GUARDED = (
+    "acquire",
+    "release",
+    "peek",
+    "inflight",
+    "totals",
+    "observe",
+    "adaptive",
+    "adaptive_limit",
+    "census",
+    "usage",
+    "next_due",
+    "delayed_pending",
+    "multiprocess",
+    "close",
+)
+
+#: What leaves a backend unwrapped: its own verdicts, already in the contract's terms.
+PASSING = (BackendError, CapacityError)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+# The guard of a method whose parameters are all plain positional ones has that very
+# signature: calling it costs one frame (~30 ns), where ``*args, **kwargs`` would pack and
+# unpack the arguments on every admission and release (~250 ns, measured on 3.11).
+_FIXED_GUARD = """\
+def {name}(self, {params}):
+    try:
+        return method(self, {params})
+    except PASSING:
+        raise
+    except Exception as exc:
+        raise self.backend_error(exc) from exc
+"""
+
+
+def guard(method: _Method) -> _Method:
+    """``method`` of a backend, raising :meth:`Backend.backend_error` for whatever it
+    raises that is not a :data:`PASSING` error (``KeyboardInterrupt`` and the like pass
+    too: they are not failures of the store)."""
+    if getattr(method, "__gatekeeper_guarded__", False):
+        return method
+    parameters = list(inspect.signature(method).parameters.values())[1:]
+    if parameters and all(
+        p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in parameters
+    ):
+        namespace: dict[str, Any] = {"method": method, "PASSING": PASSING}
+        source = _FIXED_GUARD.format(
+            name=method.__name__, params=", ".join(p.name for p in parameters)
+        )
+        # A template filled with parameter names only, as dataclasses builds __init__.
+        exec(source, namespace)
+        guarded = namespace[method.__name__]
+    else:
+
+        def guarded(self: Backend, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except PASSING:
+                raise
+            except Exception as exc:
+                raise self.backend_error(exc) from exc
+
+    functools.update_wrapper(guarded, method)
+    guarded.__gatekeeper_guarded__ = True
+    return guarded  # type: ignore[no-any-return]
 
 
 class Denial(NamedTuple):
@@ -129,6 +211,30 @@ class Backend(ABC):
     #: True when the backend enforces an adaptive limit's current value (``observe``,
     #: ``adaptive``); a backend without it enforces ``adaptive.max`` (the engine warns).
     adaptive_limits = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Guard the contract methods the subclass defines (see :func:`guard`)."""
+        super().__init_subclass__(**kwargs)
+        for name in GUARDED:
+            method = cls.__dict__.get(name)
+            if callable(method):
+                setattr(cls, name, guard(method))
+
+    @property
+    def label(self) -> str:
+        """What names this store in an error message (``shared table '/run/gk.shm'``,
+        ``redis at 10.0.0.5:6379``): its kind by default."""
+        return type(self).__name__
+
+    def backend_error(self, exc: Exception) -> BackendError:
+        """The one wrapping of a failure inside this backend: a :class:`BackendError`
+        naming the store and what went wrong, with URL passwords and ``password=`` values
+        masked and control characters escaped (library messages quote URLs and data)."""
+        what = type(exc).__name__
+        said = escape_controls(mask_text(str(exc)))
+        error = BackendError(f"{self.label}: {what}: {said}" if said else f"{self.label}: {what}")
+        error.__cause__ = exc
+        return error
 
     @classmethod
     def from_url(cls, url: str, config: Config | None = None) -> Backend:

@@ -186,55 +186,58 @@ class MemoryBackend(Backend):
             shadowed: tuple[int, ...] = ()
             adaptive = False
             get = self._counters.get
-            # Counted as it goes; a refusal takes back what was counted before it. The
-            # slot's index is len(counters): one counter per slot so far.
-            for key, limit, enforce in slots:
-                counter = get(key)
-                if counter is None:
-                    try:
+            # Counted as it goes; a refusal takes back what was counted before it, and so
+            # does anything raised on the way (a full table, a bug): no slot is left
+            # counted for a request that was not admitted. The slot's index is
+            # len(counters): one counter per slot so far.
+            try:
+                for key, limit, enforce in slots:
+                    counter = get(key)
+                    if counter is None:
                         counter = self._create(key, limit, now, len(counters))
-                    except CapacityError:
-                        self._undo(counters)
-                        raise
-                else:
-                    counter.used = True
-                # An adaptive limit's capacity is -inf: its admissions all come here.
-                if counter.inflight >= limit.capacity:
-                    full = True
-                    if limit.adaptive is not None:
-                        adaptive = True
-                        gauge = counter.gauge
-                        if gauge is None or gauge.spec is not limit.adaptive:
-                            gauge = self._gauge(key, counter, limit, now)
-                        full = counter.inflight >= gauge.limit
-                    if full:
-                        if enforce:
+                    else:
+                        counter.used = True
+                    # An adaptive limit's capacity is -inf: its admissions all come here.
+                    if counter.inflight >= limit.capacity:
+                        full = True
+                        if limit.adaptive is not None:
+                            adaptive = True
+                            gauge = counter.gauge
+                            if gauge is None or gauge.spec is not limit.adaptive:
+                                gauge = self._gauge(key, counter, limit, now)
+                            full = counter.inflight >= gauge.limit
+                        if full:
+                            if enforce:
+                                wait = self._soonest(counter, now)
+                                self._undo(counters)
+                                return Denial(len(counters), "concurrency", wait)
+                            shadowed += (len(counters),)
+                    rate = limit.rate
+                    if rate is not None:
+                        window = counter.window
+                        if window is None:
+                            window = counter.window = array("d")
+                        cutoff = now - rate.seconds
+                        head = counter.head
+                        if len(window) > head and window[head] <= cutoff:
+                            head = _expire(counter, window, cutoff)
+                        if len(window) - head < rate.limit:
+                            recording.append(window)
+                            if limit.count is not None:
+                                reserved.append((counter, limit.count))
+                        elif enforce:
+                            wait = window[head] - cutoff
                             self._undo(counters)
-                            wait = self._soonest(counter, now)
-                            return Denial(len(counters), "concurrency", wait)
-                        shadowed += (len(counters),)
-                rate = limit.rate
-                if rate is not None:
-                    window = counter.window
-                    if window is None:
-                        window = counter.window = array("d")
-                    cutoff = now - rate.seconds
-                    head = counter.head
-                    if len(window) > head and window[head] <= cutoff:
-                        head = _expire(counter, window, cutoff)
-                    if len(window) - head < rate.limit:
-                        recording.append(window)
-                        if limit.count is not None:
-                            reserved.append((counter, limit.count))
-                    elif enforce:
-                        self._undo(counters)
-                        return Denial(len(counters), "rate", window[head] - cutoff)
-                    elif len(counters) not in shadowed:
-                        # Shadow over concurrency still counts in the window; a full window
-                        # is not extended (as enforce mode would not have admitted).
-                        shadowed += (len(counters),)
-                counter.inflight += 1
-                counters.append(counter)
+                            return Denial(len(counters), "rate", wait)
+                        elif len(counters) not in shadowed:
+                            # Shadow over concurrency still counts in the window; a full
+                            # window is not extended (as enforce mode would not have admitted).
+                            shadowed += (len(counters),)
+                    counter.inflight += 1
+                    counters.append(counter)
+            except BaseException:
+                self._undo(counters)
+                raise
             for window in recording:
                 window.append(now)
             grant = _MemoryGrant(slots, shadowed, counters, now, reserved, adaptive)

@@ -587,6 +587,10 @@ class RedisBackend(Backend):
         self._outbox.after_fork()
         self._delayed_lock = threading.Lock()
 
+    @property
+    def label(self) -> str:
+        return f"redis at {self.location}"
+
     @classmethod
     def from_url(
         cls, url: str, config: Config | None = None, *, check: bool = True
@@ -987,7 +991,8 @@ class RedisBackend(Backend):
                 answer = self._evalsha(self._pack(releases, input, lease))
         except Exception as exc:  # redis-py's, or anything it let through: never a 500
             breaker.failure(exc)
-            raise BackendError(f"redis at {self.location}: {exc}") from exc
+            # Wrapped here, not only by the base's guard: the release sender catches it.
+            raise self.backend_error(exc) from exc
         except BaseException:
             breaker.abandon()
             raise
@@ -1279,7 +1284,7 @@ class RedisBackend(Backend):
             yield
         except Exception as exc:
             breaker.failure(exc)
-            raise BackendError(f"redis at {self.location}: {exc}") from exc
+            raise self.backend_error(exc) from exc
         except BaseException:
             breaker.abandon()
             raise

@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveReport, AdaptiveSpec, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
+    PASSING,
     TOP_KEYS,
     Backend,
     Census,
@@ -359,6 +360,10 @@ class SharedBackend(Backend):
         else:
             self._leave()
 
+    @property
+    def label(self) -> str:
+        return f"shared table {self.path!r}"
+
     @classmethod
     def from_url(cls, url: str, config: Config | None = None) -> SharedBackend:
         """``shared:///absolute/path/file`` (or ``shared://relative/path``), with optional
@@ -460,7 +465,7 @@ class SharedBackend(Backend):
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, LOCK)
         except (OSError, ConfigError) as exc:
             self._tlock.release()
-            raise BackendError(f"cannot lock the shared table {self.path!r}: {exc}") from exc
+            raise self.backend_error(exc) from exc
         try:
             try:
                 mm = self._mm
@@ -482,8 +487,8 @@ class SharedBackend(Backend):
             return mm
         except BaseException as exc:
             self._leave()
-            if isinstance(exc, Exception) and not isinstance(exc, BackendError):
-                raise BackendError(f"shared table {self.path!r}: {exc!r}") from exc
+            if isinstance(exc, Exception) and not isinstance(exc, PASSING):
+                raise self.backend_error(exc) from exc
             raise
 
     def _leave(self) -> None:
@@ -744,17 +749,17 @@ class SharedBackend(Backend):
             self._rollback()
         except Exception as undo_error:
             exc = Damaged(f"its journal cannot be rolled back ({undo_error})")
-        if isinstance(exc, (CapacityError, BackendError)) or not isinstance(exc, Exception):
+        if isinstance(exc, PASSING) or not isinstance(exc, Exception):
             raise exc
         if isinstance(exc, (Damaged, IndexError, ValueError, OverflowError, struct.error)):
             try:
                 self._recreate(str(exc) or repr(exc))
             except Exception as again:
-                raise BackendError(f"shared table {self.path!r}: {again!r}") from exc
+                raise self.backend_error(again) from exc
             raise _Recreated(
                 f"shared table {self.path!r} was damaged ({exc}); it was re-created"
             ) from exc
-        raise BackendError(f"shared table {self.path!r}: {exc!r}") from exc
+        raise self.backend_error(exc) from exc
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _SharedGrant)
