@@ -320,7 +320,7 @@ def test_a_unix_socket_url_works(tmp_path: Path) -> None:
 
 def lives_left(server_url: str, prefix: str, kind: str = "z") -> list[int]:
     """The milliseconds each key under ``prefix`` has left to live (PTTL): the sets of the
-    concrete paths (``kind`` z), or the totals sets of the limits (t)."""
+    concrete paths (``kind`` z), the totals sets of the limits (t) or their delayed sets (d)."""
     raw = redis.Redis.from_url(server_url)
     pipe = raw.pipeline(transaction=False)
     for key in raw.scan_iter(f"{prefix}:{{*}}:{kind}:*", count=1000):
@@ -351,10 +351,11 @@ def test_a_delayed_release_leaves_no_key_past_its_delay(prefixed: str, redis_ser
     for index in range(20):
         gk.admit("shop", "quick", f"c{index}").release(503, faulty=True)
     wait_until(lambda: len(lives_left(redis_server, prefix)) == 500, what="quick keys to go")
-    # Besides, one totals set per limit used, which outlives its leases by max_hold / 8 at most.
-    totals = lives_left(redis_server, prefix, "t")
-    assert len(totals) == 2
-    assert all(0 < ttl <= 337_501 for ttl in totals)
+    # Besides, per limit a delayed set for the totals, which lives as long as its latest
+    # delayed release: the quick one goes as they mature; the totals sets, emptied, are gone.
+    wait_until(lambda: len(lives_left(redis_server, prefix, "d")) == 1, what="quick set to go")
+    assert all(0 < ttl <= 60_001 for ttl in lives_left(redis_server, prefix, "d"))
+    assert lives_left(redis_server, prefix, "t") == []
 
 
 def test_a_rate_key_lives_one_window_after_its_last_request(

@@ -14,7 +14,7 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
-from gatekeeper_wsgi.backends.redis import RedisBackend, _Release  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
 from tests.test_redis import admitted, keeper  # noqa: E402
 
@@ -123,9 +123,10 @@ def test_an_admission_run_after_its_give_back_takes_nothing(prefixed: str) -> No
             gk.admit("shop", "work", "c")
         for admission in both:
             admission.release(200)
-        # The tombstone lives as long as the lease would have, and holds nothing.
-        life = backend.client.pttl(backend.totals_key("shop", "shop"))
-        assert 290_000 < life <= 337_501
+        # The tombstone lives as long as the lease would have (in the route's first set,
+        # which the releases keep for it), and holds nothing.
+        life = backend.client.pttl(backend.key_of("shop"))
+        assert 290_000 < life <= 300_001
     finally:
         gk.close()
 
@@ -170,6 +171,56 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
         with pytest.raises(Rejected) as refused:
             gk.admit("shop", "work", "c")
         assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("ends_first", [0, 1], ids=["first ends first", "second ends first"])
+def test_a_rate_key_keeps_its_life_for_a_request_in_flight(prefixed: str, ends_first: int) -> None:
+    """Two requests in flight on one rate-limited key: when one ends (its release applied
+    twice, as after a lost answer), the key still lives max_hold for the other, not just its
+    1 s window; once both ended, it lives by its window, however often a release is replayed."""
+    gk = keeper(prefixed, {"shop/work/*": {"concurrency": 5, "rate": "100/second"}})
+    try:
+        backend = redis_backend(gk)
+        both = [gk.admit("shop", "work", "c"), gk.admit("shop", "work", "c")]
+        grants = [admission._held[0] for admission in both]
+        replays = [
+            _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0)
+            for grant in grants
+            if isinstance(grant, _RedisGrant)
+        ]
+        both[ends_first].release(200)
+        backend._send([replays[ends_first]])
+        assert life_left(gk, "shop/work/c") > 290_000
+        assert gk.inflight() == {"shop/work/c": 1}
+        both[1 - ends_first].release(200)
+        assert 0 < life_left(gk, "shop/work/c") <= 1_001
+        backend._send(replays)
+        assert 0 < life_left(gk, "shop/work/c") <= 1_001
+        assert gk.inflight() == {}
+    finally:
+        gk.close()
+
+
+def test_a_tombstone_on_a_rate_key_outlives_later_requests(prefixed: str) -> None:
+    """A give-back's tombstone in a rate-limited first set: later requests' releases do not
+    cut the set's life to its 1 s window, and the late admission still takes nothing."""
+    gk = keeper(prefixed, {"shop/work/*": {"concurrency": 3, "rate": "100/second"}})
+    try:
+        route = [Slot("shop/work/c", gk.config.limits["shop/work/*"], True)]
+        assert_late_admission_takes_nothing(gk, route, "stale-lease-3")
+        for _ in range(3):
+            gk.admit("shop", "work", "c").release(200)
+        assert 290_000 < life_left(gk, "shop/work/c") <= 300_001
+        backend = redis_backend(gk)
+        answer, _ = backend._run([], backend._input(route), "stale-lease-3")
+        assert answer != 1 and answer[0] == 0
+        held = [gk.admit("shop", "work", "c") for _ in range(3)]
+        with pytest.raises(Rejected):
+            gk.admit("shop", "work", "c")
         for admission in held:
             admission.release(200)
     finally:

@@ -5,10 +5,13 @@ segment of the concrete path, so every key of one request shares one hash tag an
 Redis Cluster slot)::
 
     <prefix>:{<project>}:z:<path>    the path's leases, delayed releases and rate window
+                                     (and, in a route's first path, give-back tombstones)
     <prefix>:{<project>}:t:<limit>   the totals of a configured wildcard limit: its paths'
                                      leases and which of its paths have a live rate window
                                      (a limit without one has only its own path: its set
-                                     serves); also a route's give-back tombstones
+                                     serves)
+    <prefix>:{<project>}:d:<limit>   the delayed releases of a wildcard limit's paths, for
+                                     its totals (it lives as long as its latest one)
     <prefix>:{<project>}:a:<path>    an adaptive limit's value in force, its controller's
                                      state and the window of samples being gathered
 
@@ -90,6 +93,10 @@ _SENDER_IDLE = 10.0
 #: dropped and end by lease expiry.
 _PENDING_RELEASES = 10_000
 _KEY_CACHE_SIZE = 10_000
+#: Tombstones and marks score above this (lua/gate.lua): counts read below it.
+_BELOW_BAND = "(4503599627370496"
+#: The longest max_hold (a year): every score stays an exact integer (below 2^53).
+_MAX_HOLD = 365 * 86400.0
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -155,8 +162,8 @@ class _Input(NamedTuple):
     """What gate.lua needs about the slots of one route, packed once (redis-py would encode
     every argument anew on every call, which costs more than the round trip)."""
 
-    #: the route's tombstone set (see gate.lua), then per slot: its path's sorted set, then
-    #: its limit's totals set (the sorted set again for a limit without a wildcard)
+    #: per slot: its path's sorted set, its limit's totals set and delayed set (the sorted
+    #: set again for a limit without a wildcard), and an adaptive slot's hash (see gate.lua)
     keys: list[str]
     key_bulks: list[bytes]  #: the same, packed
     spec_words: list[str]  #: every slot's spec (see gate.lua)
@@ -167,7 +174,7 @@ class _Input(NamedTuple):
     reserved: list[tuple[int, frozenset[int]]]
     #: window in ms * 2 per slot, for a release that gives reservations back
     code_values: list[int]
-    #: indexes of the adaptive slots (a third key: their hash)
+    #: indexes of the adaptive slots (a fourth key: their hash)
     adaptive: frozenset[int] = frozenset()
 
 
@@ -539,8 +546,11 @@ class RedisBackend(Backend):
             raise ConfigError(
                 "backend", f"prefix: expected [A-Za-z0-9._:/-]{{1,64}}, got {prefix!r}"
             )
-        if not max_hold > 0:
-            raise ConfigError("backend", f"max_hold: expected seconds > 0, got {max_hold!r}")
+        if not 0 < max_hold <= _MAX_HOLD:
+            raise ConfigError(
+                "backend",
+                f"max_hold: expected seconds > 0, at most {_MAX_HOLD:.0f}, got {max_hold!r}",
+            )
         if not 0 <= flush_interval <= MAX_FLUSH_INTERVAL:
             raise ConfigError(
                 "backend",
@@ -712,6 +722,12 @@ class RedisBackend(Backend):
         thus has one totals set per project."""
         return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:t:{limit_path}"
 
+    def delayed_key(self, limit_path: str, path: str) -> str:
+        """The delayed set of configured wildcard limit ``limit_path`` for its concrete
+        ``path``: the delayed releases of all its paths (see ``lua/gate.lua``), beside its
+        totals set."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:d:{limit_path}"
+
     def adaptive_key(self, path: str) -> str:
         """The hash of an adaptive limit at concrete ``path``: its limit in force, its
         controller's state and the window being gathered (see ``lua/gate.lua``)."""
@@ -726,10 +742,7 @@ class RedisBackend(Backend):
         if len(self._inputs) >= _KEY_CACHE_SIZE:
             self._inputs = {}
             self._adaptive = {}
-        # A give-back's tombstone goes to the first slot's totals key: a set no count reads
-        # (one that only tombstones use, when that limit has no wildcard).
-        first = route[0]
-        keys: list[str] = [self.totals_key(first.limit.path, first.key)]
+        keys: list[str] = []
         specs: list[str] = []
         values: list[int] = []
         reserved: list[tuple[int, frozenset[int]]] = []
@@ -743,7 +756,11 @@ class RedisBackend(Backend):
             own = self.key_of(slot.key)
             # A limit without a wildcard has one concrete path: its own set holds all its
             # totals would (read there by totals()), so the set stands in for them.
-            keys += (own, self.totals_key(limit.path, slot.key) if limit.wildcard else own)
+            if limit.wildcard:
+                keys += (own, self.totals_key(limit.path, slot.key))
+                keys.append(self.delayed_key(limit.path, slot.key))
+            else:
+                keys += (own, own, own)
             if limit.adaptive is not None:
                 adaptive.add(index)
                 concurrency = f"a{limit.adaptive.initial}"
@@ -1101,7 +1118,7 @@ class RedisBackend(Backend):
         Releases not yet confirmed are sent first, so none is counted as held."""
         counts: dict[str, int] = {}
         for key, held in self._each_key(
-            lambda pipe, key, now_us: pipe.zcount(key, f"({now_us}", "+inf")
+            lambda pipe, key, now_us: pipe.zcount(key, f"({now_us}", _BELOW_BAND)
         ):
             if held:
                 counts[key.split("}:z:", 1)[1]] = int(held)
@@ -1153,8 +1170,7 @@ class RedisBackend(Backend):
                         if members:
                             held[limit.path] += members
                         continue
-                    # "<lease>|<path>"; a give-back's tombstone "<lease>!" holds nothing
-                    parts = (_text(member).partition("|") for member in members)
+                    parts = (_text(member).partition("|") for member in members)  # <lease>|<path>
                     held.update(path for _, bar, path in parts if bar)
                 found.append((limit, held, windowed))
             return self._summed(found, now_us or self._redis_time(), top, watch)
@@ -1162,8 +1178,9 @@ class RedisBackend(Backend):
     def _totals_sets(self, limits: Sequence[Limit]) -> list[list[tuple[str, str]]]:
         """The sets lua/totals.lua reads for each limit, with the argument it reads each
         by: a limit without a wildcard, its path's own set and its rate window in µs; a
-        wildcard limit, its totals set and ''; for one whose project segment is ``*``, one
-        per project that used it (found by SCAN: such limits are rare)."""
+        wildcard limit, its totals set and '' and its delayed set and 'd'; for one whose
+        project segment is ``*``, those of each project that used it (found by SCAN: such
+        limits are rare)."""
         sets: list[list[tuple[str, str]]] = []
         for limit in limits:
             if not limit.wildcard:
@@ -1171,13 +1188,16 @@ class RedisBackend(Backend):
                 window_us = 0 if rate is None else round(rate.seconds * 1_000_000)
                 sets.append([(self.key_of(limit.path), str(window_us))])
                 continue
-            project = limit.path.split("/", 1)[0]
-            if project != "*":
-                sets.append([(self.totals_key(limit.path, limit.path), "")])
-                continue
-            pattern = f"{_glob_escape(self.prefix)}:{{*}}:t:{_glob_escape(limit.path)}"
-            found = sorted({_text(key) for key in self.client.scan_iter(match=pattern)})
-            sets.append([(name, "") for name in found])
+            projects = [limit.path.split("/", 1)[0]]
+            if projects[0] == "*":
+                pattern = f"{_glob_escape(self.prefix)}:{{*}}:[td]:{_glob_escape(limit.path)}"
+                found = {_text(key) for key in self.client.scan_iter(match=pattern)}
+                projects = sorted({name.split("{", 1)[1].split("}", 1)[0] for name in found})
+            named: list[tuple[str, str]] = []
+            for project in projects:
+                named.append((self.totals_key(limit.path, project), ""))
+                named.append((self.delayed_key(limit.path, project), "d"))
+            sets.append(named)
         return sets
 
     def _summed(
@@ -1250,7 +1270,7 @@ class RedisBackend(Backend):
         ``lua/gate.lua``); window entries score below zero and are not read."""
         leases: set[str] = set()
         for _, members in self._each_key(
-            lambda pipe, key, now_us: pipe.zrangebyscore(key, f"({now_us}", "+inf")
+            lambda pipe, key, now_us: pipe.zrangebyscore(key, f"({now_us}", _BELOW_BAND)
         ):
             leases.update(_text(member) for member in members)
         delayed = sum(1 for lease in leases if lease.endswith(":d"))

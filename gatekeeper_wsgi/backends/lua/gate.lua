@@ -7,19 +7,26 @@
 --   <lease>     a request in flight; score = when its lease expires (us of Redis TIME)
 --   <lease>:d   a delayed release: the slot stays taken; score = when it matures
 --   <lease>:w   an entry of the rate window; score = MINUS the admission time
+-- and, in a band above every time (BAND + ...), which no count reads:
+--   <lease>     in a route's first set: a give-back's tombstone; score = BAND + when it ends
+--   ~ and ~~    the marks: a release must look at what is left (see settle below); score BAND
 -- Window entries score below zero and leases above, so one range tells them apart and one
 -- ZREMRANGEBYSCORE [window - now, now] drops both slid-out entries and ended leases. Scores
--- are whole microseconds, passed as numbers (Lua's tostring would round them).
+-- are whole microseconds, passed as numbers (Lua's tostring would round them); BAND + a time
+-- is still below 2^53, so every score is exact.
 --
 -- Next to it, one totals set per configured wildcard limit path (the status page and scrapes
 -- read it in O(limits + requests in flight), not O(keys)). Members:
---   <lease>|<path>  a lease of one of its keys (held or delayed); score = when it ends
+--   <lease>|<path>  a lease of one of its keys; score = when it ends
 --   <path>          a key with a rate window; score = MINUS when its newest entry slides out
+-- and its delayed set, the delayed releases of its keys (<lease>|<path>, scored by when they
+-- mature), which lives exactly as long as its latest one: a matured delayed release leaves
+-- nothing behind (the totals set lives by its admissions).
 -- Every member carries its own end, so a lease that expires by max_hold (a crashed holder)
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
 -- A limit without a wildcard has one concrete path, its own: its sorted set already holds
--- all it would, so it has no totals set (the client passes that set again in its place,
+-- all it would, so it has neither (the client passes that set again in their place,
 -- and the script skips the totals writes where the two are the same key).
 --
 -- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
@@ -40,7 +47,8 @@
 --            an adaptive slot's code is "<code>:" or, with the request's sample,
 --            "<code>:<latency in us>:<faulty 1/0>";
 --            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
---            answer never came (freed now, and never taken if it runs later);
+--            answer never came (freed now, and never taken if it runs later: a tombstone
+--            in the route's first set);
 --            "=<claim> <due> <limit> <n> <sum> <drops> <peak> <cap> <state>" writes a claimed
 --            adaptive state (one key: the hash)
 -- then, when an admission follows:
@@ -49,11 +57,9 @@
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
 --   (0: none)> <rate window in us> <enforce (1/0)>"
 -- (Specs in words keep the command short: the client packs each argument anew.)
--- KEYS: the keys of the releases in order, then those of the admission. Each release and
--- the admission start with their route's tombstone set (a give-back's, see below: its first
--- slot's limit's totals key), then two per slot: its path's sorted set and its limit's
--- totals set (the sorted set again for a limit without a wildcard), and an adaptive slot's
--- hash third.
+-- KEYS: the keys of the releases in order, then those of the admission: three per slot, its
+-- path's sorted set, its limit's totals set and delayed set (the sorted set again for a
+-- limit without a wildcard), and an adaptive slot's hash fourth.
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
@@ -75,6 +81,53 @@ end
 -- two prunes is what 16 admissions leave.
 local function prune_due(lease)
   return string.byte(lease, -1) == 48 -- '0'
+end
+
+-- The band above every time: tombstones and marks score in it, counts read below it.
+local BAND = 4503599627370496 -- 2^52
+local BELOW = '(4503599627370496'
+local MARK, MARK2 = '~', '~~'
+
+-- The marks of a path's set say that a release must look at what is left there: the set
+-- holds, or held when they were set, a delayed release, a tombstone, or (a rate key) another
+-- request in flight. Unmarked, a release knows without looking that nothing else is live, so
+-- the set vanishes with its last member or lives by its window alone. They are a pair, so
+-- the count a release's ZREM returns says both whether the lease was there (odd) and whether
+-- the set was marked (2 or more), even for a release applied twice.
+--
+-- settle: how long a path's set lives once a release changed it, from its latest member: a
+-- request in flight (its admission set the expiry it needs), a pending delayed release
+-- (until it matures), its window, or its latest tombstone, and not longer; while anything is
+-- live it stays marked, so the next release looks again.
+local function settle(key, window_ms, t)
+  local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if not top[2] then
+    return -- emptied: gone
+  end
+  local tomb = 0
+  if tonumber(top[2]) >= BAND then -- a tombstone or a mark: the latest below the band
+    tomb = tonumber(top[2]) - BAND - t
+    top = redis.call('ZRANGE', key, BELOW, '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1, 'WITHSCORES')
+  end
+  local left = -1
+  if top[2] then
+    left = tonumber(top[2]) - t
+    if left > 0 and string.sub(top[1], -2) ~= ':d' then
+      redis.call('ZADD', key, BAND, MARK, BAND, MARK2)
+      return
+    end
+  end
+  if tomb > left then
+    left = tomb
+  end
+  local ttl = window_ms
+  if left > 0 then
+    redis.call('ZADD', key, BAND, MARK, BAND, MARK2)
+    if left / 1000 > ttl then
+      ttl = math.floor(left / 1000)
+    end
+  end
+  redis.call('PEXPIRE', key, ttl + 1)
 end
 
 -- An adaptive hash idle this long (ms) goes: its path starts over from 'initial'.
@@ -106,7 +159,7 @@ end
 -- window is due and unclaimed, claimed for the releasing process to compute.
 local function sample(hash, key, latency, faulty, claim, extra)
   local t = clock()
-  local inflight = redis.call('ZCOUNT', key, t + 1, '+inf') + extra -- itself included
+  local inflight = redis.call('ZCOUNT', key, t + 1, BELOW) + extra -- itself included
   local now_s = t / 1000000
   local f = redis.call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
   local due = tonumber(f[1])
@@ -184,29 +237,25 @@ for r = 2, releases + 1 do
   else
   local lease, delay, codes = string.match(spec, '^(%S+) (%d+)(.*)$')
   delay = tonumber(delay)
-  local tombs = KEYS[k]
-  k = k + 1
+  local first = KEYS[k]
+  local tombstone = 0
   if string.byte(lease, 1) == 33 then
-    -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It
-    -- may not have run yet (queued in a frozen Redis behind this release): a tombstone in
-    -- its route's tombstone set, for as long as its lease would live, makes it take
-    -- nothing if it runs later. (That set is a totals key, never a path's sorted set,
-    -- whose counts would see the member.)
+    -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It is
+    -- freed now like any release; it may also not have run yet (queued in a frozen Redis
+    -- behind this release): its tombstone, below, makes it take nothing if it runs later.
     lease = string.sub(lease, 2)
-    redis.call('ZADD', tombs, clock() + delay, lease .. '!')
-    local life_ms = math.floor(delay / 1000) + 1
-    if redis.call('PTTL', tombs) < life_ms then
-      redis.call('PEXPIRE', tombs, life_ms)
-    end
+    tombstone = delay
     delay = 0
   end
   for word in string.gmatch(codes, '%S+') do
     local code, adaptive, latency, faulty = string.match(word, '^(%d+)(:?)(%d*):?(%d*)$')
     local key = KEYS[k]
     local totals = KEYS[k + 1]
+    local delayed = KEYS[k + 2]
     local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
     code = tonumber(code)
-    k = k + 2
+    local window_ms = (code - code % 2) / 2
+    k = k + 3
     local hash
     if adaptive ~= '' then
       if latency ~= '' then
@@ -223,7 +272,7 @@ for r = 2, releases + 1 do
         -- The key's window now ends with the newest entry left (the lowest score), if any.
         local newest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
         if newest[2] and tonumber(newest[2]) < 0 then
-          redis.call('ZADD', totals, tonumber(newest[2]) - (code - 1) / 2 * 1000, path)
+          redis.call('ZADD', totals, tonumber(newest[2]) - window_ms * 1000, path)
         else
           redis.call('ZREM', totals, path)
         end
@@ -242,44 +291,49 @@ for r = 2, releases + 1 do
         redis.call('ZREMRANGEBYSCORE', key, '(0', t)
         redis.call('ZADD', key, t + delay, lease .. ':d')
         if tracked then
-          redis.call('ZREMRANGEBYSCORE', totals, -t, t)
-          redis.call('ZADD', totals, t + delay, lease .. '|' .. path)
-          redis.call('PEXPIRE', totals, math.floor(delay / 1000) + 1, 'GT')
+          -- From the totals set to the delayed set, which lives as long as its latest
+          -- member: once it matured, nothing of it is left.
+          local member = lease .. '|' .. path
+          redis.call('ZREM', totals, member)
+          redis.call('ZREMRANGEBYSCORE', delayed, '-inf', t)
+          redis.call('ZADD', delayed, t + delay, member)
+          local life_ms = math.floor(delay / 1000) + 1
+          if redis.call('PTTL', delayed) < life_ms then
+            redis.call('PEXPIRE', delayed, life_ms)
+          end
         end
         -- The key lives as long as its latest member and not longer: when this was its last
         -- lease, it vanishes as the delay matures, not max_hold later.
-        local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-        local ttl = tonumber(last[2]) - t
-        local window = (code - code % 2) / 2 * 1000
-        if window > ttl then
-          ttl = window
-        end
-        redis.call('PEXPIRE', key, math.floor(ttl / 1000) + 1)
+        settle(key, window_ms, t)
       end
     else
+      local taken = redis.call('ZREM', key, lease, MARK, MARK2)
       -- A release applied twice (sent again after a lost answer) samples once.
-      if redis.call('ZREM', key, lease) == 1 and hash then
+      if taken % 2 == 1 and hash then
         sample(hash, key, latency, faulty, lease, 1)
       end
       if tracked then
         redis.call('ZREM', totals, lease .. '|' .. path)
       end
       -- A key lives max_hold after an admission, for its lease. Once no request is in
-      -- flight on it (its latest member is no live lease), it lives only as long as what
-      -- is left needs: its latest pending delayed release, its window entries (one window
-      -- at most), and 1 ms for matured and ended members. An emptied key is gone already.
-      local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-      if last[2] then
-        local left = tonumber(last[2]) - clock()
-        local pending = string.sub(last[1], -2) == ':d'
-        if left <= 0 or pending then
-          local ttl = (code - code % 2) / 2
-          if pending and left / 1000 > ttl then
-            ttl = math.floor(left / 1000)
-          end
-          redis.call('PEXPIRE', key, ttl + 1)
-        end
+      -- flight on it, it lives only as long as what is left needs. Unmarked, nothing else
+      -- is live: an emptied key is gone already, a rate key keeps its window.
+      if taken >= 2 then
+        settle(key, window_ms, clock())
+      elseif taken == 1 and window_ms > 0 then
+        redis.call('PEXPIRE', key, window_ms + 1)
       end
+    end
+  end
+  if tombstone > 0 then
+    -- In the route's first set, where the admission's first write finds it, for as long
+    -- as its lease would live; ended ones go first. Marked: releases keep the set for it.
+    local t = clock()
+    redis.call('ZREMRANGEBYSCORE', first, '(' .. BAND, BAND + t)
+    redis.call('ZADD', first, BAND + t + tombstone, lease, BAND, MARK, BAND, MARK2)
+    local life_ms = math.floor(tombstone / 1000) + 1
+    if redis.call('PTTL', first) < life_ms then
+      redis.call('PEXPIRE', first, life_ms)
     end
   end
   end
@@ -295,30 +349,24 @@ local t = clock()
 local lease = ARGV[a]
 local hold = tonumber(ARGV[a + 1])
 local hold_ms = math.floor(hold / 1000) + 1
-local first_key = k + 1 -- after the route's tombstone set
 local slots = #ARGV - a - 1
-if lease ~= '' and redis.call('ZSCORE', KEYS[k], lease .. '!') then
-  -- Given back before it ran (see the releases above): take nothing. Nobody waits for
-  -- this answer; it reads as a refusal.
-  return answer({0, 0, 1, 0, 0})
-end
 
 local specs = {}
 local busy = {}
 local over = {}
 local full = {}
 local at = {}
-local kk = first_key
+local kk = k
 for i = 1, slots do
   local concurrency, quota, window, enforce = string.match(ARGV[a + 1 + i], '^(%S+) (%d+) (%d+) (%d)$')
   at[i] = kk
   if string.byte(concurrency, 1) == 97 then
     -- 'a<initial>': adaptive; the limit in force is the one its hash holds
-    concurrency = tonumber(redis.call('HGET', KEYS[kk + 2], 'limit')) or tonumber(string.sub(concurrency, 2))
-    kk = kk + 3
+    concurrency = tonumber(redis.call('HGET', KEYS[kk + 3], 'limit')) or tonumber(string.sub(concurrency, 2))
+    kk = kk + 4
   else
     concurrency = tonumber(concurrency)
-    kk = kk + 2
+    kk = kk + 3
   end
   quota = tonumber(quota)
   window = tonumber(window)
@@ -328,12 +376,12 @@ for i = 1, slots do
   local entries = 0
   if quota > 0 then
     redis.call('ZREMRANGEBYSCORE', key, window - t, t)
-    held = redis.call('ZCOUNT', key, '(0', '+inf')
-    entries = redis.call('ZCARD', key) - held
+    held = redis.call('ZCOUNT', key, '(0', BELOW)
+    entries = redis.call('ZCOUNT', key, '-inf', '(0')
   else
     -- Ended leases are not dropped here (the count skips them); a delayed release drops
     -- them, and the key's expiry ends them all once it is idle.
-    held = redis.call('ZCOUNT', key, t + 1, '+inf')
+    held = redis.call('ZCOUNT', key, t + 1, BELOW)
   end
   busy[i] = held
   if concurrency >= 0 and held >= concurrency then
@@ -341,7 +389,7 @@ for i = 1, slots do
       -- The soonest delayed release tells when a slot frees for sure; a running request
       -- may finish any moment.
       local retry = 0
-      local soonest = redis.call('ZRANGEBYSCORE', key, t + 1, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      local soonest = redis.call('ZRANGEBYSCORE', key, t + 1, BELOW, 'WITHSCORES', 'LIMIT', 0, 1)
       if soonest[1] and string.sub(soonest[1], -2) == ':d' then
         retry = tonumber(soonest[2]) - t
       end
@@ -379,14 +427,33 @@ for i = 1, slots do
   -- A shadow slot over its concurrency still counts in its window; a full window is not
   -- extended (enforce mode would not have admitted).
   local windowed = quota > 0 and not full[i]
+  local members = {t + hold, lease}
   if windowed then
-    redis.call('ZADD', key, t + hold, lease, -t, lease .. ':w')
+    members[3], members[4] = -t, lease .. ':w'
     local window_ms = math.floor(window / 1000) + 1
     if window_ms > ttl then
       ttl = window_ms
     end
-  else
-    redis.call('ZADD', key, t + hold, lease)
+  end
+  if quota > 0 and busy[i] > 0 then
+    -- Another request in flight on a rate key: its release, or this one's, must look
+    -- before it shortens the key's life to its window.
+    members[#members + 1], members[#members + 2] = BAND, MARK
+    members[#members + 1], members[#members + 2] = BAND, MARK2
+  end
+  if i > 1 then
+    redis.call('ZADD', key, unpack(members))
+  elseif redis.call('ZADD', key, 'NX', unpack(members)) < #members / 2 then
+    -- Something was there already: the marks, this admission's own first try (sent
+    -- again after a connection broke), or its give-back's tombstone, which ran first
+    -- (queued in a frozen Redis): then it takes nothing, and nobody waits for its answer.
+    local score = redis.call('ZSCORE', key, lease)
+    if score and tonumber(score) > BAND then
+      if windowed then
+        redis.call('ZREM', key, lease .. ':w')
+      end
+      return answer({0, 0, 1, 0, 0})
+    end
   end
   if tracked then
     local path = path_of(key)
