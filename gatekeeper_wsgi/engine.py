@@ -13,12 +13,19 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from gatekeeper_wsgi.backends import backend_from_url
-from gatekeeper_wsgi.backends.base import TOP_KEYS, Backend, Denial, Grant, LimitTotals
+from gatekeeper_wsgi.backends.base import (
+    TOP_KEYS,
+    Backend,
+    Denial,
+    Grant,
+    LimitTotals,
+    WaitingLine,
+)
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
 from gatekeeper_wsgi.errors import (
     BackendError,
@@ -177,10 +184,15 @@ class GateKeeper:
         self._reload_lock = threading.Lock()
         self._requests_since_check = 0
         self._next_check = clock() + self.config.reload.every_seconds
-        # Queues: concrete limit path -> FIFO of waiters; one condition for all of them.
+        # Queues: concrete limit path -> FIFO of waiters (the process's line); one
+        # condition for all of them. _waiting counts this process's waiting requests.
         self._cond = threading.Condition(threading.Lock())
-        self._queues: dict[str, deque[object]] = {}
+        self._queues: dict[str, deque[_Place]] = {}
         self._waiting = 0
+        # Bumped under _cond by every wake-up of the process's line: a waiter that saw a
+        # release happen after it last looked does not go to sleep.
+        self._wakes = 0
+        self._line: WaitingLine[Any] = self.backend.waiting_line() or _LocalLine(self)
         # Per thread: how long its request's queue wait took (see _take_wait).
         self._waited = threading.local()
         self._last_error_log = -_ERROR_LOG_INTERVAL
@@ -575,14 +587,24 @@ class GateKeeper:
 
     # --- the product's own capacity -------------------------------------------------------
 
-    def _untracked(self, slots: tuple[Slot, ...], exc: CapacityError, now: float) -> Grant | Denial:
+    def _untracked(
+        self,
+        slots: tuple[Slot, ...],
+        exc: CapacityError,
+        now: float,
+        acquire: Callable[[Sequence[Slot], float], Grant | Denial] | None = None,
+    ) -> Grant | Denial:
         """The answer to a request one of whose slots the backend could not track.
 
         An enforcing slot refuses the request by its limit (raises :class:`Rejected`): a
         full table never admits uncounted (SPEC §4.5). A shadow slot must not refuse, so
-        it is left out and the other slots are acquired again; they keep counting. A
-        Denial names its slot by its position in ``slots``; a grant may hold no slot at all.
+        it is left out and the other slots are acquired again (by ``acquire``: the first
+        waiter of a line acquires through it; else ``backend.acquire``); they keep
+        counting. A Denial names its slot by its position in ``slots``; a grant may hold no
+        slot at all.
         """
+        if acquire is None:
+            acquire = self.backend.acquire
         kept = list(range(len(slots)))  # positions in ``slots`` still asked for
         asked = slots
         while True:
@@ -596,7 +618,7 @@ class GateKeeper:
             if not asked:
                 return Grant(asked)
             try:
-                result = self.backend.acquire(asked, now)
+                result = acquire(asked, now)
             except CapacityError as again:
                 exc = again
                 continue
@@ -652,57 +674,62 @@ class GateKeeper:
         return None
 
     def _wait(self, slots: tuple[Slot, ...], queued: Slot | None, now: float) -> Grant:
+        """Wait in the line of ``queued`` (SPEC §4.4) until first and admitted; raises the
+        queue's faults, or the refusal of a limit without a queue."""
         assert queued is not None and queued.limit.queue is not None
         spec = queued.limit.queue
         backend = self.backend
         clock = self._clock
         deadline = now + spec.wait
+        line = self._line
+        ticket = line.join(queued.key, spec.size)
+        if ticket is None:
+            raise self._queue_fault("GK-QUEUE-FULL", queued, spec.wait)
+
+        def take(asked: Sequence[Slot], at: float) -> Grant | Denial:
+            # What is left to acquire once a shadow slot could not be tracked: still first.
+            result = line.admit(ticket, asked, at)
+            return backend.acquire(asked, at) if result is None else result
+
         with self._cond:
-            queue = self._queues.setdefault(queued.key, deque())
-            if len(queue) >= spec.size:
-                raise self._queue_fault("GK-QUEUE-FULL", queued, spec.wait)
-            waiter = object()
-            queue.append(waiter)
             self._waiting += 1
-            entered = time.perf_counter()
-            try:
-                while True:
-                    retry_hint = None
-                    if queue[0] is waiter:
-                        try:
-                            result = backend.acquire(slots, clock())
-                        except CapacityError as exc:
-                            result = self._untracked(slots, exc, clock())
-                        if not isinstance(result, Denial):
-                            return result
-                        refusing = slots[result.at]
-                        if refusing.limit.queue is None:
-                            raise self._rejection(refusing, result)
-                        retry_hint = result.retry_after
-                    now = clock()
-                    timeout = deadline - now
-                    if timeout <= 0:
-                        raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, spec.wait)
-                    # Maturing delays free slots without any release to wake us: wake then.
-                    due = backend.next_due()
-                    if due is not None:
-                        timeout = min(timeout, max(due - now, 0.0005))
-                    if retry_hint:
-                        timeout = min(timeout, retry_hint)
-                    if not backend.local:
-                        timeout = min(timeout, backend.poll_interval)
-                    self._cond.wait(timeout)
-            finally:
-                queue.remove(waiter)
-                if not queue:
-                    del self._queues[queued.key]
+        entered = time.perf_counter()
+        try:
+            while True:
+                retry_hint = None
+                now = clock()
+                try:
+                    result = line.admit(ticket, slots, now)
+                except CapacityError as exc:
+                    result = self._untracked(slots, exc, clock(), take)
+                if result is not None:
+                    if not isinstance(result, Denial):
+                        return result
+                    refusing = slots[result.at]
+                    if refusing.limit.queue is None:
+                        raise self._rejection(refusing, result)
+                    retry_hint = result.retry_after
+                now = clock()
+                timeout = deadline - now
+                if timeout <= 0:
+                    raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, spec.wait)
+                # Maturing delays free slots without any release to wake us: wake then.
+                due = backend.next_due()
+                if due is not None:
+                    timeout = min(timeout, max(due - now, 0.0005))
+                if retry_hint:
+                    timeout = min(timeout, retry_hint)
+                line.sleep(ticket, timeout)
+        finally:
+            line.leave(ticket)
+            with self._cond:
                 self._waiting -= 1
                 self._cond.notify_all()
-                # Its own stage, and taken out of `decide` by admit: a decision's time is
-                # the backend's answer, not the seconds spent waiting for a slot.
-                waited = time.perf_counter() - entered
-                self.monitor.stages["queue_wait"].record(waited)
-                self._waited.seconds = waited
+            # Its own stage, and taken out of `decide` by admit: a decision's time is
+            # the backend's answer, not the seconds spent waiting for a slot.
+            waited = time.perf_counter() - entered
+            self.monitor.stages["queue_wait"].record(waited)
+            self._waited.seconds = waited
 
     def _take_wait(self) -> float:
         """Seconds this thread's last queue wait took (0 if none since the last call)."""
@@ -744,8 +771,7 @@ class GateKeeper:
                 # response.
                 self._log_backend_error(exc)
             if self._waiting:
-                with self._cond:
-                    self._cond.notify_all()
+                self._line.wake()
         elapsed = time.perf_counter() - started
         if delay > 0:
             self.monitor.stages["delay_place"].record(elapsed)
@@ -777,3 +803,73 @@ class GateKeeper:
     def close(self) -> None:
         """Release backend resources."""
         self.backend.close()
+
+
+class _Place:
+    """A waiter's place in the process's line of one limit path."""
+
+    __slots__ = ("key", "queue", "seen")
+
+    def __init__(self, key: str, queue: deque[_Place], seen: int) -> None:
+        self.key = key
+        self.queue = queue
+        #: the line's wake-ups counted when the waiter last looked (``GateKeeper._wakes``)
+        self.seen = seen
+
+
+class _LocalLine(WaitingLine[_Place]):
+    """The line of a process: a deque per concrete limit path and the engine's condition,
+    which releases notify. With a backend shared by other processes (Redis) a slot freed
+    there notifies nobody here: a waiter looks again every ``backend.poll_interval``."""
+
+    __slots__ = ("_keeper", "_poll")
+
+    def __init__(self, keeper: GateKeeper) -> None:
+        self._keeper = keeper
+        backend = keeper.backend
+        self._poll = None if backend.local else backend.poll_interval
+
+    def join(self, key: str, size: int) -> _Place | None:
+        keeper = self._keeper
+        with keeper._cond:
+            queue = keeper._queues.setdefault(key, deque())
+            if len(queue) >= size:
+                return None
+            place = _Place(key, queue, keeper._wakes)
+            queue.append(place)
+            return place
+
+    def admit(self, ticket: _Place, slots: Sequence[Slot], now: float) -> Grant | Denial | None:
+        keeper = self._keeper
+        with keeper._cond:
+            ticket.seen = keeper._wakes
+            if ticket.queue[0] is not ticket:
+                return None
+            return keeper.backend.acquire(slots, now)
+
+    def sleep(self, ticket: _Place, timeout: float) -> None:
+        keeper = self._keeper
+        if self._poll is not None:
+            timeout = min(timeout, self._poll)
+        with keeper._cond:
+            if ticket.seen == keeper._wakes:
+                keeper._cond.wait(timeout)
+
+    def leave(self, ticket: _Place) -> None:
+        keeper = self._keeper
+        with keeper._cond:
+            queue = ticket.queue
+            if ticket in queue:
+                queue.remove(ticket)
+                if not queue and keeper._queues.get(ticket.key) is queue:
+                    del keeper._queues[ticket.key]
+            self.wake_locked()
+
+    def wake(self) -> None:
+        with self._keeper._cond:
+            self.wake_locked()
+
+    def wake_locked(self) -> None:
+        keeper = self._keeper
+        keeper._wakes += 1
+        keeper._cond.notify_all()

@@ -31,7 +31,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
 from gatekeeper_wsgi.errors import BackendError, CapacityError, escape_controls
@@ -52,6 +52,7 @@ __all__ = [
     "KeyUsage",
     "LimitTotals",
     "Slot",
+    "WaitingLine",
 ]
 
 #: Concrete keys :meth:`Backend.totals` details per limit by default (the busiest).
@@ -197,6 +198,49 @@ class Grant:
         return True
 
 
+TicketT = TypeVar("TicketT")
+
+
+class WaitingLine(ABC, Generic[TicketT]):
+    """The waiters of the limits with a ``queue``, one line per concrete limit path, in the
+    order they came (SPEC §4.4): only the first of a line may take the slots it waits for.
+
+    The engine keeps a line per process unless its backend offers one that spans the
+    backend's processes (:meth:`Backend.waiting_line`: the shared file keeps the line of
+    the host). A ticket is a waiter's place; the engine's wait loop is::
+
+        ticket = line.join(key, size)          # None: the line is full
+        try:
+            while (result := line.admit(ticket, slots, now)) is not a Grant:
+                line.sleep(ticket, timeout)    # a release, the waiter ahead left, a timeout
+        finally:
+            line.leave(ticket)
+    """
+
+    @abstractmethod
+    def join(self, key: str, size: int) -> TicketT | None:
+        """A place at the end of the line of concrete path ``key``; None when ``size``
+        waiters hold one already (or the line has no room for another waiter)."""
+
+    @abstractmethod
+    def admit(self, ticket: TicketT, slots: Sequence[Slot], now: float) -> Grant | Denial | None:
+        """Acquire ``slots`` (as :meth:`Backend.acquire`, CapacityError included) if
+        ``ticket`` is first in its line: a grant takes it out of the line. None while it
+        is not its turn."""
+
+    @abstractmethod
+    def sleep(self, ticket: TicketT, timeout: float) -> None:
+        """Block until the turn of ``ticket`` may have come (a release, a waiter ahead
+        left or died), at most ``timeout`` seconds."""
+
+    @abstractmethod
+    def leave(self, ticket: TicketT) -> None:
+        """Give the place up (admitted, timed out, refused); nothing if it was left."""
+
+    def wake(self) -> None:
+        """Told after a release while this process has waiters."""
+
+
 class Backend(ABC):
     """A counter store. Methods raise :class:`~gatekeeper_wsgi.errors.BackendError` when
     the store fails; the engine then applies ``on_backend_error``."""
@@ -331,6 +375,11 @@ class Backend(ABC):
         """Raise :class:`~gatekeeper_wsgi.errors.ConfigError` for a URL this backend would
         refuse at start-up, by the same parsing, without creating or connecting to
         anything (``gatekeeper check``). The default accepts every URL of its scheme."""
+        return None
+
+    def waiting_line(self) -> WaitingLine[Any] | None:
+        """The line of the queues across every process this backend spans, or None (the
+        default): the engine then keeps one line per process, FIFO among its waiters."""
         return None
 
     def next_due(self) -> float | None:

@@ -12,6 +12,8 @@ table:
   transaction context manager every update runs in;
 - :mod:`.leases`: the lease table and the binary delay heap of delayed releases;
 - :mod:`.liveness`: whether a lease's owner process is gone, this boot's id;
+- :mod:`.tickets`: the queues' lines, FIFO across the processes of the host, and their
+  wake-ups;
 - :mod:`.backend`: :class:`SharedBackend`, the key table, windows, adaptive gauges and
   reclaim, composing the structures above.
 """

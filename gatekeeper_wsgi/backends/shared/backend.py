@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -72,6 +72,7 @@ from gatekeeper_wsgi.backends.shared.layout import (
     H_LIVE,
     H_NODES_USED,
     H_PROCS_HIGH,
+    H_WAITING,
     HEADER,
     LOCK,
     LRU_SCAN,
@@ -116,6 +117,7 @@ from gatekeeper_wsgi.backends.shared.liveness import (
     is_dead,
     proc_stat,
 )
+from gatekeeper_wsgi.backends.shared.tickets import Lines, Place, SharedLine
 from gatekeeper_wsgi.config import Config, Limit, Rate
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
 
@@ -300,9 +302,10 @@ class SharedBackend(Backend):
     under the lock it takes anyway: in place while no window is due (the window's sums),
     through the whole controller (``Controller.restore``/``state``) when one is.
 
-    **Queues** work across processes: a waiter polls every ``poll_interval`` (5 ms), as
-    a slot freed in another process wakes nobody here; the wait is bounded by ``wait``.
-    FIFO order holds among the waiters of one process, not across processes.
+    **Queues** are FIFO across the processes of the host: one line per concrete limit
+    path in the table (``queue.size`` bounds it host-wide), a newcomer refused while the
+    line has waiters, only the first waiter admitted; waiters are woken by the release
+    that frees their slot, not by polling (:mod:`.tickets`).
 
     **Layout**: the byte table is :mod:`gatekeeper_wsgi.backends.shared.layout`'s docstring.
 
@@ -332,6 +335,7 @@ class SharedBackend(Backend):
         self._adopt = config is None and (size, leases, procs, windows) == (None,) * 4
         self._tlock = threading.Lock()
         self._transaction = Transaction(self._enter, self._fail, self._leave)
+        self._line = SharedLine(self)
         self._pid = os.getpid()
         #: id(spec) -> (spec, its numbers in a gauge)
         self._prints: dict[int, tuple[AdaptiveSpec, tuple[int, int, int, int]]] = {}
@@ -628,6 +632,7 @@ class SharedBackend(Backend):
         self._journal_cap = g.journal
         self._chunks_off = g.chunks_off
         self._chunks = g.chunks
+        self._lines = Lines(self._mm, layout, self._journal, self._line.bell.ring)
 
     def _initialise(self, layout: Layout, size: int) -> None:
         """Write an empty table of ``layout`` into the file (``size`` bytes now). Under the
@@ -675,6 +680,7 @@ class SharedBackend(Backend):
                 mm.close()
             if fd >= 0:
                 os.close(fd)
+            self._line.bell.close()
 
     # --- the undo journal -----------------------------------------------------------------
 
@@ -693,13 +699,36 @@ class SharedBackend(Backend):
     # --- public operations ----------------------------------------------------------------
 
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        return self.acquire_turn(slots, now, None)
+
+    def acquire_turn(self, slots: Sequence[Slot], now: float, turn: Place | None) -> Grant | Denial:
+        """:meth:`acquire` for ``turn``, the place of the first waiter of a line
+        (:mod:`.tickets`), which lines do not bar: a grant takes it out of its line. Errors
+        leave as BackendError, as the transaction wraps them."""
         try:
-            result, owners = self._locked(slots, now, keep=True)
+            result, owners = self._locked(slots, now, keep=True, turn=turn)
         except _Recreated:  # decided again on the new table
             result, owners = self._locked(slots, now, keep=True)
         if owners and isinstance(result, Denial) and self._reap(owners):
-            result, _ = self._locked(slots, now, keep=True)
+            result, _ = self._locked(slots, now, keep=True, turn=turn)
         return result
+
+    def waiting_line(self) -> SharedLine:
+        return self._line
+
+    @contextlib.contextmanager
+    def lines(self) -> Iterator[tuple[Lines, int]]:
+        """The queues' lines and the table's epoch, under the lock, for
+        :class:`.tickets.SharedLine`; what it changed is committed at the end."""
+        with self._transaction:
+            yield self._lines, self._epoch
+            self._journal.commit()
+
+    def waiters(self, path: str) -> list[tuple[int, int]]:
+        """(pid, ticket) of the waiters in the line of concrete path ``path``, first first:
+        the host's queue of that path."""
+        with self.lines() as (lines, _):
+            return lines.places(path)
 
     def peek(self, slots: Sequence[Slot], now: float) -> Denial | None:
         """Whether ``acquire`` would admit now, read atomically: the admission is worked
@@ -713,9 +742,9 @@ class SharedBackend(Backend):
         return result if isinstance(result, Denial) else None
 
     def _locked(
-        self, slots: Sequence[Slot], now: float, *, keep: bool
+        self, slots: Sequence[Slot], now: float, *, keep: bool, turn: Place | None = None
     ) -> tuple[Grant | Denial, list[tuple[int, int, int]]]:
-        with self._transaction:
+        with self._transaction as mm:
             self._mature(now)
             if keep:
                 try:
@@ -723,6 +752,10 @@ class SharedBackend(Backend):
                 except NoRoom as exc:
                     raise self._capacity(_lease_slot(slots), exc) from None
                 self._journal.commit()
+                if turn is None and U32.unpack_from(mm, H_WAITING)[0]:
+                    barred = self._lines.barred(slots)
+                    if barred is not None:
+                        return barred, []  # a newcomer joins the line instead
             try:
                 result = self._admit(slots, now)
             except _Untracked as untracked:
@@ -733,6 +766,8 @@ class SharedBackend(Backend):
                 raise untracked.error from None
             owners = self._owners() if isinstance(result, Denial) else []
             if keep:
+                if turn is not None:
+                    self._lines.settle(turn, slots, result)
                 self._journal.commit()
                 self._held += isinstance(result, _SharedGrant)
             else:
@@ -773,12 +808,14 @@ class SharedBackend(Backend):
     def _release_locked(
         self, grant: _SharedGrant, status: int | None, delay: float, now: float
     ) -> None:
-        with self._transaction:
+        with self._transaction as mm:
             if grant.epoch == self._epoch:
                 self._release(grant, status, delay, now)
                 self._journal.commit()
                 self._held = max(0, self._held - 1)
             self._mature(now)
+            if U32.unpack_from(mm, H_WAITING)[0]:
+                self._lines.announce(grant.slots)
 
     def inflight(self, now: float) -> dict[str, int]:
         return self._observed(now, self._read_inflight)
@@ -1722,6 +1759,8 @@ class SharedBackend(Backend):
         at = self._procs_off + index * PROC_SIZE
         if PROC.unpack_from(mm, at) != (pid, 0, start):
             return  # the slot changed hands meanwhile
+        if U32.unpack_from(mm, H_WAITING)[0]:
+            self._lines.drop_pid(pid)
         if self._leases.reclaim(pid):
             logger.warning(
                 "gatekeeper: process %d died holding slots of shared table %s; reclaimed them",

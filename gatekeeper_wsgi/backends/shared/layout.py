@@ -3,7 +3,7 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
 
     header, 4096 bytes
       0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-      8   4  u32 layout version (4)
+      8   4  u32 layout version (5)
      12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
      16   8  u64 epoch: random, new at every initialisation; grants of another epoch
              are void
@@ -19,7 +19,13 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
      60   4  u32 window chunks ever used (bump mark)
      64   8  u64 a copy of the epoch (they differ: the header is damaged)
      72   8  u64 blake2b (8 bytes, little-endian) of bytes 0..12, 16..24, 64..72
-             and 256..312 with the final magic: written once at creation
+             and 256..320 with the final magic: written once at creation
+     80   4  u32 waiters in the queues' lines, all lines (0: no line; read by every
+             admission, so it lives on the header's page)  |  the lines' block
+     84   4  u32 last ticket                               |  [80, 100), saved to
+     88   4  u32 first free waiter + 1 (0: none)           |  the journal as one
+     92   4  u32 waiters ever used (bump mark)             |  range
+     96   4  u32 lines in use (the first n line entries)   |
     256  16  boot id (/proc/sys/kernel/random/boot_id): another boot = stale table
     272   4  u32 key bytes per node (K, including a NUL terminator)
     276   4  u32 hash buckets (m)
@@ -30,6 +36,8 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
     296   4  u32 journal bytes (J)
     300   4  u32 window chunks (W)
     304   8  u64 file bytes
+    312   4  u32 waiters (Q)
+    316   4  u32 lines (N)
     (the rest is zero)
 
     tags, m x 8 x u32: a node's 32-bit key hash, 0 = free slot. A key lives in one of
@@ -68,6 +76,15 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
       last), 4 pad, 7 x f64 admission times. A rate key's sliding log is a chain of
       chunks, oldest entry first: appending and expiring are O(1), memory follows the
       entries actually held. Free chunks form a list through their first field.
+    waiters, Q x 40 bytes, a waiter of a limit's queue (tickets.py):
+      0 u32 owner pid (0: free)   4 u32 ticket (0: free)   8 u64 owner's start time
+      (as in processes)   16 u64 wake nonce (its socket's name; 0: none)
+      24 u32 previous, 28 u32 next waiter of its line (0xFFFFFFFF: none; a free waiter
+      keeps the next free one in next)   32 u64 its line's key digest
+    lines, N x 32 bytes, the first n in use (a line that empties takes the last's place):
+      0 u64 blake2b of the concrete limit path   8 u64 digest of the path that last
+      refused its first waiter (0: none)   16 u32 first, 20 u32 last waiter
+      24 u32 waiters   28 pad
 
 This module owns that layout: its constants and struct formats, :class:`Layout` (the sizes of
 a table and the offsets that follow from them, derived from a configuration) and the checks
@@ -92,8 +109,9 @@ MAGIC = b"GKSHARED"
 #: written first when a table is (re)initialised, replaced by MAGIC when done: a process
 #: killed half-way leaves a file that is recognisably ours and unfinished.
 MAGIC_INIT = b"GKSHINIT"
-#: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges
-VERSION = 4
+#: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges;
+#: 5: the queues' lines (waiters, lines)
+VERSION = 5
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF
@@ -111,12 +129,19 @@ DEFAULT_KEYS_CAP = 1 << 20
 DEFAULT_LEASES_CAP = 1 << 22
 #: leases reserved at least: requests in flight on a host beyond any concurrency limit
 MIN_LEASES = 16384
+#: waiters of queues reserved at least (room for a queue a reload adds) and at most
+MIN_WAITERS = 256
+DEFAULT_WAITERS_CAP = 1 << 16
+#: lines (concrete paths with waiters at once) reserved at least and at most
+MIN_LINES = 64
+DEFAULT_LINES_CAP = 4096
 
 U32 = struct.Struct("<I")
 STATE = struct.Struct("<8sIIQ")  # at 0: magic, version, journal bytes, epoch
 F64 = struct.Struct("<d")
 MAGIC_VERSION = struct.Struct("<8sI")  # at 0
 GEOMETRY = struct.Struct("<8I")  # at 272
+QUEUE_GEOMETRY = struct.Struct("<2I")  # at 312
 NODE = struct.Struct("<IHBxIIIIIId")
 LEASE = struct.Struct("<IIdI5I")
 LEASE_HEAD = struct.Struct("<II")  # pid, serial
@@ -127,6 +152,10 @@ LEASE_COUNTERS = struct.Struct("<5I")
 HEAP = struct.Struct("<dII")
 PROC = struct.Struct("<IIQ")
 REG = struct.Struct("<QIII4x")
+WAITER = struct.Struct("<IIQQIIQ")
+WAITER_SIZE = WAITER.size  # 40
+LINE = struct.Struct("<QQIII4x")
+LINE_SIZE = LINE.size  # 32
 TAGS = struct.Struct(f"<{CHAIN}I")
 CHUNK_FMT = struct.Struct(f"<I4x{CHUNK_STAMPS}d")
 CHUNK_STAMPS_FMT = struct.Struct(f"<{CHUNK_STAMPS}d")
@@ -159,9 +188,17 @@ H_EPOCH_COPY = 64
 #: and its copy, boot id, geometry, file size): a new epoch with a valid checksum is a
 #: table another process re-created; any other change to them is damage
 H_CHECK = 72
+#: the queues' lines: waiters in line (all lines), last ticket, first free waiter, waiters
+#: ever used, lines in use; journaled as one block
+H_WAITING = 80
+H_LINES_END = 100
+LINES_HEAD = struct.Struct("<5I")  # at H_WAITING
 H_BOOT = 256
 H_GEOMETRY = 272
 H_FILE_BYTES = 304
+H_QUEUE_GEOMETRY = 312
+#: the end of the fields written once at creation
+H_FIXED_END = 320
 
 # node fields
 NODE_HEAD = NODE.size  # 40: the key follows
@@ -246,6 +283,8 @@ class Layout:
         "key_size",
         "leases",
         "leases_off",
+        "lines",
+        "lines_off",
         "node_size",
         "nodes_off",
         "procs",
@@ -254,6 +293,8 @@ class Layout:
         "registry_off",
         "tags_off",
         "total",
+        "waiters",
+        "waiters_off",
     )
 
     def __init__(
@@ -266,6 +307,8 @@ class Layout:
         registry: int,
         journal: int,
         chunks: int,
+        waiters: int = MIN_WAITERS,
+        lines: int = MIN_LINES,
     ) -> None:
         self.key_size = key_size
         self.buckets = buckets
@@ -274,6 +317,8 @@ class Layout:
         self.registry = registry
         self.journal = journal
         self.chunks = chunks
+        self.waiters = waiters
+        self.lines = lines
         self.node_size = NODE_HEAD + key_size
         offset = self.tags_off = HEADER
         offset = self.nodes_off = align(offset + buckets * CHAIN * 4, 64)
@@ -284,7 +329,9 @@ class Layout:
         offset = self.gauges_off = align(offset + registry * REG_SIZE, 64)
         offset = self.journal_off = align(offset + buckets * CHAIN * GAUGE_SIZE, 64)
         offset = self.chunks_off = align(offset + journal, 4096)
-        self.total = align(offset + chunks * CHUNK_SIZE, 4096)
+        offset = self.waiters_off = align(offset + chunks * CHUNK_SIZE, 64)
+        offset = self.lines_off = align(offset + waiters * WAITER_SIZE, 64)
+        self.total = align(offset + lines * LINE_SIZE, 4096)
 
     @property
     def nodes(self) -> int:
@@ -299,6 +346,8 @@ class Layout:
             self.registry,
             self.journal,
             self.chunks,
+            self.waiters,
+            self.lines,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -323,13 +372,15 @@ class Layout:
             registry=max(self.registry, other.registry),
             journal=max(self.journal, other.journal),
             chunks=max(self.chunks, other.chunks),
+            waiters=max(self.waiters, other.waiters),
+            lines=max(self.lines, other.lines),
         )
 
     def describe(self) -> str:
         return (
             f"{self.nodes} keys of <= {self.key_size - 1} bytes, {self.leases} leases, "
             f"{self.procs} processes, {self.chunks * CHUNK_STAMPS} rate window entries, "
-            f"{self.total} bytes"
+            f"{self.waiters} queue waiters, {self.total} bytes"
         )
 
     def write(self, mm: mmap.mmap) -> None:
@@ -346,13 +397,15 @@ class Layout:
             self.chunks,
         )
         struct.pack_into("<Q", mm, H_FILE_BYTES, self.total)
+        QUEUE_GEOMETRY.pack_into(mm, H_QUEUE_GEOMETRY, self.waiters, self.lines)
 
     @classmethod
     def read(cls, header: bytes) -> Layout | None:
         key_size, buckets, chain, leases, procs, registry, journal, chunks = GEOMETRY.unpack_from(
             header, H_GEOMETRY
         )
-        if chain != CHAIN or not (buckets and leases and procs and key_size):
+        waiters, lines = QUEUE_GEOMETRY.unpack_from(header, H_QUEUE_GEOMETRY)
+        if chain != CHAIN or not (buckets and leases and procs and key_size and waiters and lines):
             return None
         return cls(
             key_size=key_size,
@@ -362,6 +415,8 @@ class Layout:
             registry=registry,
             journal=journal,
             chunks=chunks,
+            waiters=waiters,
+            lines=lines,
         )
 
     @classmethod
@@ -379,13 +434,18 @@ class Layout:
         for N admission times per key of an ``N/...`` limit (``DEFAULT_CHUNKS_CAP`` chunks
         at most), a lease per request in flight (twice the sum of the concurrency limits,
         a wildcard one counting ``concurrency x max_keys``; between ``MIN_LEASES`` and
-        ``DEFAULT_LEASES_CAP``), room for limits a reload may add."""
+        ``DEFAULT_LEASES_CAP``), a waiter per place in a queue (``queue.size`` per key,
+        between ``MIN_WAITERS`` and ``DEFAULT_WAITERS_CAP``) and a line per key with a
+        queue (between ``MIN_LINES`` and ``DEFAULT_LINES_CAP``), room for limits a reload
+        may add."""
         keys = 0
         key_size = 64
         wildcards = 0
         concurrency = 0
         chunks = 0
         longest_count = 0
+        waiters = 0
+        lines = 0
         limits: Iterable[Limit] = config.limits.values() if config is not None else ()
         for limit in limits:
             if limit.concurrency is None and limit.rate is None:
@@ -399,6 +459,9 @@ class Layout:
             key_size = max(key_size, length + len(limit.segments))  # separators + NUL
             if isinstance(limit.concurrency, int):
                 concurrency += limit.concurrency * count
+            if limit.queue is not None:
+                waiters += limit.queue.size * count
+                lines += count
             rate = limit.rate
             if rate is not None:
                 # A window of N entries spans at most this many chunks.
@@ -423,13 +486,20 @@ class Layout:
             registry=2 * wildcards + 64,
             journal=align(65536 + MAX_REFS * rewrite, 4096),
             chunks=windows,
+            waiters=min(max(MIN_WAITERS, waiters), DEFAULT_WAITERS_CAP),
+            lines=min(max(MIN_LINES, lines), DEFAULT_LINES_CAP),
         )
 
 
 def fixed_digest(head: bytes | bytearray) -> int:
     """The checksum of a header's fixed fields (stored at ``H_CHECK``)."""
     fixed = b"".join(
-        (head[0:12], head[H_EPOCH : H_EPOCH + 8], head[H_EPOCH_COPY:H_CHECK], head[H_BOOT:312])
+        (
+            head[0:12],
+            head[H_EPOCH : H_EPOCH + 8],
+            head[H_EPOCH_COPY:H_CHECK],
+            head[H_BOOT:H_FIXED_END],
+        )
     )
     return int.from_bytes(hashlib.blake2b(fixed, digest_size=8).digest(), "little")
 
@@ -457,6 +527,14 @@ def header_problem(layout: Layout, head: bytes, size: int) -> str | None:
         return f"its journal length {jlen} exceeds the journal ({layout.journal} bytes)"
     if U32.unpack_from(head, H_CHUNK_CHECK)[0] != chunk_check(head[H_CHUNK_FREE:MUT_END]):
         return "its window chunk counters fail their check"
+    waiting, _, waiter_free, waiter_high, lines_used = LINES_HEAD.unpack_from(head, H_WAITING)
+    if (
+        waiting > waiter_high
+        or waiter_high > layout.waiters
+        or waiter_free > waiter_high
+        or lines_used > layout.lines
+    ):
+        return "its queue counters are out of range"
     if (
         max(live, lease_high, heap_len) > layout.leases
         or (lease_free != NIL and lease_free >= lease_high)

@@ -1,0 +1,282 @@
+"""Queues on the shared backend are FIFO across the processes of a host (SPEC §4.4).
+
+Real worker processes (forked) wait in the line of one limit; the table says who waits in
+which order (``SharedBackend.waiters``), and an independent observer, a pipe every
+admitted request writes to while it holds the slot, records what really got in and when.
+The children sleep with the look-again bounds of ``tickets`` set to an hour, so that only
+the wake-ups (a release's message, the leave of the waiter ahead, a pidfd when it is
+killed) can move the line: a lost wake-up shows as a queue timeout, never as a pass.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatekeeper_wsgi import GateKeeper, Rejected
+from gatekeeper_wsgi.backends.shared import SharedBackend, tickets
+from gatekeeper_wsgi.backends.shared.liveness import proc_stat
+from tests.servers import wait_until
+
+DEADLINE = 30.0
+PATH = "shop/api"
+#: the look-again bounds of the children: long enough that only wake-ups move a line
+NEVER = 3600.0
+
+
+def limits(size: int = 10, wait: float = DEADLINE) -> dict[str, Any]:
+    return {PATH: {"concurrency": 1, "queue": {"size": size, "wait": wait}}}
+
+
+def settings(table: Path, size: int = 10, wait: float = DEADLINE) -> dict[str, Any]:
+    return {"project": "shop", "backend": f"shared://{table}", "limits": limits(size, wait)}
+
+
+class Observer:
+    """A pipe each admitted request writes ``+name`` to when it gets the slot and ``-name``
+    to just before it gives it back: the order of admissions, and proof that they never
+    overlapped, as the requests themselves saw them."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self._buffer = b""
+
+    def write(self, event: str) -> None:
+        os.write(self.write_fd, event.encode() + b"\n")  # one small write: atomic
+
+    def events(self, count: int) -> list[str]:
+        """The next ``count`` events (blocking, bounded by DEADLINE via the callers)."""
+        while self._buffer.count(b"\n") < count:
+            chunk = os.read(self.read_fd, 4096)
+            assert chunk, "the observer pipe closed"
+            self._buffer += chunk
+        lines = self._buffer.split(b"\n")
+        taken, rest = lines[:count], lines[count:]
+        self._buffer = b"\n".join(rest)
+        return [line.decode() for line in taken]
+
+    def admissions(self, count: int) -> list[str]:
+        """The names of the next ``count`` admissions, checking each left before the next
+        got in (concurrency 1 held host-wide)."""
+        events = self.events(2 * count)
+        names = [event[1:] for event in events[0::2]]
+        assert events == [event for name in names for event in (f"+{name}", f"-{name}")]
+        return names
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def _wait_in_line(table: Path, size: int, wait: float, name: str, observer: Observer) -> None:
+    """A worker process: one request that waits in the line, then reports."""
+    tickets.FIRST_LOOK = tickets.LOOK = NEVER
+    gk = GateKeeper(settings(table, size, wait))
+    try:
+        admission = gk.admit("shop", "api", name)
+    except Rejected as exc:
+        observer.write(f"!{name}:{exc.code}")
+        os._exit(0)
+    observer.write(f"+{name}")
+    observer.write(f"-{name}")
+    admission.release(200)
+    gk.close()
+    os._exit(0)
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    return tmp_path / "gatekeeper.shm"
+
+
+@pytest.fixture
+def observer() -> Iterator[Observer]:
+    watching = Observer()
+    yield watching
+    watching.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[BaseProcess]]:
+    """Worker processes started by a test; killed and reaped after it, whatever happened."""
+    started: list[BaseProcess] = []
+    yield started
+    for process in started:
+        if process.is_alive():
+            process.kill()
+        process.join(DEADLINE)
+
+
+def line_of(backend: SharedBackend) -> list[int]:
+    """The pids waiting in the line of PATH, first first."""
+    return [pid for pid, _ in backend.waiters(PATH)]
+
+
+def start_waiters(
+    table: Path,
+    backend: SharedBackend,
+    observer: Observer,
+    workers: list[BaseProcess],
+    names: list[str],
+    size: int = 10,
+    wait: float = DEADLINE,
+) -> None:
+    """Start one worker per name, each once the one before it has taken its ticket: the
+    ticket order is the order of ``names``."""
+    context = multiprocessing.get_context("fork")
+    for name in names:
+        process = context.Process(
+            target=_wait_in_line, args=(table, size, wait, name, observer), daemon=True
+        )
+        process.start()
+        workers.append(process)
+        wait_until(
+            lambda pid=process.pid: pid in line_of(backend), DEADLINE, f"{name} to take a ticket"
+        )
+
+
+def shared(gk: GateKeeper) -> SharedBackend:
+    backend = gk.backend
+    assert isinstance(backend, SharedBackend)
+    return backend
+
+
+def test_waiters_of_several_processes_are_admitted_in_ticket_order(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """Six processes take tickets one after another; one release admits them one at a
+    time, in ticket order, never two at once."""
+    gk = GateKeeper(settings(table))
+    backend = shared(gk)
+    holder = gk.admit("shop", "api", "holder")
+    names = [f"w{index}" for index in range(6)]
+    start_waiters(table, backend, observer, workers, names)
+    line = backend.waiters(PATH)
+    assert [pid for pid, _ in line] == [process.pid for process in workers]
+    assert [ticket for _, ticket in line] == sorted(ticket for _, ticket in line)
+    holder.release(200)
+    assert observer.admissions(len(names)) == names
+    wait_until(lambda: not line_of(backend), DEADLINE, "the line to empty")
+    for process in workers:
+        process.join(DEADLINE)
+    assert gk.inflight() == {PATH: 0}
+    gk.close()
+
+
+def test_a_newcomer_of_another_process_lines_up_behind_the_waiters(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """A request arriving while another process's requests wait joins the end of the
+    line, even once a slot is free: it is admitted after them."""
+    gk = GateKeeper(settings(table))
+    backend = shared(gk)
+    holder = gk.admit("shop", "api", "holder")
+    start_waiters(table, backend, observer, workers, ["w0", "w1"])
+    outcome: list[str] = []
+
+    def newcomer() -> None:
+        admission = gk.admit("shop", "api", "late")
+        observer.write("+late")
+        observer.write("-late")
+        admission.release(200)
+        outcome.append("admitted")
+
+    thread = threading.Thread(target=newcomer, daemon=True)
+    thread.start()
+    wait_until(lambda: len(line_of(backend)) == 3, DEADLINE, "the newcomer to line up")
+    assert line_of(backend)[2] == os.getpid()
+    holder.release(200)
+    assert observer.admissions(3) == ["w0", "w1", "late"]
+    thread.join(DEADLINE)
+    assert outcome == ["admitted"]
+    gk.close()
+
+
+@pytest.mark.parametrize("killed", [0, 1], ids=["first", "middle"])
+def test_a_sigkilled_waiter_does_not_stall_the_line(
+    table: Path, observer: Observer, workers: list[BaseProcess], killed: int
+) -> None:
+    """A waiter killed by SIGKILL (left a zombie, not reaped) gives up its ticket: the
+    others are admitted in order, woken by events alone."""
+    gk = GateKeeper(settings(table))
+    backend = shared(gk)
+    holder = gk.admit("shop", "api", "holder")
+    names = ["w0", "w1", "w2"]
+    start_waiters(table, backend, observer, workers, names)
+    victim = workers[killed]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    # Dropped by the waiter behind it, woken by its pidfd: no release needed.
+    wait_until(lambda: victim.pid not in line_of(backend), DEADLINE, "the dead waiter dropped")
+    holder.release(200)
+    survivors = [name for index, name in enumerate(names) if index != killed]
+    assert observer.admissions(2) == survivors
+    wait_until(lambda: not line_of(backend), DEADLINE, "the line to empty")
+    gk.close()
+
+
+def test_the_queue_size_bounds_the_line_of_the_host(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """``size`` counts the waiters of every process: with two waiting elsewhere, a third
+    request is refused at once with GK-QUEUE-FULL; once the last of them is killed (a
+    zombie nobody watches), a new request takes its place in the line."""
+    gk = GateKeeper(settings(table, size=2))
+    backend = shared(gk)
+    holder = gk.admit("shop", "api", "holder")
+    start_waiters(table, backend, observer, workers, ["w0", "w1"], size=2)
+    with pytest.raises(Rejected) as full:
+        gk.admit("shop", "api", "third")
+    assert (full.value.code, full.value.limit_path) == ("GK-QUEUE-FULL", PATH)
+    assert line_of(backend) == [process.pid for process in workers]
+    victim = workers[1].pid
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    # Dead, not reaped (is_alive() would reap it): only the join that finds the line full
+    # can drop its ticket.
+    wait_until(lambda: (proc_stat(victim) or ("?",))[0] == "Z", DEADLINE, "the kill to land")
+    assert victim in line_of(backend)
+    outcome: list[str] = []
+
+    def replacement() -> None:
+        admission = gk.admit("shop", "api", "fourth")
+        observer.write("+fourth")
+        observer.write("-fourth")
+        admission.release(200)
+        outcome.append("admitted")
+
+    thread = threading.Thread(target=replacement, daemon=True)
+    thread.start()
+    wait_until(lambda: os.getpid() in line_of(backend), DEADLINE, "the replacement in line")
+    assert line_of(backend) == [workers[0].pid, os.getpid()]
+    holder.release(200)
+    assert observer.admissions(2) == ["w0", "fourth"]
+    thread.join(DEADLINE)
+    assert outcome == ["admitted"]
+    gk.close()
+
+
+def test_a_waiter_that_times_out_leaves_the_line(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """A waiter whose ``wait`` runs out gets GK-QUEUE-TIMEOUT and gives its ticket up:
+    the waiter behind it (another process, with a longer wait) becomes first and is
+    admitted by the next release."""
+    gk = GateKeeper(settings(table))
+    backend = shared(gk)
+    holder = gk.admit("shop", "api", "holder")
+    start_waiters(table, backend, observer, workers, ["short"], wait=2.0)
+    start_waiters(table, backend, observer, workers, ["long"])
+    assert observer.events(1) == ["!short:GK-QUEUE-TIMEOUT"]
+    wait_until(lambda: line_of(backend) == [workers[1].pid], DEADLINE, "the short one gone")
+    holder.release(200)
+    assert observer.admissions(1) == ["long"]
+    gk.close()
