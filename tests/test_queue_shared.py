@@ -24,6 +24,7 @@ import pytest
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend, tickets
 from gatekeeper_wsgi.backends.shared.liveness import proc_stat
+from gatekeeper_wsgi.backends.shared.tickets import path_digest
 from tests.servers import wait_until
 
 DEADLINE = 30.0
@@ -113,6 +114,12 @@ def workers() -> Iterator[list[BaseProcess]]:
         if process.is_alive():
             process.kill()
         process.join(DEADLINE)
+
+
+def refused_by(backend: SharedBackend) -> int:
+    """The digest of the path that last refused the first waiter of PATH (0: none)."""
+    with backend.lines() as (lines, _):
+        return lines.refused_by(PATH)
 
 
 def line_of(backend: SharedBackend) -> list[int]:
@@ -279,4 +286,109 @@ def test_a_waiter_that_times_out_leaves_the_line(
     wait_until(lambda: line_of(backend) == [workers[1].pid], DEADLINE, "the short one gone")
     holder.release(200)
     assert observer.admissions(1) == ["long"]
+    gk.close()
+
+
+def _admit_once(gk: GateKeeper, service: str, name: str, observer: Observer) -> None:
+    """One request of a worker thread: admitted, observed, released (or its refusal)."""
+    try:
+        admission = gk.admit("shop", service, name)
+    except Rejected as exc:
+        observer.write(f"!{name}:{exc.code}")
+        return
+    observer.write(f"+{name}")
+    observer.write(f"-{name}")
+    admission.release(200)
+
+
+def _threads_on_command(table: Path, observer: Observer, commands: int) -> None:
+    """A worker process that starts a waiting thread per name read from ``commands`` and
+    exits once an empty line came and its threads are done."""
+    tickets.FIRST_LOOK = tickets.LOOK = NEVER
+    gk = GateKeeper(settings(table))
+    threads = []
+    with os.fdopen(commands) as names:
+        for line in names:
+            name = line.strip()
+            if not name:
+                break
+            thread = threading.Thread(target=_admit_once, args=(gk, "api", name, observer))
+            thread.start()
+            threads.append(thread)
+    for thread in threads:
+        thread.join()
+    gk.close()
+    os._exit(0)
+
+
+def test_threads_of_several_processes_share_one_line(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """Threads of two processes take tickets alternately (a, b, a, b, ...); they are
+    admitted in that order, not grouped by process."""
+    gk = GateKeeper(settings(table))
+    backend = shared(gk)
+    holder = gk.admit("shop", "api", "holder")
+    context = multiprocessing.get_context("fork")
+    pipes = [os.pipe() for _ in range(2)]
+    for read_end, _ in pipes:
+        process = context.Process(
+            target=_threads_on_command, args=(table, observer, read_end), daemon=True
+        )
+        process.start()
+        workers.append(process)
+    names = [f"{'ab'[index % 2]}{index // 2}" for index in range(6)]
+    for index, name in enumerate(names):
+        os.write(pipes[index % 2][1], name.encode() + b"\n")
+        wait_until(
+            lambda count=index + 1: len(line_of(backend)) == count, DEADLINE, f"{name} in line"
+        )
+    assert line_of(backend) == [workers[index % 2].pid for index in range(6)]
+    for _, write_end in pipes:
+        os.write(write_end, b"\n")
+        os.close(write_end)
+    holder.release(200)
+    assert observer.admissions(len(names)) == names
+    for process in workers:
+        process.join(DEADLINE)
+        assert process.exitcode == 0
+    gk.close()
+
+
+def test_a_first_waiter_refused_by_another_limit_is_woken_by_its_release(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """The first waiter of ``shop/api`` finds the project limit ``shop`` full when its
+    turn comes: the release of a ``shop`` slot by a request of another service wakes it
+    (nothing else would before its wait runs out)."""
+    both = {
+        "shop": {"concurrency": 2, "queue": {"size": 10, "wait": DEADLINE}},
+        PATH: {"concurrency": 1, "queue": {"size": 10, "wait": DEADLINE}},
+    }
+    gk = GateKeeper({"project": "shop", "backend": f"shared://{table}", "limits": both})
+    backend = shared(gk)
+    api_holder = gk.admit("shop", "api", "holder")  # shop 1/2, shop/api 1/1
+    context = multiprocessing.get_context("fork")
+
+    def waiter() -> None:
+        tickets.FIRST_LOOK = tickets.LOOK = NEVER
+        keeper = GateKeeper({"project": "shop", "backend": f"shared://{table}", "limits": both})
+        _admit_once(keeper, "api", "w", observer)
+        os._exit(0)
+
+    process = context.Process(target=waiter, daemon=True)
+    process.start()
+    workers.append(process)
+    assert process.pid is not None
+    wait_until(lambda: process.pid in line_of(backend), DEADLINE, "the waiter in line")
+    other = gk.admit("shop", "other", "x")  # shop 2/2
+    # Frozen, the waiter cannot take its turn before the project limit is full again.
+    os.kill(process.pid, signal.SIGSTOP)
+    api_holder.release(200)  # its wake-up waits in its socket
+    again = gk.admit("shop", "other", "y")  # shop 2/2 again: the waiter will be refused
+    os.kill(process.pid, signal.SIGCONT)
+    wait_until(lambda: refused_by(backend) == path_digest("shop"), DEADLINE, "the refusal")
+    other.release(200)
+    assert observer.admissions(1) == ["w"]
+    again.release(200)
     gk.close()

@@ -391,6 +391,12 @@ class Lines:
         ]
         self._ring(*nonces)
 
+    def refused_by(self, path: str) -> int:
+        """The digest of the path that last refused the first waiter of ``path``'s line
+        (0: none, or no line)."""
+        index = self._find(self.digest(path))
+        return 0 if index < 0 else self._line(index).blocked
+
     def places(self, path: str) -> list[tuple[int, int]]:
         """(pid, ticket) of the waiters in ``path``'s line, first first."""
         index = self._find(self.digest(path))
