@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import fcntl
 import hashlib
 import heapq
 import logging
@@ -40,12 +39,13 @@ from gatekeeper_wsgi.backends.base import (
     Slot,
 )
 from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
+from gatekeeper_wsgi.backends.shared.filelock import file_size, lock_file, unlock_file
 from gatekeeper_wsgi.backends.shared.files import (
     DEFAULT_MODE,
     check_mode,
     open_private,
 )
-from gatekeeper_wsgi.backends.shared.journal import Journal, Transaction
+from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Transaction
 from gatekeeper_wsgi.backends.shared.layout import (
     CHAIN,
     CHUNK_FMT,
@@ -74,7 +74,6 @@ from gatekeeper_wsgi.backends.shared.layout import (
     H_PROCS_HIGH,
     H_WAITING,
     HEADER,
-    LOCK,
     LRU_SCAN,
     MAGIC,
     MAGIC_INIT,
@@ -103,7 +102,6 @@ from gatekeeper_wsgi.backends.shared.layout import (
     STATE,
     TAGS,
     U32,
-    UNLOCK,
     VERSION,
     Layout,
     chunk_check,
@@ -254,7 +252,9 @@ class SharedBackend(Backend):
     locks belong to the open file description, which the threads of a process share). The
     kernel drops an OFD lock when its last descriptor closes, so a killed process cannot
     leave it held; each process opens the file itself (the descriptor inherited across
-    ``fork`` is closed in the child at once).
+    ``fork`` is closed in the child at once). The lock is taken and dropped without letting
+    go of the GIL while it is free (:mod:`.filelock`: a thread waiting for the GIL back
+    while holding the locks stalled every other thread and process behind it).
 
     **The file is private.** It is created ``0600`` (``?mode=0660``: group too) with
     ``O_CREAT|O_EXCL|O_NOFOLLOW``; an existing file is used only when ``fstat`` on the opened
@@ -422,6 +422,8 @@ class SharedBackend(Backend):
         self._held = 0
         self._held_epoch = 0
         self._keys: dict[str, tuple[bytes, int, int, int]] = {}
+        #: key bytes -> the node they were last found in (checked before use)
+        self._hints: dict[bytes, int] = {}
         self._regs: dict[str, tuple[int, int]] = {}
         self._proc_index = -1
         self._proc_epoch = 0
@@ -466,7 +468,7 @@ class SharedBackend(Backend):
         try:
             if self._fd < 0:
                 self._open()
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, LOCK)
+            lock_file(self._fd)
         except (OSError, ConfigError) as exc:
             self._tlock.release()
             raise self.backend_error(exc) from exc
@@ -476,7 +478,7 @@ class SharedBackend(Backend):
                 # Touching the map of a file cut shorter than it is SIGBUS: check the size
                 # first (one lseek, ~0.3 µs). This catches a truncation between two updates;
                 # a writer ignoring the lock can still cut the file inside one.
-                if mm is None or os.lseek(self._fd, 0, os.SEEK_END) < self._total:
+                if mm is None or file_size(self._fd) < self._total:
                     self._attach()
                 else:
                     magic, version, jlen, epoch = STATE.unpack_from(mm, 0)
@@ -498,7 +500,7 @@ class SharedBackend(Backend):
     def _leave(self) -> None:
         try:
             if self._fd >= 0:
-                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, UNLOCK)
+                unlock_file(self._fd)
         finally:
             self._tlock.release()
 
@@ -617,6 +619,7 @@ class SharedBackend(Backend):
         self._journal = Journal(self._mm, layout, self.path)
         self._leases = Leases(self._mm, layout, self._journal)
         self._keys = {}
+        self._hints = {}
         self._regs = {}
         self._proc_index = -1
         g = layout
@@ -944,9 +947,12 @@ class SharedBackend(Backend):
             raise BackendError(f"a request may hold at most {MAX_REFS} slots, got {len(nodes)}")
         pid = self._pid
         stamps: list[float | None] = []
+        # Every admission raises its nodes' counts and takes a lease (header counters).
+        ranges = [(nodes_off + node * node_size, NODE_HEAD) for node in nodes]
+        ranges.append(HEADER_BLOCK)
+        self._journal.save_all(ranges)
         for index, node in enumerate(nodes):
             offset = nodes_off + node * node_size
-            self._journal.save(offset, NODE_HEAD)
             U32.pack_into(mm, offset, U32.unpack_from(mm, offset)[0] + 1)
             rate = slots[index].limit.rate
             # Shadow over concurrency still counts in the window; only a full window is
@@ -1164,6 +1170,16 @@ class SharedBackend(Backend):
         key_at = self._nodes_off + NODE_HEAD
         node_size = self._node_size
         size = len(raw)
+        # Where the key was found last: still its node if the node's tag and key bytes say
+        # so (a key is in one node at most; a freed node's tag is 0, never a key's tag).
+        node = self._hints.get(raw, -1)
+        if node >= 0:
+            start = key_at + node * node_size
+            if (
+                U32.unpack_from(mm, tags_off + node * 4)[0] == tag
+                and mm[start : start + size] == raw
+            ):
+                return node
         for bucket in (first, second):
             tags = TAGS.unpack_from(mm, tags_off + bucket * CHAIN * 4)
             if tag in tags:
@@ -1172,6 +1188,9 @@ class SharedBackend(Backend):
                         node = bucket * CHAIN + position
                         start = key_at + node * node_size
                         if mm[start : start + size] == raw:
+                            if len(self._hints) >= 8192:
+                                self._hints = {}
+                            self._hints[raw] = node
                             return node
         return -1
 

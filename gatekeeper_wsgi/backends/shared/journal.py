@@ -17,7 +17,7 @@ of its own (one serves every thread).
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gatekeeper_wsgi.backends.shared.faults import Damaged
 from gatekeeper_wsgi.backends.shared.layout import (
@@ -30,6 +30,9 @@ from gatekeeper_wsgi.backends.shared.layout import (
     Layout,
 )
 from gatekeeper_wsgi.errors import BackendError
+
+#: (offset, length) of the header's mutable block (its counters), for :meth:`Journal.save_all`
+HEADER_BLOCK = (MUT_START, MUT_END - MUT_START)
 
 
 class Journal:
@@ -72,9 +75,32 @@ class Journal:
         self._jlen = end
         saved[offset] = length
 
+    def save_all(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """:meth:`save` of each (offset, length) in one write, the journal length raised
+        once for all: an update that knows what it will change saves it in one step."""
+        mm = self._mm
+        saved = self._saved
+        parts: list[bytes] = []
+        for offset, length in ranges:
+            if saved.get(offset, 0) < length:
+                saved[offset] = length
+                parts += (JENTRY.pack(offset, length), mm[offset : offset + length])
+        if not parts:
+            return
+        entries = b"".join(parts)
+        start = self._jlen
+        end = start + len(entries)
+        if end > self._cap:
+            raise BackendError(f"shared table {self._name!r}: update too large for its journal")
+        at = self._base + start
+        mm[at : at + len(entries)] = entries
+        # Only now are the entries part of the journal: nothing they cover changed yet.
+        U32.pack_into(mm, H_JLEN, end)
+        self._jlen = end
+
     def save_header(self) -> None:
         """Save the header's mutable block (its counters), once per update."""
-        self.save(MUT_START, MUT_END - MUT_START)
+        self.save(*HEADER_BLOCK)
 
     def commit(self) -> None:
         """Make the update permanent: the journal length drops to 0."""

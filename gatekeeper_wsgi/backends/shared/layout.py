@@ -93,10 +93,8 @@ of a header read from a file. It knows nothing of locks or processes.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import mmap
-import os
 import struct
 import zlib
 from collections.abc import Iterable
@@ -160,10 +158,6 @@ TAGS = struct.Struct(f"<{CHAIN}I")
 CHUNK_FMT = struct.Struct(f"<I4x{CHUNK_STAMPS}d")
 CHUNK_STAMPS_FMT = struct.Struct(f"<{CHUNK_STAMPS}d")
 JENTRY = struct.Struct("<QI")
-# struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
-FLOCK = struct.Struct("hhxxxxqqixxxx")
-LOCK = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-UNLOCK = FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
 
 # header fields
 H_JLEN = 12

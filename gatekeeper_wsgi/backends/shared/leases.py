@@ -18,7 +18,7 @@ import mmap
 from collections.abc import Iterator
 
 from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
-from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal
 from gatekeeper_wsgi.backends.shared.layout import (
     F64,
     H_HEAP_LEN,
@@ -113,17 +113,16 @@ class Leases:
     def free(self, lease: int) -> None:
         """Give the lease's slots back and put it on the free list."""
         mm = self._mm
-        save = self._save
         at = self._base + lease * LEASE_SIZE
         count, *refs = LEASE_NODES.unpack_from(mm, at + L_COUNT)
         nodes_off, node_size = self._nodes_off, self._node_size
-        for node in refs[:count]:
-            offset = nodes_off + node * node_size
-            save(offset, NODE_HEAD)
+        offsets = [nodes_off + node * node_size for node in refs[:count]]
+        ranges = [(offset, NODE_HEAD) for offset in offsets]
+        ranges += (HEADER_BLOCK, (at, LEASE_SIZE))
+        self._journal.save_all(ranges)
+        for offset in offsets:
             inflight = U32.unpack_from(mm, offset)[0]
             U32.pack_into(mm, offset, inflight - 1 if inflight else 0)
-        self._journal.save_header()
-        save(at, LEASE_SIZE)
         LEASE_HEAD.pack_into(mm, at, 0, 0)
         U32.pack_into(mm, at + L_REFS, U32.unpack_from(mm, H_LEASE_FREE)[0])
         U32.pack_into(mm, H_LEASE_FREE, lease)

@@ -1,0 +1,204 @@
+"""The shared backend's fast paths keep their guarantees: the file lock taken without
+letting go of the GIL still excludes other processes, a journal saved in one step undoes
+exactly what it covers, and a remembered node is never used for another key."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import random
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gatekeeper_wsgi import GateKeeper, Rejected
+from gatekeeper_wsgi.backends.shared import SharedBackend, filelock
+from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.layout import H_JLEN, U32, Layout
+from tests.servers import wait_until
+
+DEADLINE = 20.0
+
+
+# --- the file lock --------------------------------------------------------------------------
+
+
+def _hold_lock(path: str, conn: Connection) -> None:
+    """In a child process: take the lock, write a mark under it, hold it until told."""
+    fd = os.open(path, os.O_RDWR)
+    filelock.lock_file(fd)
+    os.pwrite(fd, b"child", 0)
+    conn.send("held")
+    conn.recv()
+    os.pwrite(fd, b"done!", 0)
+    filelock.unlock_file(fd)
+    conn.send("released")
+    conn.recv()
+    os.close(fd)
+
+
+def _blocked_on(inode: int) -> bool:
+    with open("/proc/locks", encoding="ascii") as locks:
+        return any("->" in line and f":{inode} " in line for line in locks)
+
+
+def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
+    """While another process holds the lock, lock_file() waits (past its non-blocking tries),
+    and returns once that process unlocks, seeing what it wrote under the lock."""
+    path = tmp_path / "lock"
+    path.write_bytes(bytes(16))
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_hold_lock, args=(str(path), theirs))
+    child.start()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert ours.poll(DEADLINE) and ours.recv() == "held"
+        taken = threading.Event()
+        seen: list[bytes] = []
+
+        def take() -> None:
+            filelock.lock_file(fd)
+            seen.append(os.pread(fd, 5, 0))
+            taken.set()
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        # The kernel lists a request blocked on a lock with "->": the taker is past its
+        # non-blocking tries, waiting for the child.
+        inode = os.stat(path).st_ino
+        wait_until(lambda: _blocked_on(inode), what="the taker blocked on the lock")
+        assert not taken.is_set()
+        ours.send("release")
+        assert taken.wait(DEADLINE)
+        taker.join(DEADLINE)
+        assert seen == [b"done!"]
+        assert ours.poll(DEADLINE) and ours.recv() == "released"
+        filelock.unlock_file(fd)
+        ours.send("exit")
+    finally:
+        os.close(fd)
+        child.join(DEADLINE)
+    assert child.exitcode == 0
+
+
+def test_file_size_past_4_gib(tmp_path: Path) -> None:
+    """file_size reads a sparse file's size past 32 bits (the table's geometry can ask
+    for that much), as fstat does."""
+    path = tmp_path / "big"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, (5 << 30) + 12345)
+        assert filelock.file_size(fd) == os.fstat(fd).st_size == (5 << 30) + 12345
+    finally:
+        os.close(fd)
+
+
+def test_unlock_of_a_closed_descriptor_raises(tmp_path: Path) -> None:
+    """A descriptor that cannot be locked or unlocked raises OSError, not a silent no-op
+    (the backend turns it into a BackendError)."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    with pytest.raises(OSError):
+        filelock.lock_file(fd)
+    with pytest.raises(OSError):
+        filelock.unlock_file(fd)
+
+
+# --- the journal saved in one step ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[mmap.mmap, Layout]]:
+    """A zeroed map of a small table's size (the journal needs only its geometry)."""
+    layout = Layout.derive(None)
+    path = tmp_path_factory.mktemp("journal") / "table"
+    with open(path, "w+b") as file:
+        file.truncate(layout.total)
+        with mmap.mmap(file.fileno(), layout.total) as mm:
+            yield mm, layout
+
+
+#: byte ranges in the node region: (offset from its start, length), overlapping at will
+RANGES = st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 64)), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), RANGES), min_size=1, max_size=6), seed=st.integers())
+def test_save_all_undoes_exactly_what_it_covered(
+    mapped: tuple[mmap.mmap, Layout], steps: list[tuple[bool, list[tuple[int, int]]]], seed: int
+) -> None:
+    """Ranges saved by save_all (or one by one by save), then overwritten, come back byte
+    for byte on rollback and on the undo a process finding a killed one's journal does;
+    saving a range twice costs nothing more."""
+    mm, layout = mapped
+    noise = random.Random(seed)
+    base = layout.nodes_off
+    mm[base : base + 4096] = noise.randbytes(4096)
+    before = mm[base : base + 4096]
+    for undo_as_survivor in (False, True):
+        journal = Journal(mm, layout, "test")
+        for together, ranges in steps:
+            absolute = [(base + offset, length) for offset, length in ranges]
+            if together:
+                journal.save_all(absolute)
+            else:
+                for offset, length in absolute:
+                    journal.save(offset, length)
+            pending = journal.pending
+            journal.save_all(absolute)  # already saved: no new entry
+            assert journal.pending == pending
+            assert U32.unpack_from(mm, H_JLEN)[0] == pending
+            for offset, length in absolute:
+                mm[offset : offset + length] = noise.randbytes(length)
+        if undo_as_survivor:
+            # Another process's view: only the map and the length in the header.
+            Journal(mm, layout, "test").undo(U32.unpack_from(mm, H_JLEN)[0])
+        else:
+            journal.rollback()
+        assert mm[base : base + 4096] == before
+        assert U32.unpack_from(mm, H_JLEN)[0] == 0
+
+
+# --- a remembered node is checked before it is used -----------------------------------------
+
+
+def test_node_hint_of_an_evicted_key_never_counts_on_its_successor(tmp_path: Path) -> None:
+    """A process remembers the node a key was found in; when another process evicts that
+    idle key and a new key takes the very same node, the first process's next request
+    for the old key is decided on that key alone: here refused (max_keys reached, the new
+    key in flight), never counted on the new key's node."""
+    table = tmp_path / "t.shm"
+    limits = {"shop/api/*": {"concurrency": 5, "max_keys": 1}}
+    settings_ = {"project": "shop", "backend": f"shared://{table}", "limits": limits}
+    first = GateKeeper(settings_)
+    second = GateKeeper(settings_)
+    backend = second.backend
+    assert isinstance(backend, SharedBackend)
+    # In an empty table a key takes slot 0 of its first bucket; a key with the same first
+    # bucket then takes the node an evicted one left.
+    first_bucket = backend._key("shop/api/a")[2]
+    successor = next(
+        name
+        for name in (f"b{i}" for i in range(10_000))
+        if backend._key(f"shop/api/{name}")[2] == first_bucket
+    )
+    for _ in range(2):  # created, then found: first remembers a's node
+        first.admit("shop", "api", "a").release(200)
+    held = second.admit("shop", "api", successor)  # evicts idle a, takes its node
+    assert backend._find(backend._key(f"shop/api/{successor}")) == first_bucket * 8
+    with pytest.raises(Rejected) as refusal:
+        first.admit("shop", "api", "a")
+    assert refusal.value.code == "GK-CONCURRENCY-LIMIT"
+    assert {k: v for k, v in second.inflight().items() if v} == {f"shop/api/{successor}": 1}
+    held.release(200)
+    first.admit("shop", "api", "a").release(200)  # now a evicts the idle successor
+    assert {k: v for k, v in first.inflight().items() if v} == {}
+    first.close()
+    second.close()
