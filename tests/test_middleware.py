@@ -1,6 +1,8 @@
 """GateKeeperMiddleware around plain WSGI apps: who is calling what, slots released exactly
-once however the response ends, faulty responses holding their slots for ``delay``, and the
-ServiceFault a rejected client receives (SPEC §1, §4, §5).
+once in the cases only the WSGI protocol has (an app raising around ``start_response``,
+``exc_info``, ``wsgi.file_wrapper``; the rules every integration shares are proven in
+``test_release_conformance.py``), faulty responses holding their slots for ``delay``, and
+the ServiceFault a rejected client receives (SPEC §1, §4, §5).
 
 Requests go through ``werkzeug.test.Client``; its unbuffered responses are closed by the
 tests, as a real server closes them. Where the Client does not behave like a PEP 3333 server
@@ -577,60 +579,10 @@ def test_wrapping_twice_counts_once(clock: FakeClock) -> None:
 
 # -- 2. release exactly once ----------------------------------------------------------------
 
-
-def test_list_body_released_on_close_once(make: Any) -> None:
-    """A list body holds its slot until the server closes it, and frees only its own."""
-    with another_request_in_flight(make(ok_app, HOLD)) as mw:
-        response = start(mw, "/case")
-        assert_holding(mw)
-        assert response.get_data() == b"hello world"
-        response.close()
-        assert_released_once(mw)
-        response.close()
-        assert_released_once(mw)
-
-
-def test_streamed_generator_released_on_exhaustion_once(make: Any) -> None:
-    """A streamed body holds its slot while it streams; read to its end it frees it (SPEC
-    §4.2: exhausted or closed, whichever first), and the later close frees nothing more."""
-    app = Streaming()
-    with another_request_in_flight(make(app, HOLD)) as mw:
-        response = start(mw, "/case")
-        assert app.produced == 1
-        assert_holding(mw)
-        assert response.get_data() == b"one two three"
-        assert_released_once(mw)
-        response.close()
-        assert app.finished
-        assert_released_once(mw)
-
-
-def test_client_gone_mid_stream_releases_once(make: Any) -> None:
-    """A client that leaves mid-stream (server closes early) frees the slot and the generator."""
-    app = Streaming()
-    with another_request_in_flight(make(app, HOLD)) as mw:
-        response = start(mw, "/case")
-        assert app.produced == 1
-        response.close()
-        assert app.finished
-        assert app.produced == 1
-        assert_released_once(mw)
-
-
-def test_generator_raising_mid_stream_releases_once(make: Any) -> None:
-    """A generator that raises mid-stream propagates its exception; close frees the slot once."""
-    app = Streaming(fail_after=2)
-    with another_request_in_flight(make(app, HOLD)) as mw:
-        response = start(mw, "/case")
-        assert_holding(mw)
-        with pytest.raises(AppError) as raised:
-            response.get_data()
-        assert raised.value is app.error
-        assert_holding(mw)
-        response.close()
-        assert_released_once(mw)
-        response.close()
-        assert_released_once(mw)
+# What every integration shares (a body read, closed unread, dropped mid-stream, a raising
+# stream, no close(), a raising close(), on every backend) is proven for all of them in
+# test_release_conformance.py; what follows is the bare WSGI protocol's own: an app raising
+# around start_response, exc_info, the server's wsgi.file_wrapper.
 
 
 def raise_mid_stream_under_a_buffering_server(error: AppError) -> WSGIApplication:
@@ -717,80 +669,8 @@ def test_start_response_with_exc_info_releases_once(make: Any) -> None:
         assert_released_once(mw)
 
 
-def test_response_closed_without_iteration_releases_once(make: Any) -> None:
-    """A response the server closes without reading (e.g. HEAD, client gone) frees its slot."""
-    app = Streaming()
-    with another_request_in_flight(make(app, HOLD)) as mw:
-        result, _ = serve(mw, "/case")
-        assert_holding(mw)
-        result.close()  # type: ignore[attr-defined]
-        assert app.produced == 0
-        assert_released_once(mw)
-        result.close()  # type: ignore[attr-defined]
-        assert_released_once(mw)
-
-
-class NoClose:
-    """An iterable without close()."""
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield b"no "
-        yield b"close"
-
-
-def test_iterable_without_close_releases_once(make: Any) -> None:
-    """An iterable without close() is still released when the server closes the response."""
-
-    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        start_response("200 OK", [])
-        return NoClose()
-
-    with another_request_in_flight(make(app, HOLD)) as mw:
-        response = start(mw, "/case")
-        assert_holding(mw)
-        assert response.get_data() == b"no close"
-        response.close()
-        assert_released_once(mw)
-
-
 class CloseError(Exception):
     pass
-
-
-class BadClose:
-    """An iterable whose close() raises."""
-
-    def __init__(self) -> None:
-        self.error = CloseError("close failed")
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield b"data"
-
-    def close(self) -> None:
-        raise self.error
-
-
-def test_inner_close_raising_still_releases_once(make: Any) -> None:
-    """An inner close() that raises still frees the slot; its exception reaches the server."""
-    inner = BadClose()
-
-    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        if environ["PATH_INFO"] != "/case":
-            return ok_app(environ, start_response)
-        start_response("200 OK", [])
-        return inner
-
-    with another_request_in_flight(make(app, HOLD)) as mw:
-        # Closed unread (a client gone), so it is close() that must release.
-        result, _ = serve(mw, "/case")
-        assert_holding(mw)
-        with pytest.raises(CloseError) as raised:
-            result.close()  # type: ignore[attr-defined]
-        assert raised.value is inner.error
-        assert_released_once(mw)
-        with pytest.raises(CloseError):
-            fetch(mw, "/case")
-        assert_released_once(mw)
 
 
 class FileApp:
@@ -1899,37 +1779,6 @@ def test_conformance_all_or_nothing_across_levels(backend_app: Any) -> None:
     held.close()
     other.close()
     assert all_zero(mw.gatekeeper)
-
-
-def test_conformance_release_exactly_once(backend_app: Any) -> None:
-    """Every way a response can end frees its slots once, on every backend."""
-    apps: dict[str, WSGIApplication] = {
-        "/held": ok_app,
-        "/probe": ok_app,
-        "/list": ok_app,
-        "/stream": Streaming(),
-        "/boom": Streaming(fail_after=1),
-    }
-
-    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        if environ["PATH_INFO"] == "/raise":
-            raise AppError("before start_response")
-        return apps[environ["PATH_INFO"]](environ, start_response)
-
-    with another_request_in_flight(backend_app(app, {"shop": {"concurrency": 2}})) as mw:
-        for path in ("/list", "/stream"):
-            response = start(mw, path)
-            assert_holding(mw)
-            response.close()
-            response.close()
-            assert_released_once(mw)
-        for path in ("/boom", "/raise"):
-            with pytest.raises(AppError):
-                fetch(mw, path)
-            assert_released_once(mw)
-        result, _ = serve(mw, "/stream")
-        result.close()  # type: ignore[attr-defined]
-        assert_released_once(mw)
 
 
 def test_conformance_rate_window(backend_app: Any, clock: FakeClock) -> None:
