@@ -16,14 +16,15 @@ import redis
 from gatekeeper_wsgi import GateKeeper, Rejected
 
 
-def inside_now(observer: redis.Redis, key: str, admission: Any) -> int:
-    """Enter the observer's count, note how many are inside, leave, release ``admission``."""
+def inside_now(observer: redis.Redis, key: str, admission: Any, faulty: bool = False) -> int:
+    """Enter the observer's count, note how many are inside, leave, release ``admission``
+    (as a faulty response: its delay applies)."""
     try:
         inside = int(observer.incr(key))
         observer.decr(key)
         return inside
     finally:
-        admission.release(200)
+        admission.release(503 if faulty else 200, faulty=faulty)
 
 
 def run_host(

@@ -33,19 +33,24 @@ def run_load(
     progress: Any,
     outage: Any,
     results: Any,
+    limits: dict[str, Any] | None = None,
+    path: tuple[str, str] = ("work", "host"),
+    faulty: int = 0,
 ) -> None:
-    """Admit and release ``shop/work`` (concurrency ``limit``) in ``threads`` threads until
-    ``stop``; count admissions into ``progress`` and GK-BACKEND-UNAVAILABLE refusals into
-    ``outage`` (shared integers) as they happen; then report what happened and what the
-    observer saw."""
+    """Admit and release ``path`` (service, caller) of project shop under ``limits``
+    (default ``shop/work``, concurrency ``limit``) in ``threads`` threads until ``stop``,
+    every ``faulty``-th response of a thread faulty (0: none); count admissions into
+    ``progress`` and GK-BACKEND-UNAVAILABLE refusals into ``outage`` (shared integers) as
+    they happen; then report what happened and what the observer saw."""
     keeper = GateKeeper(
         {
             "project": "shop",
             "backend": backend_url,
             "on_backend_error": "reject",
-            "limits": {"shop/work": {"concurrency": limit}},
+            "limits": limits or {"shop/work": {"concurrency": limit}},
         }
     )
+    service, caller = path
     backend = keeper.backend
     assert isinstance(backend, RedisBackend)
     observer = redis.Redis.from_url(observer_url)
@@ -59,7 +64,7 @@ def run_load(
         while not stop.is_set():
             began = time.monotonic()
             try:
-                admission = keeper.admit("shop", "work", "host")
+                admission = keeper.admit("shop", service, caller)
             except Rejected as exc:
                 codes[exc.code] = codes.get(exc.code, 0) + 1
                 if exc.code == "GK-BACKEND-UNAVAILABLE":
@@ -74,8 +79,9 @@ def run_load(
                 took = time.monotonic() - began
                 if took > slowest[0]:
                     slowest[0] = took
-            max_inside = max(max_inside, inside_now(observer, observer_key, admission))
             admitted += 1
+            failed = faulty > 0 and admitted % faulty == 0
+            max_inside = max(max_inside, inside_now(observer, observer_key, admission, failed))
             with progress.get_lock():
                 progress.value += 1
         with lock:
