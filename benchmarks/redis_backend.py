@@ -12,10 +12,15 @@ the WSGI app directly:
 
 Prints, per way: round trips per request (commands clients sent, seen by ``MONITOR``): those
 the request's thread waits for, and those sent in the background (gatekeeper-wsgi's release
-sender); commands per request (``INFO commandstats`` deltas, including those scripts ran);
-and median µs per request, split into the part the client waits for (until the body is
-returned) and ``close()`` after the response is sent, then the whole (call + iterate +
-close) over bare Flask and as a share of Flask-Limiter's.
+sender); commands per request (``INFO commandstats`` deltas, including those scripts ran),
+in all and as a table per command; and median µs per request, split into the part the client
+waits for (until the body is returned) and ``close()`` after the response is sent, then the
+whole (call + iterate + close) over bare Flask and as a share of Flask-Limiter's.
+
+``--json FILE`` also writes the commands per request of each way; ``--before FILE`` (one
+written so by an earlier version) adds the columns that changed, as "<way> before":
+``--before benchmarks/redis_commands_24.json`` compares with the 24-command layout (before
+the marks; written by this script run against that version's package).
 
 ``--adaptive`` adds two more ways: one static concurrency limit and one adaptive one
 (``concurrency = "auto"``, its state shared by all hosts through Redis), and prints their
@@ -26,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
+from pathlib import Path
 
 import _common
 import redis
@@ -83,17 +90,32 @@ def round_trips(server: redis.Redis, app: WSGIApp, n: int) -> tuple[float, float
     return waited / n, (sum(sent.values()) - waited) / n
 
 
-def commands(server: redis.Redis, app: WSGIApp, n: int) -> tuple[float, dict[str, int]]:
-    """All commands per request, including those scripts ran, by INFO commandstats."""
+def commands(server: redis.Redis, app: WSGIApp, n: int) -> tuple[float, dict[str, float]]:
+    """All commands per request, including those scripts ran, by INFO commandstats: in all,
+    and per command."""
     server.config_resetstat()
     run(app, n)
     stats = server.info("commandstats")
     calls = {
-        name.removeprefix("cmdstat_"): int(value["calls"])
+        name.removeprefix("cmdstat_"): int(value["calls"]) / n
         for name, value in stats.items()
         if not name.startswith(("cmdstat_config", "cmdstat_info"))
     }
-    return sum(calls.values()) / n, calls
+    return sum(calls.values()), calls
+
+
+def command_table(columns: dict[str, dict[str, float]]) -> list[str]:
+    """Commands per request as a table: a row per command, a column per way."""
+    names = sorted({command for calls in columns.values() for command, n in calls.items() if n})
+    width = max(12, *(len(name) + 2 for name in columns))
+    lines = [f"{'per request':18}" + "".join(f"{name:>{width}}" for name in columns)]
+    for command in [*names, "all"]:
+        cells = [
+            sum(calls.values()) if command == "all" else calls.get(command, 0.0)
+            for calls in columns.values()
+        ]
+        lines.append(f"  {command:16}" + "".join(f"{cell:>{width}.2f}" for cell in cells))
+    return lines
 
 
 def main() -> None:
@@ -106,6 +128,8 @@ def main() -> None:
         action="store_true",
         help="also one static and one adaptive (auto) concurrency limit, side by side",
     )
+    parser.add_argument("--json", type=Path, help="also write the commands per request here")
+    parser.add_argument("--before", type=Path, help="a --json file of an earlier version")
     args = parser.parse_args()
     with redis_server(args.url) as url:
         server = redis.Redis.from_url(url)
@@ -143,10 +167,19 @@ def main() -> None:
             f"{name:17}{trips:12.2f}{trips_closing:11.2f}{per_request:10.2f}{waited:11.1f}"
             f"{closing:12.1f}{waited + closing:10.1f}"
         )
-    for name in [name for name in apps if name != "bare Flask"]:
-        calls = counts[name][2]
-        listed = ", ".join(f"{cmd} {n / 1000:g}" for cmd, n in sorted(calls.items()) if n)
-        print(f"  {name} commands per request: {listed}")
+    columns = {name: counts[name][2] for name in apps if name != "bare Flask"}
+    if args.json is not None:
+        args.json.write_text(json.dumps(columns, indent=2, sort_keys=True))
+    if args.before is not None:
+        before = json.loads(args.before.read_text())
+        changed = {
+            f"{name} before": calls
+            for name, calls in before.items()
+            if name in columns and calls != columns[name]
+        }
+        columns = {**changed, **columns}
+    print()
+    print("\n".join(command_table(columns)))
     base = sum(median["bare Flask"])
     ours = sum(median["gatekeeper-wsgi"]) - base
     theirs = sum(median["Flask-Limiter"]) - base
