@@ -7,6 +7,7 @@ and where Redis time must pass the test polls until a deadline."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -221,6 +222,41 @@ def test_a_tombstone_on_a_rate_key_outlives_later_requests(prefixed: str) -> Non
         held = [gk.admit("shop", "work", "c") for _ in range(3)]
         with pytest.raises(Rejected):
             gk.admit("shop", "work", "c")
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()
+
+
+def test_a_freeze_longer_than_max_hold_leaks_no_slot(own_redis: ControlledRedis) -> None:
+    """Redis frozen (SIGSTOP) for longer than max_hold (2 s) while admissions' answers are
+    lost: a give-back's tombstone lives max_hold from when Redis runs it, after the thaw, so
+    whichever order Redis runs the queued admissions and give-backs in, no slot stays taken:
+    the full concurrency is admitted as soon as the give-backs are answered."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05&max_hold=2",
+        {"shop/work": {"concurrency": 2}},
+        on_backend_error="reject",
+    )
+    try:
+        backend = redis_backend(gk)
+        gk.admit("shop", "work", "c").release(200)  # connected, script loaded
+        own_redis.pause()
+        try:
+            for _ in range(2):
+                with pytest.raises(Rejected) as refused:
+                    gk.admit("shop", "work", "c")
+                assert refused.value.code == "GK-BACKEND-UNAVAILABLE"
+            # Redis time must pass max_hold while the admissions wait in it.
+            thaw = time.monotonic() + 2.5
+            wait_until(lambda: time.monotonic() > thaw, what="max_hold to pass, frozen")
+        finally:
+            own_redis.resume()
+        wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
+        held = [wait_until(lambda: admitted(gk), what="recovery"), gk.admit("shop", "work", "c")]
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "c")
+        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
         for admission in held:
             admission.release(200)
     finally:
