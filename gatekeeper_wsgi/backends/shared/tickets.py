@@ -68,6 +68,8 @@ __all__ = ["FIRST_LOOK", "LOOK", "Bell", "Lines", "SharedLine", "path_digest"]
 FIRST_LOOK = 0.05
 #: seconds any other waiter sleeps at most before it looks again
 LOOK = 0.5
+#: seconds between two sweeps of a full table for waiters of dead processes (per process)
+SWEEP_EVERY = 1.0
 
 _U64 = struct.Struct("<Q")
 _CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
@@ -127,6 +129,7 @@ class Lines:
         "_lines_off",
         "_mm",
         "_ring",
+        "_swept",
         "_waiters",
         "_waiters_off",
     )
@@ -142,6 +145,7 @@ class Lines:
         self._waiters_off = layout.waiters_off
         self._lines_off = layout.lines_off
         self._digests: dict[str, int] = {}
+        self._swept = -SWEEP_EVERY
 
     # --- reading and writing entries ------------------------------------------------------
 
@@ -212,7 +216,9 @@ class Lines:
         digest = self.digest(path)
         index = self._find(digest)
         if index >= 0 and self._line(index).length >= size:
-            self._drop_dead(lambda waiter: waiter.digest == digest)
+            # Who dies at the head or in the middle is dropped by the waiter behind it;
+            # the last has nobody behind. O(1) per refusal, however long the line.
+            self._drop_dead_tail(digest)
             index = self._find(digest)
             if index >= 0 and self._line(index).length >= size:
                 return None
@@ -227,12 +233,10 @@ class Lines:
             waiter = high
             high += 1
         else:
-            if not self._drop_dead(lambda waiter: True):
-                return None
-            return self.join(path, size, pid, start, nonce)
+            return self.join(path, size, pid, start, nonce) if self._sweep() else None
         if index < 0:
             if used >= self._lines:
-                return None
+                return self.join(path, size, pid, start, nonce) if self._sweep() else None
             index = used
             used += 1
             line = _Line(digest, 0, NIL, NIL, 0)
@@ -292,14 +296,32 @@ class Lines:
 
     # --- dead waiters ---------------------------------------------------------------------
 
-    def _drop_dead(self, which: Callable[[_Waiter], bool]) -> int:
-        """Drop the waiters ``which`` selects whose process is gone; how many."""
-        high = self._head()[3]
+    def _drop_dead_tail(self, digest: int) -> None:
+        """Drop the dead waiters at the end of the line of ``digest``."""
+        while True:
+            index = self._find(digest)
+            if index < 0:
+                return
+            last = self._line(index).last
+            waiter = self._waiter(last)
+            if not _gone(waiter.pid, waiter.start):
+                return
+            self._drop(last, waiter)
+
+    def _sweep(self) -> bool:
+        """With every waiter or line of the table in use: drop the waiters of dead
+        processes, all of them, at most every ``SWEEP_EVERY`` seconds in this process (a
+        flood of requests to a full table must not pass over it each time); whether any
+        was dropped."""
+        now = time.monotonic()
+        if now - self._swept < SWEEP_EVERY:
+            return False
+        self._swept = now
         verdicts: dict[tuple[int, int], bool] = {}
-        dropped = 0
-        for index in range(high):
+        dropped = False
+        for index in range(self._head()[3]):
             waiter = self._waiter(index)
-            if not waiter.ticket or not which(waiter):
+            if not waiter.ticket:
                 continue
             owner = (waiter.pid, waiter.start)
             dead = verdicts.get(owner)
@@ -307,7 +329,7 @@ class Lines:
                 dead = verdicts[owner] = _gone(*owner)
             if dead:
                 self._drop(index, waiter)
-                dropped += 1
+                dropped = True
         return dropped
 
     def _drop(self, index: int, waiter: _Waiter) -> None:
@@ -379,16 +401,21 @@ class Lines:
 
     def announce(self, slots: Sequence[Slot]) -> None:
         """A release freed the slots of ``slots``: wake the first waiter of every line of
-        one of their paths or refused by one of them last."""
-        freed = {self.digest(slot.key) for slot in slots}
-        used = self._head()[4]
+        one of their paths or refused by one of them last. The lines are searched by
+        ``mmap.find`` (in C), however many there are."""
+        mm = self._mm
         base = self._lines_off
-        block = self._mm[base : base + used * LINE_SIZE]
-        nonces = [
-            self._waiter(first).nonce
-            for digest, blocked, first, _, _ in LINE.iter_unpack(block)
-            if digest in freed or blocked in freed
-        ]
+        end = base + self._head()[4] * LINE_SIZE
+        nonces = []
+        for slot in slots:
+            needle = _U64.pack(self.digest(slot.key))
+            at = mm.find(needle, base, end)
+            while at >= 0:
+                # The digest of a line (at 0 of an entry) or what refused its first (at 8).
+                if (at - base) % LINE_SIZE in (0, 8):
+                    line = self._line((at - base) // LINE_SIZE)
+                    nonces.append(self._waiter(line.first).nonce)
+                at = mm.find(needle, at + 1, end)
         self._ring(*nonces)
 
     def refused_by(self, path: str) -> int:
