@@ -429,7 +429,7 @@ def _die_inside_the_lock(path: str, conn: Connection) -> None:
     backend = gk.backend
     assert isinstance(backend, SharedBackend)
     mm = backend._enter()
-    node = backend._find(backend._key("shop"))
+    node = backend._keys.find(backend._keys.key("shop"))
     offset = backend._nodes_off + node * backend._node_size
     backend._journal.save(offset, NODE_HEAD)
     struct.pack_into("<I", mm, offset, struct.unpack_from("<I", mm, offset)[0] + 5)

@@ -183,16 +183,16 @@ def test_node_hint_of_an_evicted_key_never_counts_on_its_successor(tmp_path: Pat
     assert isinstance(backend, SharedBackend)
     # In an empty table a key takes slot 0 of its first bucket; a key with the same first
     # bucket then takes the node an evicted one left.
-    first_bucket = backend._key("shop/api/a")[2]
+    first_bucket = backend._keys.key("shop/api/a")[2]
     successor = next(
         name
         for name in (f"b{i}" for i in range(10_000))
-        if backend._key(f"shop/api/{name}")[2] == first_bucket
+        if backend._keys.key(f"shop/api/{name}")[2] == first_bucket
     )
     for _ in range(2):  # created, then found: first remembers a's node
         first.admit("shop", "api", "a").release(200)
     held = second.admit("shop", "api", successor)  # evicts idle a, takes its node
-    assert backend._find(backend._key(f"shop/api/{successor}")) == first_bucket * 8
+    assert backend._keys.find(backend._keys.key(f"shop/api/{successor}")) == first_bucket * 8
     with pytest.raises(Rejected) as refusal:
         first.admit("shop", "api", "a")
     assert refusal.value.code == "GK-CONCURRENCY-LIMIT"

@@ -11,12 +11,18 @@ table:
 - :mod:`.faults`: what the structures raise (no room for a request, a damaged table);
 - :mod:`.journal`: the undo journal (save, commit, rollback, recover) and the one
   transaction context manager every update runs in;
+- :mod:`.keys`: the two-choice hash table of keys, the wildcard registry, the LRU lists
+  and eviction of idle keys;
+- :mod:`.windows`: the rate windows, an exact sliding log per key in chained chunks;
 - :mod:`.leases`: the lease table and the binary delay heap of delayed releases;
-- :mod:`.liveness`: whether a lease's owner process is gone, this boot's id;
+- :mod:`.gauges`: the adaptive controller of each key of an adaptive limit;
+- :mod:`.liveness`: the process slots, whether a lease's owner process is gone, this
+  boot's id;
 - :mod:`.tickets`: the queues' lines, FIFO across the processes of the host, and their
   wake-ups;
-- :mod:`.backend`: :class:`SharedBackend`, the key table, windows, adaptive gauges and
-  reclaim, composing the structures above.
+- :mod:`.backend`: :class:`SharedBackend`: the file, map and locks, attaching, damage and
+  re-creation, admission and release composed of the structures above (each works on
+  the map, the layout and the journal it is given).
 """
 
 from __future__ import annotations

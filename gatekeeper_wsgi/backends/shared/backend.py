@@ -9,9 +9,7 @@ processes of one group share it.
 
 from __future__ import annotations
 
-import array
 import contextlib
-import hashlib
 import heapq
 import logging
 import mmap
@@ -25,7 +23,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveReport, AdaptiveSpec, Controller
+from gatekeeper_wsgi.adaptive import AdaptiveReport, Controller
 from gatekeeper_wsgi.backends.base import (
     NO_WATCH,
     PASSING,
@@ -45,66 +43,31 @@ from gatekeeper_wsgi.backends.shared.files import (
     check_mode,
     open_private,
 )
+from gatekeeper_wsgi.backends.shared.gauges import Gauges
 from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Transaction
+from gatekeeper_wsgi.backends.shared.keys import KeyTable, path_digest
 from gatekeeper_wsgi.backends.shared.layout import (
-    CHAIN,
-    CHUNK_FMT,
-    CHUNK_SIZE,
-    CHUNK_STAMPS,
-    CHUNK_STAMPS_FMT,
-    F64,
-    F_GAUGE,
-    G_HOT,
-    G_STATE,
-    GAUGE_HEAD,
-    GAUGE_HOT,
-    GAUGE_SIZE,
-    GAUGE_SPEC,
-    GAUGE_STATE,
     H_BOOT,
     H_CHECK,
-    H_CHUNK_CHECK,
-    H_CHUNK_FREE,
     H_EPOCH,
     H_EPOCH_COPY,
+    H_HEAP_LEN,
     H_JLEN,
-    H_LEASE_FREE,
     H_LIVE,
-    H_NODES_USED,
-    H_PROCS_HIGH,
     H_WAITING,
     HEADER,
-    LRU_SCAN,
     MAGIC,
     MAGIC_INIT,
     MAGIC_VERSION,
     MAX_REFS,
-    MUT_END,
-    N_FIRST,
-    N_FLAGS,
-    N_IDLE,
-    N_LAST,
-    N_LEN,
-    N_NEXT,
-    N_OFFSET,
-    N_PREV,
-    N_REG,
-    NIL,
-    NODE,
     NODE_HEAD,
-    PROC,
-    PROC_SIZE,
-    R_COUNT,
-    R_HEAD,
-    R_TAIL,
-    REG,
-    REG_SIZE,
     STATE,
-    TAGS,
     U32,
     VERSION,
     Layout,
-    chunk_check,
+    NodeView,
+    clear_counters,
+    counters_problem,
     fixed_digest,
     header_problem,
 )
@@ -112,11 +75,13 @@ from gatekeeper_wsgi.backends.shared.leases import Leases
 from gatekeeper_wsgi.backends.shared.liveness import (
     BOOT_ID,
     DEEP_CHECK_EVERY,
+    Processes,
     is_dead,
     proc_stat,
 )
 from gatekeeper_wsgi.backends.shared.tickets import Lines, Place, SharedLine
-from gatekeeper_wsgi.config import Config, Limit, Rate
+from gatekeeper_wsgi.backends.shared.windows import Windows
+from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError
 
 __all__ = ["LayoutMismatch", "SharedBackend"]
@@ -148,16 +113,8 @@ class _Untracked(Exception):
         self.error = error
 
 
-def _path_digest(path: str) -> int:
-    """The registry's name for a wildcard limit path (never 0, which marks a free entry)."""
-    digest = hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") or 1
-
-
-def _idle(fields: tuple[Any, ...], now: float) -> bool:
-    """Whether an unpacked node may be evicted: nothing in flight (a delayed release keeps
-    its count) and nothing left in its rate window (its last entry has expired)."""
-    return not fields[0] and (not fields[5] or fields[9] <= now)
+#: a key the totals show: (key, node, its fields)
+_Held = tuple[str, int, NodeView]
 
 
 def _lease_slot(slots: Sequence[Slot]) -> int:
@@ -337,10 +294,6 @@ class SharedBackend(Backend):
         self._transaction = Transaction(self._enter, self._fail, self._leave)
         self._line = SharedLine(self)
         self._pid = os.getpid()
-        #: id(spec) -> (spec, its numbers in a gauge)
-        self._prints: dict[int, tuple[AdaptiveSpec, tuple[int, int, int, int]]] = {}
-        #: adds a sample to a window loaded from a gauge, reports a gauge (under the lock)
-        self._scratch = Controller(AdaptiveSpec(), 0.0)
         self._fd = -1
         self._mm: mmap.mmap | None = None
         self._closed = False
@@ -421,11 +374,6 @@ class SharedBackend(Backend):
         #: ``_held_epoch``: while it holds any, no other layout version re-creates it
         self._held = 0
         self._held_epoch = 0
-        self._keys: dict[str, tuple[bytes, int, int, int]] = {}
-        #: key bytes -> the node they were last found in (checked before use)
-        self._hints: dict[bytes, int] = {}
-        self._regs: dict[str, tuple[int, int]] = {}
-        self._proc_index = -1
         self._proc_epoch = 0
         self._start_time: int | None = None
         self._last_deep_check = -1.0
@@ -535,6 +483,14 @@ class SharedBackend(Backend):
             jlen = U32.unpack_from(head, H_JLEN)[0]
             if jlen:
                 self._recover(jlen)
+            mm = self._mm
+            assert mm is not None
+            # Checked once the journal is rolled back: an update cut short by a kill may
+            # leave counters half written that its journal restores.
+            problem = counters_problem(layout, mm[:HEADER])
+            if problem is not None:
+                self._recreate(problem)
+                return
             if self._adopt or layout.covers(wanted):
                 return
             live = self._live_leases_after_reclaim()
@@ -616,26 +572,26 @@ class SharedBackend(Backend):
         if self._epoch != self._held_epoch:
             self._held = 0
             self._held_epoch = self._epoch
-        self._journal = Journal(self._mm, layout, self.path)
-        self._leases = Leases(self._mm, layout, self._journal)
-        self._keys = {}
-        self._hints = {}
-        self._regs = {}
-        self._proc_index = -1
-        g = layout
-        self._buckets = g.buckets
-        self._key_size = g.key_size
-        self._node_size = g.node_size
-        self._tags_off = g.tags_off
-        self._nodes_off = g.nodes_off
-        self._procs_off = g.procs_off
-        self._registry_off = g.registry_off
-        self._gauges_off = g.gauges_off
-        self._journal_off = g.journal_off
-        self._journal_cap = g.journal
-        self._chunks_off = g.chunks_off
-        self._chunks = g.chunks
-        self._lines = Lines(self._mm, layout, self._journal, self._line.bell.ring)
+        # The structures of this map: each works on the map, the layout and the journal.
+        mm = self._mm
+        journal = self._journal = Journal(mm, layout, self.path)
+        leases = self._leases = Leases(mm, layout, journal)
+        windows = self._windows = Windows(mm, layout, journal)
+        self._keys = KeyTable(mm, layout, journal, windows)
+        self._gauges = Gauges(mm, layout, journal)
+        self._procs = Processes(
+            mm,
+            layout,
+            journal,
+            leases,
+            pid=self._pid,
+            start=self._own_start,
+            name=self.path,
+            forget=self._forget_waiters,
+        )
+        self._nodes_off = layout.nodes_off
+        self._node_size = layout.node_size
+        self._lines = Lines(mm, layout, journal, self._line.bell.ring)
 
     def _initialise(self, layout: Layout, size: int) -> None:
         """Write an empty table of ``layout`` into the file (``size`` bytes now). Under the
@@ -653,9 +609,7 @@ class SharedBackend(Backend):
         mm = self._mm
         assert mm is not None
         mm[0:8] = MAGIC_INIT
-        U32.pack_into(mm, H_LEASE_FREE, NIL)
-        mm[H_CHUNK_FREE:MUT_END] = U32.pack(NIL) + bytes(4)
-        U32.pack_into(mm, H_CHUNK_CHECK, chunk_check(mm[H_CHUNK_FREE:MUT_END]))
+        clear_counters(mm)
         mm[H_BOOT : H_BOOT + 16] = BOOT_ID
         layout.write(mm)
         epoch = secrets.randbits(63) | 1
@@ -748,10 +702,10 @@ class SharedBackend(Backend):
         self, slots: Sequence[Slot], now: float, *, keep: bool, turn: Place | None = None
     ) -> tuple[Grant | Denial, list[tuple[int, int, int]]]:
         with self._transaction as mm:
-            self._mature(now)
+            self._mature(mm, now)
             if keep:
                 try:
-                    self._register()
+                    self._procs.register()
                 except NoRoom as exc:
                     raise self._capacity(_lease_slot(slots), exc) from None
                 self._journal.commit()
@@ -767,7 +721,7 @@ class SharedBackend(Backend):
                 else:
                     self._rollback()
                 raise untracked.error from None
-            owners = self._owners() if isinstance(result, Denial) else []
+            owners = self._procs.owners() if isinstance(result, Denial) else []
             if keep:
                 if turn is not None:
                     self._lines.settle(turn, slots, result)
@@ -816,7 +770,7 @@ class SharedBackend(Backend):
                 self._release(grant, status, delay, now)
                 self._journal.commit()
                 self._held = max(0, self._held - 1)
-            self._mature(now)
+            self._mature(mm, now)
             if U32.unpack_from(mm, H_WAITING)[0]:
                 self._lines.announce(grant.slots)
 
@@ -845,9 +799,9 @@ class SharedBackend(Backend):
             return self._observe(now, read)
 
     def _observe(self, now: float, read: Callable[[], _T]) -> _T:
-        with self._transaction:
-            self._mature(now)
-            owners = self._owners()
+        with self._transaction as mm:
+            self._mature(mm, now)
+            owners = self._procs.owners()
         self._reap(owners, deep=True)
         with self._transaction:
             return read()
@@ -884,10 +838,7 @@ class SharedBackend(Backend):
             layout = self._layout
             assert layout is not None
             live, _, _, heap_len, _, _, nodes_used = struct.unpack_from("<7I", mm, H_LIVE)
-            pids = [
-                PROC.unpack_from(mm, self._procs_off + PROC_SIZE * i)[0]
-                for i in range(self._procs_high())
-            ]
+            pids = self._procs.pids()
             return {
                 "path": self.path,
                 "keys": nodes_used,
@@ -895,7 +846,7 @@ class SharedBackend(Backend):
                 "leases": live,
                 "lease_capacity": layout.leases,
                 "delayed": heap_len,
-                "processes": sorted(pid for pid in pids if pid),
+                "processes": sorted(pids),
                 "bytes": layout.total,
             }
 
@@ -910,14 +861,15 @@ class SharedBackend(Backend):
         shadowed: list[int] = []
         rate_full: list[int] = []
         adaptive = False
+        keys = self._keys
         for index, (key, limit, enforce) in enumerate(slots):
             try:
-                entry = self._key(key)
-                node = self._find(entry)
+                entry = keys.key(key)
+                node = keys.find(entry)
                 if node < 0:
-                    node = self._create(entry, limit, now, nodes)
+                    node = keys.create(entry, limit, now, nodes)
                 elif limit.wildcard:
-                    self._touch(node, limit, now, nodes)
+                    keys.touch(node, limit, now, nodes)
             except NoRoom as exc:
                 raise _Untracked(self._capacity(index, exc)) from None
             offset = nodes_off + node * node_size
@@ -926,7 +878,7 @@ class SharedBackend(Backend):
                 # Read under the lock that counts the key: the limit in force, one for all
                 # processes (it may have dropped below what is in flight: nothing is cut
                 # off, nothing more is admitted until it is below).
-                concurrency = self._gauge_limit(node, key, limit.adaptive, now)
+                concurrency = self._gauges.limit(node, key, limit.adaptive, now)
                 adaptive = True
             if concurrency is not None and U32.unpack_from(mm, offset)[0] >= concurrency:
                 if enforce:
@@ -935,7 +887,7 @@ class SharedBackend(Backend):
             rate = limit.rate
             if rate is not None:
                 cutoff = now - rate.seconds
-                length, oldest = self._purge(node, cutoff)
+                length, oldest = self._windows.purge(node, cutoff)
                 if length >= rate.limit:
                     if enforce:
                         return Denial(index, "rate", oldest - cutoff)
@@ -959,7 +911,7 @@ class SharedBackend(Backend):
             # not extended (as enforce mode would not have admitted).
             if rate is not None and index not in rate_full:
                 try:
-                    self._append(node, now, rate)
+                    self._windows.append(node, now, rate.seconds)
                 except NoRoom as exc:
                     raise self._capacity(index, exc) from None
                 stamps.append(now)
@@ -986,98 +938,6 @@ class SharedBackend(Backend):
 
     # --- adaptive limits: one controller per key, in its node's gauge ---------------------
 
-    def _fingerprint(self, spec: AdaptiveSpec) -> tuple[int, int, int, int]:
-        """The numbers a gauge stores of the ``adaptive`` table its state was made under."""
-        cached = self._prints.get(id(spec))
-        if cached is not None and cached[0] is spec:
-            return cached[1]
-        numbers = (ALGORITHMS.index(spec.algorithm) + 1, spec.min, spec.max, spec.initial)
-        if len(self._prints) >= 1024:  # one per limit; reloads make new ones
-            self._prints = {}
-        self._prints[id(spec)] = (spec, numbers)
-        return numbers
-
-    def _gauge_limit(self, node: int, key: str, spec: AdaptiveSpec, now: float) -> float:
-        """The enforced value of the adaptive limit of ``node`` (key ``key``): its gauge's,
-        made first (the key's first admission) or brought under a reloaded ``spec``."""
-        mm = self._mm
-        assert mm is not None
-        at = self._gauges_off + node * GAUGE_SIZE
-        flags = self._nodes_off + node * self._node_size + N_FLAGS
-        if mm[flags] & F_GAUGE:
-            algorithm, low, high, initial, limit = GAUGE_HEAD.unpack_from(mm, at)
-            if (algorithm, low, high, initial) == self._fingerprint(spec):
-                return float(limit)
-        controller = self._held_controller(node, key, spec, now)
-        self._store(at, spec, controller)
-        return float(controller.limit)
-
-    def _held_controller(self, node: int, key: str, spec: AdaptiveSpec, now: float) -> Controller:
-        """The controller of ``node``'s key under ``spec``: the one its gauge holds, else a
-        new one (the caller stores it, and the node is marked as holding one)."""
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        if mm[offset + N_FLAGS] & F_GAUGE:
-            return self._controller(self._gauges_off + node * GAUGE_SIZE, key, spec, now)
-        self._journal.save(offset, NODE_HEAD)
-        mm[offset + N_FLAGS] |= F_GAUGE
-        return Controller(spec, now, key=key)
-
-    def _controller(self, at: int, key: str, spec: AdaptiveSpec, now: float) -> Controller:
-        """The controller the gauge at ``at`` holds (its node's ``F_GAUGE`` is set), under
-        ``spec``: its state under the table it was made with, then ``respec``'d."""
-        mm = self._mm
-        assert mm is not None
-        algorithm, low, high, initial = GAUGE_SPEC.unpack_from(mm, at)
-        if not 0 < algorithm <= len(ALGORITHMS) or not low <= initial <= high:
-            raise Damaged("its adaptive gauge holds no valid adaptive table")
-        made = AdaptiveSpec(ALGORITHMS[algorithm - 1], low, high, initial)
-        controller = Controller.restore(made, GAUGE_STATE.unpack_from(mm, at + G_STATE), key=key)
-        controller.respec(spec)
-        return controller
-
-    def _store(self, at: int, spec: AdaptiveSpec, controller: Controller) -> None:
-        mm = self._mm
-        assert mm is not None
-        self._journal.save(at, GAUGE_SIZE)
-        GAUGE_SPEC.pack_into(mm, at, *self._fingerprint(spec))
-        GAUGE_STATE.pack_into(mm, at + G_STATE, *controller.state())
-
-    def _sample(
-        self,
-        node: int,
-        key: str,
-        spec: AdaptiveSpec,
-        admitted: float,
-        faulty: bool,
-        now: float,
-    ) -> None:
-        """Feed one released request to the controller of ``node``, in the table: every
-        process's samples go into one window, one latency statistic, one limit."""
-        mm = self._mm
-        assert mm is not None
-        at = self._gauges_off + node * GAUGE_SIZE
-        offset = self._nodes_off + node * self._node_size
-        inflight = U32.unpack_from(mm, offset)[0]
-        current = mm[offset + N_FLAGS] & F_GAUGE
-        if current and GAUGE_SPEC.unpack_from(mm, at) == self._fingerprint(spec):
-            due, count, total, drops, peak = GAUGE_HOT.unpack_from(mm, at + G_HOT)
-            if now < due:
-                # Nothing is due: the sample only adds to the window (Controller.sample's
-                # first part), done on a scratch controller loaded with the window alone
-                # instead of rebuilding the whole one (~20 µs) on every release.
-                scratch = self._scratch
-                baseline = _DOUBLE.unpack_from(mm, at + G_STATE + _BASELINE_OFF)[0]
-                scratch.load_window((due, int(count), total, int(drops), int(peak)), baseline)
-                scratch.sample(now - admitted, inflight, faulty, admitted, now)
-                self._journal.save(at + G_HOT, GAUGE_HOT.size)
-                GAUGE_HOT.pack_into(mm, at + G_HOT, *scratch.window())
-                return
-        controller = self._held_controller(node, key, spec, admitted)
-        controller.sample(now - admitted, inflight, faulty, admitted, now)
-        self._store(at, spec, controller)
-
     def observe(self, grant: Grant, faulty: bool, now: float) -> None:
         """Keep the sample on the grant: its release, which follows, feeds it under the
         lock it takes anyway (one lock round trip per release, not two)."""
@@ -1090,28 +950,11 @@ class SharedBackend(Backend):
     def _read_adaptive(self) -> dict[str, AdaptiveReport]:
         """The report of every gauge in use, found through the key table's tags: the
         limit, latency and baseline (under the table the state was last made with)."""
-        mm = self._mm
-        layout = self._layout
-        assert mm is not None and layout is not None
-        tags = array.array("I")
-        tags.frombytes(mm[self._tags_off : self._tags_off + layout.nodes * 4])
         reports = {}
-        scratch = self._scratch
-        state = Controller.STATE
-        limit_at, latency_at, baseline_at = (
-            state.index("limit"),
-            state.index("latency"),
-            state.index("min_latency"),
-        )
-        nodes_off, node_size = self._nodes_off, self._node_size
-        for node, tag in enumerate(tags):
-            if tag and mm[nodes_off + node * node_size + N_FLAGS] & F_GAUGE:
-                at = self._gauges_off + node * GAUGE_SIZE
-                numbers = GAUGE_STATE.unpack_from(mm, at + G_STATE)
-                scratch.limit = int(numbers[limit_at])
-                scratch.latency = numbers[latency_at]
-                scratch.min_latency = numbers[baseline_at]
-                reports[self._node_fields(node)[1]] = scratch.report()
+        for node in self._keys.in_use():
+            report = self._gauges.report(node)
+            if report is not None:
+                reports[self._keys.view(node)[1]] = report
         return reports
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:
@@ -1122,524 +965,13 @@ class SharedBackend(Backend):
         except BackendError:
             return spec.initial
         try:
-            node = self._find(self._key(key))
-            mm = self._mm
-            assert mm is not None
-            if node < 0 or not mm[self._nodes_off + node * self._node_size + N_FLAGS] & F_GAUGE:
-                return spec.initial
-            at = self._gauges_off + node * GAUGE_SIZE
-            algorithm, low, high, initial, current = GAUGE_HEAD.unpack_from(mm, at)
-            if (algorithm, low, high, initial) == self._fingerprint(spec):
-                return int(current)
-            # Made under another table (a reload): what its next admission will enforce.
-            return self._controller(at, key, spec, 0.0).limit
+            node = self._keys.find(self._keys.key(key))
+            current = None if node < 0 else self._gauges.current(node, key, spec)
+            return spec.initial if current is None else current
         except (NoRoom, Damaged):
             return spec.initial
         finally:
             self._leave()
-
-    # --- keys and nodes -------------------------------------------------------------------
-
-    def _key(self, key: str) -> tuple[bytes, int, int, int]:
-        """(key bytes + NUL, tag, first bucket, second bucket), cached per key."""
-        entry = self._keys.get(key)
-        if entry is None:
-            raw = key.encode("utf-8", "surrogateescape")
-            if len(raw) >= self._key_size:
-                raise NoRoom(
-                    f"key {key[:40]!r}... is longer than the {self._key_size - 1} bytes the "
-                    f"table was sized for (the longest limit path of the configuration)"
-                )
-            digest = int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
-            buckets = self._buckets
-            first = (digest >> 32) % buckets
-            second = (digest >> 80) % buckets
-            if second == first and buckets > 1:
-                second = (first + 1) % buckets
-            entry = (raw + b"\0", (digest & 0xFFFFFFFF) or 1, first, second)
-            if len(self._keys) >= 8192:
-                self._keys = {}
-            self._keys[key] = entry
-        return entry
-
-    def _find(self, entry: tuple[bytes, int, int, int]) -> int:
-        mm = self._mm
-        assert mm is not None
-        raw, tag, first, second = entry
-        tags_off = self._tags_off
-        key_at = self._nodes_off + NODE_HEAD
-        node_size = self._node_size
-        size = len(raw)
-        # Where the key was found last: still its node if the node's tag and key bytes say
-        # so (a key is in one node at most; a freed node's tag is 0, never a key's tag).
-        node = self._hints.get(raw, -1)
-        if node >= 0:
-            start = key_at + node * node_size
-            if (
-                U32.unpack_from(mm, tags_off + node * 4)[0] == tag
-                and mm[start : start + size] == raw
-            ):
-                return node
-        for bucket in (first, second):
-            tags = TAGS.unpack_from(mm, tags_off + bucket * CHAIN * 4)
-            if tag in tags:
-                for position in range(CHAIN):
-                    if tags[position] == tag:
-                        node = bucket * CHAIN + position
-                        start = key_at + node * node_size
-                        if mm[start : start + size] == raw:
-                            if len(self._hints) >= 8192:
-                                self._hints = {}
-                            self._hints[raw] = node
-                            return node
-        return -1
-
-    def _create(
-        self, entry: tuple[bytes, int, int, int], limit: Limit, now: float, pinned: list[int]
-    ) -> int:
-        """A node for a new key: a free one of its two buckets, else an idle one there
-        (never one of ``pinned``, the nodes this request already counts on). A wildcard
-        limit at ``max_keys`` makes room first: a refusal then leaves no node behind."""
-        mm = self._mm
-        assert mm is not None
-        if limit.wildcard:
-            self._make_room(limit, now, pinned)
-        raw, tag, first, second = entry
-        tags_off = self._tags_off
-        tags1 = TAGS.unpack_from(mm, tags_off + first * CHAIN * 4)
-        tags2 = TAGS.unpack_from(mm, tags_off + second * CHAIN * 4)
-        free1, free2 = tags1.count(0), tags2.count(0)
-        if free1 or free2:
-            if free1 >= free2:
-                node = first * CHAIN + tags1.index(0)
-            else:
-                node = second * CHAIN + tags2.index(0)
-        else:
-            node = self._chain_victim(first, second, now, pinned)
-            self._remove(node)
-        offset = self._nodes_off + node * self._node_size
-        self._journal.save(offset, NODE_HEAD + len(raw))
-        NODE.pack_into(mm, offset, 0, len(raw) - 1, 0, NIL, NIL, 0, 0, NIL, NIL, 0.0)
-        mm[offset + NODE_HEAD : offset + NODE_HEAD + len(raw)] = raw
-        tag_at = tags_off + node * 4
-        self._journal.save(tag_at, 4)
-        U32.pack_into(mm, tag_at, tag)
-        self._journal.save_header()
-        U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] + 1)
-        if limit.wildcard:
-            self._track(node, limit)
-        return node
-
-    def _make_room(self, limit: Limit, now: float, pinned: list[int]) -> None:
-        """Before a key joins a wildcard limit: at ``max_keys``, evict an idle key of it."""
-        registry = self._registry(limit.path)
-        at = self._registry_off + registry * REG_SIZE + R_COUNT
-        count = U32.unpack_from(self._mm, at)[0]  # type: ignore[arg-type]
-        if count >= limit.max_keys:
-            self._evict_lru(registry, limit.path, count, now, pinned)
-
-    def _track(self, node: int, limit: Limit) -> None:
-        """Count a node under a wildcard limit (``_make_room`` made room for it)."""
-        mm = self._mm
-        assert mm is not None
-        registry = self._registry(limit.path)  # an eviction may have freed its entry
-        at = self._registry_off + registry * REG_SIZE
-        offset = self._nodes_off + node * self._node_size
-        self._journal.save(offset, NODE_HEAD)
-        U32.pack_into(mm, offset + N_REG, registry + 1)
-        self._lru_append(registry, node)
-        U32.pack_into(mm, at + R_COUNT, U32.unpack_from(mm, at + R_COUNT)[0] + 1)
-
-    def _untrack(self, registry: int, node: int) -> None:
-        """Take a node out of its wildcard limit's list and count."""
-        mm = self._mm
-        assert mm is not None
-        self._lru_unlink(registry, node)
-        at = self._registry_off + registry * REG_SIZE
-        count = U32.unpack_from(mm, at + R_COUNT)[0] - 1
-        if count <= 0:
-            mm[at : at + REG_SIZE] = bytes(REG_SIZE)
-        else:
-            U32.pack_into(mm, at + R_COUNT, count)
-        offset = self._nodes_off + node * self._node_size
-        self._journal.save(offset, NODE_HEAD)
-        U32.pack_into(mm, offset + N_REG, 0)
-
-    def _chain_victim(self, first: int, second: int, now: float, pinned: list[int]) -> int:
-        """An idle node of two full buckets to make room for a new key. Never a node with
-        requests in flight or entries left in its rate window: evicting it would reset its
-        limit (a spray of fresh keys could then free any caller), so without an idle one
-        the new key is refused (``NoRoom``)."""
-        mm = self._mm
-        assert mm is not None
-        soonest: float | None = None
-        in_flight = False
-        for bucket in (first, second):
-            for position in range(CHAIN):
-                node = bucket * CHAIN + position
-                fields = NODE.unpack_from(mm, self._nodes_off + node * self._node_size)
-                if node in pinned:
-                    continue
-                if _idle(fields, now):
-                    return node
-                in_flight = in_flight or bool(fields[0])
-                if not fields[0]:
-                    soonest = fields[9] if soonest is None else min(soonest, fields[9])
-        raise NoRoom(
-            f"both hash buckets of a new key are full of keys in use (in flight or inside "
-            f"a rate window); give the table more room with ?size=<keys> (it holds "
-            f"{self._buckets * CHAIN})",
-            None if soonest is None else soonest - now,
-            "concurrency" if in_flight else "rate",
-        )
-
-    def _remove(self, node: int) -> None:
-        """Take a node (nothing in flight) out of the table: window, LRU list, tag."""
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        fields = NODE.unpack_from(mm, offset)
-        if fields[5]:
-            self._free_chunks(fields[3], fields[4])
-        registry = fields[6]
-        if registry:
-            self._untrack(registry - 1, node)
-        tag_at = self._tags_off + node * 4
-        self._journal.save(tag_at, 4)
-        U32.pack_into(mm, tag_at, 0)
-        self._journal.save_header()
-        U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] - 1)
-
-    # --- wildcard limits: the registry and least-recently-used lists ----------------------
-
-    def _registry(self, path: str) -> int:
-        mm = self._mm
-        assert mm is not None
-        base = self._registry_off
-        cached = self._regs.get(path)
-        if cached is not None:
-            index, digest = cached
-            if struct.unpack_from("<Q", mm, base + index * REG_SIZE)[0] == digest:
-                return index
-        else:
-            digest = _path_digest(path)
-        free = -1
-        for index in range(self._layout.registry):  # type: ignore[union-attr]
-            stored = struct.unpack_from("<Q", mm, base + index * REG_SIZE)[0]
-            if stored == digest:
-                self._regs[path] = (index, digest)
-                return index
-            if not stored and free < 0:
-                free = index
-        if free < 0:
-            raise NoRoom(
-                f"no room for wildcard limit {path!r} (the table tracks "
-                f"{self._layout.registry} wildcard limits; a reload added more)"  # type: ignore[union-attr]
-            )
-        at = base + free * REG_SIZE
-        self._journal.save(at, REG_SIZE)
-        REG.pack_into(mm, at, digest, 0, NIL, NIL)
-        self._regs[path] = (free, digest)
-        return free
-
-    def _evict_lru(
-        self, registry: int, path: str, count: int, now: float, pinned: list[int]
-    ) -> None:
-        """Make room under a wildcard limit at ``max_keys``: evict the least recently used
-        idle key among its ``LRU_SCAN`` least recently used. A key in flight or inside its
-        rate window is never evicted (that would reset its limit): with none idle, the new
-        key is refused (``NoRoom``), as nginx refuses when its zone cannot allocate. The
-        busy keys looked at move to the end of the list, so that long requests at its head
-        do not hide the idle keys behind them from the next new key."""
-        mm = self._mm
-        assert mm is not None
-        at = self._registry_off + registry * REG_SIZE
-        node = U32.unpack_from(mm, at + R_HEAD)[0]
-        nodes_off, node_size = self._nodes_off, self._node_size
-        soonest: float | None = None
-        in_flight = False
-        for _ in range(LRU_SCAN):
-            if node == NIL:
-                break
-            fields = NODE.unpack_from(mm, nodes_off + node * node_size)
-            if node in pinned:
-                node = fields[8]
-                continue
-            if _idle(fields, now):
-                self._remove(node)
-                return
-            in_flight = in_flight or bool(fields[0])
-            if not fields[0]:
-                soonest = fields[9] if soonest is None else min(soonest, fields[9])
-            following = fields[8]
-            if following != NIL:
-                self._lru_unlink(registry, node)
-                self._lru_append(registry, node)
-            node = following
-        raise NoRoom(
-            f"wildcard limit {path!r} tracks max_keys={count} keys and its least recently "
-            f"used are all in use (in flight or inside their rate window); raise its max_keys",
-            None if soonest is None else soonest - now,
-            "concurrency" if in_flight else "rate",
-        )
-
-    def _lru_append(self, registry: int, node: int) -> None:
-        mm = self._mm
-        assert mm is not None
-        at = self._registry_off + registry * REG_SIZE
-        nodes_off, node_size = self._nodes_off, self._node_size
-        tail = U32.unpack_from(mm, at + R_TAIL)[0]
-        self._journal.save(at, REG_SIZE)
-        offset = nodes_off + node * node_size
-        self._journal.save(offset, NODE_HEAD)
-        U32.pack_into(mm, offset + N_PREV, tail)
-        U32.pack_into(mm, offset + N_NEXT, NIL)
-        if tail != NIL:
-            self._journal.save(nodes_off + tail * node_size, NODE_HEAD)
-            U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
-        else:
-            U32.pack_into(mm, at + R_HEAD, node)
-        U32.pack_into(mm, at + R_TAIL, node)
-
-    def _lru_unlink(self, registry: int, node: int) -> None:
-        mm = self._mm
-        assert mm is not None
-        at = self._registry_off + registry * REG_SIZE
-        nodes_off, node_size = self._nodes_off, self._node_size
-        offset = nodes_off + node * node_size
-        prev = U32.unpack_from(mm, offset + N_PREV)[0]
-        nxt = U32.unpack_from(mm, offset + N_NEXT)[0]
-        self._journal.save(at, REG_SIZE)
-        if prev != NIL:
-            self._journal.save(nodes_off + prev * node_size, NODE_HEAD)
-            U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
-        else:
-            U32.pack_into(mm, at + R_HEAD, nxt)
-        if nxt != NIL:
-            self._journal.save(nodes_off + nxt * node_size, NODE_HEAD)
-            U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
-        else:
-            U32.pack_into(mm, at + R_TAIL, prev)
-
-    def _touch(self, node: int, limit: Limit, now: float, pinned: list[int]) -> None:
-        """Mark a wildcard key most recently used in its limit's list. A key counted so far
-        under another limit (an exact path a 'user' or 'header' value equals, or a pattern
-        a reload replaced) moves to this limit's list, counted against its ``max_keys``."""
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        registry = self._registry(limit.path)
-        current = U32.unpack_from(mm, offset + N_REG)[0] - 1
-        if current == registry:
-            if U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_TAIL)[0] != node:
-                self._lru_unlink(registry, node)
-                self._lru_append(registry, node)
-            return
-        self._make_room(limit, now, [*pinned, node])
-        if current >= 0:
-            self._untrack(current, node)
-        self._track(node, limit)
-
-    # --- rate windows: a log of admission times in a chain of chunks -------------------
-
-    def _chunk_at(self, chunk: int) -> int:
-        return self._chunks_off + chunk * CHUNK_SIZE
-
-    def _purge(self, node: int, cutoff: float) -> tuple[int, float]:
-        """Drop window entries at or before ``cutoff``; return (entries left, oldest)."""
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        _, _, start, first, last, length, *_ = NODE.unpack_from(mm, offset)
-        if not length:
-            return 0, 0.0
-        chunk = first
-        stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self._chunk_at(chunk) + 8)
-        left = length
-        oldest: float = stamps[start]
-        passed = NIL  # the last chunk wholly expired
-        while oldest <= cutoff:
-            left -= 1
-            start += 1
-            if not left:
-                break
-            if start == CHUNK_STAMPS:
-                passed = chunk
-                chunk, start = U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
-                stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self._chunk_at(chunk) + 8)
-            oldest = stamps[start]
-        if left == length:
-            return left, oldest
-        self._journal.save(offset, NODE_HEAD)
-        # Expired chunks go back as one chain: a journal entry or two, however many
-        # thousand entries expired at once.
-        if not left:
-            self._free_chunks(first, last)
-            self._clear_window(offset)
-            return 0, 0.0
-        if passed != NIL:
-            self._free_chunks(first, passed)
-        mm[offset + N_OFFSET] = start
-        U32.pack_into(mm, offset + N_FIRST, chunk)
-        U32.pack_into(mm, offset + N_LEN, left)
-        return left, oldest
-
-    def _clear_window(self, offset: int) -> None:
-        mm = self._mm
-        assert mm is not None
-        mm[offset + N_OFFSET] = 0
-        struct.pack_into("<III", mm, offset + N_FIRST, NIL, NIL, 0)
-
-    def _append(self, node: int, now: float, rate: Rate) -> None:
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        _, _, start, first, last, length, _, _, _, idle = NODE.unpack_from(mm, offset)
-        self._journal.save(offset, NODE_HEAD)
-        position = (start + length) % CHUNK_STAMPS
-        if not length:
-            first = last = self._new_chunk(now)
-            start = position = 0
-            mm[offset + N_OFFSET] = 0
-            struct.pack_into("<II", mm, offset + N_FIRST, first, last)
-        elif not position:
-            chunk = self._new_chunk(now)
-            self._journal.save(self._chunk_at(last), 8)
-            U32.pack_into(mm, self._chunk_at(last), chunk)
-            last = chunk
-            U32.pack_into(mm, offset + N_LAST, last)
-        # The slot past the last entry is free space: no journal entry needed.
-        F64.pack_into(mm, self._chunk_at(last) + 8 + 8 * position, now)
-        U32.pack_into(mm, offset + N_LEN, length + 1)
-        F64.pack_into(mm, offset + N_IDLE, max(idle, now + rate.seconds))
-
-    def _give_back(self, node: int, stamp: float, seconds: float) -> None:
-        """Remove the first window entry equal to ``stamp`` (it may have slid out): the
-        entries after it move up one place, keeping the log in order; the time the window
-        empties follows its newest entry left (``seconds``: the window's length)."""
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        _, _, start, first, last, length, *_ = NODE.unpack_from(mm, offset)
-        if not length:
-            return
-        chunks: list[int] = []
-        values: list[float] = []
-        chunk = first
-        for _ in range((start + length + CHUNK_STAMPS - 1) // CHUNK_STAMPS):
-            following, *stamps = CHUNK_FMT.unpack_from(mm, self._chunk_at(chunk))
-            chunks.append(chunk)
-            values.extend(stamps)
-            chunk = following
-        try:
-            at = values.index(stamp, start, start + length)
-        except ValueError:
-            return
-        self._journal.save(offset, NODE_HEAD)
-        if length == 1:
-            self._free_chunks(first, last)
-            self._clear_window(offset)
-            return
-        del values[at]
-        values.append(0.0)
-        used = (start + length - 1 + CHUNK_STAMPS - 1) // CHUNK_STAMPS
-        for index in range(at // CHUNK_STAMPS, used):
-            where = self._chunk_at(chunks[index]) + 8
-            self._journal.save(where, 8 * CHUNK_STAMPS)
-            part = values[index * CHUNK_STAMPS : (index + 1) * CHUNK_STAMPS]
-            CHUNK_STAMPS_FMT.pack_into(mm, where, *part)
-        if used < len(chunks):
-            self._free_chunks(chunks[-1], chunks[-1])
-            last = chunks[used - 1]
-            self._journal.save(self._chunk_at(last), 8)
-            U32.pack_into(mm, self._chunk_at(last), NIL)
-            U32.pack_into(mm, offset + N_LAST, last)
-        U32.pack_into(mm, offset + N_LEN, length - 1)
-        F64.pack_into(mm, offset + N_IDLE, values[start + length - 2] + seconds)
-
-    def _new_chunk(self, now: float) -> int:
-        """A window chunk off the free list (or never used yet), its link set to NIL. When
-        none is left, the chunks of wholly expired windows are reclaimed first."""
-        mm = self._mm
-        assert mm is not None
-        free, high = self._chunk_counters()
-        self._journal.save_header()
-        chunk: int
-        if free != NIL:
-            chunk = free
-            self._journal.save(self._chunk_at(chunk), 8)
-            self._set_chunk_counters(U32.unpack_from(mm, self._chunk_at(chunk))[0], high)
-        elif high < self._chunks:
-            chunk = high
-            self._set_chunk_counters(free, high + 1)
-        elif self._reclaim_windows(now):
-            return self._new_chunk(now)
-        else:
-            raise NoRoom(
-                f"all {high * CHUNK_STAMPS} rate window entries are in use; give the table "
-                f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>",
-                kind="rate",
-            )
-        U32.pack_into(mm, self._chunk_at(chunk), NIL)
-        return chunk
-
-    def _reclaim_windows(self, now: float) -> bool:
-        """Free the chunks of windows that have wholly expired (their keys idle since) among
-        the ``LRU_SCAN`` least recently used keys of each wildcard limit, where such stale
-        windows collect; at most ``LRU_SCAN`` windows per call (a bounded journal). True if
-        any was freed. A window still live is never touched."""
-        mm = self._mm
-        assert mm is not None
-        base = self._registry_off
-        nodes_off, node_size = self._nodes_off, self._node_size
-        freed = 0
-        for index in range(self._layout.registry):  # type: ignore[union-attr]
-            digest, _, node, _ = REG.unpack_from(mm, base + index * REG_SIZE)
-            if not digest:
-                continue
-            for _ in range(LRU_SCAN):
-                if node == NIL or freed >= LRU_SCAN:
-                    break
-                offset = nodes_off + node * node_size
-                fields = NODE.unpack_from(mm, offset)
-                if fields[5] and fields[9] <= now:
-                    self._journal.save(offset, NODE_HEAD)
-                    self._free_chunks(fields[3], fields[4])
-                    self._clear_window(offset)
-                    freed += 1
-                node = fields[8]
-        return freed > 0
-
-    def _free_chunks(self, first: int, last: int) -> None:
-        """Put the chain of chunks ``first`` .. ``last`` on the free list."""
-        mm = self._mm
-        assert mm is not None
-        free, high = self._chunk_counters()
-        self._journal.save_header()
-        self._journal.save(self._chunk_at(last), 8)
-        U32.pack_into(mm, self._chunk_at(last), free)
-        self._set_chunk_counters(first, high)
-
-    def _chunk_counters(self) -> tuple[int, int]:
-        """(first free chunk, chunks ever used), checked against their check word."""
-        mm = self._mm
-        assert mm is not None
-        free, high = struct.unpack_from("<II", mm, H_CHUNK_FREE)
-        if (
-            high > self._chunks
-            or (free != NIL and free >= high)
-            or U32.unpack_from(mm, H_CHUNK_CHECK)[0] != chunk_check(mm[H_CHUNK_FREE:MUT_END])
-        ):
-            raise Damaged("its window chunk counters are out of range")
-        return free, high
-
-    def _set_chunk_counters(self, free: int, high: int) -> None:
-        """Write the chunk counters and their check word (the header is journaled)."""
-        mm = self._mm
-        assert mm is not None
-        counters = struct.pack("<II", free, high)
-        mm[H_CHUNK_FREE:MUT_END] = counters
-        U32.pack_into(mm, H_CHUNK_CHECK, chunk_check(counters))
 
     # --- leases ---------------------------------------------------------------------------
 
@@ -1649,24 +981,29 @@ class SharedBackend(Backend):
             return  # reclaimed meanwhile (its owner was taken for dead)
         sample = grant.sample
         if sample is not None:
+            gauges = self._gauges
             # The lease still holds its nodes: none was evicted or reused meanwhile.
             for index, slot in enumerate(grant.slots):
                 spec = slot.limit.adaptive
                 if spec is not None:
-                    self._sample(grant.nodes[index], slot.key, spec, grant.admitted, *sample)
+                    gauges.sample(grant.nodes[index], slot.key, spec, grant.admitted, *sample)
         for index, stamp in enumerate(grant.stamps):
             if stamp is None:
                 continue
             limit = grant.slots[index].limit
             if limit.count is not None and status not in limit.count and limit.rate is not None:
-                self._give_back(grant.nodes[index], stamp, limit.rate.seconds)
+                self._windows.give_back(grant.nodes[index], stamp, limit.rate.seconds)
         if delay > 0:
             leases.delay(grant.lease, grant.serial, now + delay)
         else:
             leases.free(grant.lease)
 
-    def _mature(self, now: float) -> None:
+    def _mature(self, mm: mmap.mmap, now: float) -> None:
         """Apply the delayed releases that are due; each one is its own transaction."""
+        # On every admission and release: the heap's length read here, at its offset in
+        # the header, saves a call while nothing is delayed (the common case).
+        if not U32.unpack_from(mm, H_HEAP_LEN)[0]:
+            return
         leases = self._leases
         if not leases.due(now):
             return
@@ -1685,76 +1022,6 @@ class SharedBackend(Backend):
             self._start_time = stat[1]
         return self._start_time
 
-    def _register(self) -> None:
-        """Make sure this process has a slot in the process table, so that its leases are
-        reclaimed if it dies."""
-        mm = self._mm
-        assert mm is not None
-        base = self._procs_off
-        pid = self._pid
-        index = self._proc_index
-        if index >= 0 and U32.unpack_from(mm, base + index * PROC_SIZE)[0] == pid:
-            return
-        start = self._own_start()
-        high = self._procs_high()
-        free = -1
-        for index in range(high):
-            entry_pid, _, entry_start = PROC.unpack_from(mm, base + index * PROC_SIZE)
-            if entry_pid == pid:
-                if entry_start and start and entry_start != start:
-                    # A process that had our pid before us died: its leases are void.
-                    self._leases.reclaim(pid)
-                    self._journal.save(base + index * PROC_SIZE, PROC_SIZE)
-                    PROC.pack_into(mm, base + index * PROC_SIZE, pid, 0, start)
-                self._proc_index = index
-                return
-            if not entry_pid and free < 0:
-                free = index
-        if free < 0:
-            for index, entry_pid, entry_start in self._owners():
-                if is_dead(entry_pid, entry_start, deep=True):
-                    self._drop_process(index, entry_pid, entry_start)
-                    if free < 0:
-                        free = index
-        if free < 0:
-            if high >= self._layout.procs:  # type: ignore[union-attr]
-                raise NoRoom(
-                    f"all {high} process slots are taken by live processes; give the table "
-                    f"more with ?procs=<n>"
-                )
-            free = high
-            if U32.unpack_from(mm, base + free * PROC_SIZE)[0]:
-                # Slots past the mark have never been written since the table was created.
-                raise Damaged("its process mark is below a registered process")
-            self._journal.save_header()
-            U32.pack_into(mm, H_PROCS_HIGH, high + 1)
-        self._journal.save(base + free * PROC_SIZE, PROC_SIZE)
-        PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
-        self._proc_index = free
-
-    def _procs_high(self) -> int:
-        high: int = U32.unpack_from(self._mm, H_PROCS_HIGH)[0]  # type: ignore[arg-type]
-        if high > self._layout.procs:  # type: ignore[union-attr]
-            raise Damaged("its process counter is out of range")
-        return high
-
-    def _owners(self) -> list[tuple[int, int, int]]:
-        """(slot, pid, start time) of every registration in the table but this process's
-        own. Ours is told by its slot, never by its pid: a dead process may have had the
-        pid this one has now (pids are reused, from only 32 768 by default), and taking
-        its registration for ours would keep its slots forever in this process's eyes
-        (an observer, which never registers, would report them in flight)."""
-        mm = self._mm
-        assert mm is not None
-        base = self._procs_off
-        mine = self._proc_index
-        owners = []
-        for index in range(self._procs_high()):
-            pid, _, start = PROC.unpack_from(mm, base + index * PROC_SIZE)
-            if pid and (index != mine or pid != self._pid):
-                owners.append((index, pid, start))
-        return owners
-
     def _reap(self, owners: list[tuple[int, int, int]], *, deep: bool = False) -> bool:
         """Reclaim the leases of dead owners; True if there were any. Outside the lock."""
         clock = time.monotonic()
@@ -1768,55 +1035,29 @@ class SharedBackend(Backend):
             return False
         with self._transaction:
             for index, pid, start in dead:
-                self._drop_process(index, pid, start)
+                self._procs.drop(index, pid, start)
             return True
 
-    def _drop_process(self, index: int, pid: int, start: int) -> None:
-        """Reclaim the leases of a dead process and free its slot. Under the lock."""
+    def _forget_waiters(self, pid: int) -> None:
+        """Drop the waiters of dead process ``pid`` from the queues' lines. Under the lock."""
         mm = self._mm
         assert mm is not None
-        at = self._procs_off + index * PROC_SIZE
-        if PROC.unpack_from(mm, at) != (pid, 0, start):
-            return  # the slot changed hands meanwhile
         if U32.unpack_from(mm, H_WAITING)[0]:
             self._lines.drop_pid(pid)
-        if self._leases.reclaim(pid):
-            logger.warning(
-                "gatekeeper: process %d died holding slots of shared table %s; reclaimed them",
-                pid,
-                self.path,
-            )
-        self._journal.save(at, PROC_SIZE)
-        mm[at : at + PROC_SIZE] = bytes(PROC_SIZE)
-        self._journal.commit()
 
     def _live_leases_after_reclaim(self) -> int:
         """Live leases once those of dead processes are reclaimed. Under the lock."""
-        mm = self._mm
-        assert mm is not None
-        for index, pid, start in self._owners():
-            if is_dead(pid, start, deep=True):
-                self._drop_process(index, pid, start)
+        self._procs.drop_dead()
         return self._leases.live()
 
     # --- observation ----------------------------------------------------------------------
 
     def _read_inflight(self) -> dict[str, int]:
-        mm = self._mm
-        assert mm is not None
-        layout = self._layout
-        assert layout is not None
-        tags = array.array("I")
-        tags.frombytes(mm[self._tags_off : self._tags_off + layout.nodes * 4])
-        result = {}
-        nodes_off, node_size = self._nodes_off, self._node_size
-        for node, tag in enumerate(tags):
-            if tag:
-                offset = nodes_off + node * node_size
-                count, key_length = struct.unpack_from("<IH", mm, offset)
-                key = mm[offset + NODE_HEAD : offset + NODE_HEAD + key_length]
-                result[key.decode("utf-8", "surrogateescape")] = count
-        return result
+        found = {}
+        for node in self._keys.in_use():
+            view, key = self._keys.view(node)
+            found[key] = view.inflight
+        return found
 
     def _read_totals(
         self,
@@ -1825,81 +1066,60 @@ class SharedBackend(Backend):
         top: int,
         watch: Mapping[str, Collection[str]],
     ) -> dict[str, LimitTotals]:
-        mm = self._mm
-        layout = self._layout
-        assert mm is not None and layout is not None
-        regs = mm[self._registry_off : self._registry_off + layout.registry * REG_SIZE]
+        keys = self._keys
         # registry entry -> keys it tracks, and digest -> entry
         tracked: dict[int, int] = {}
         entry_of: dict[int, int] = {}
-        for index, (digest, count, _, _) in enumerate(REG.iter_unpack(regs)):
-            if digest:
-                tracked[index] = count
-                entry_of[digest] = index
-        held = self._leases.held_nodes()
-        # registry entry -> its keys in flight: (key, node fields)
-        busy: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
-        for node in held:
-            fields, key = self._node_fields(node)
-            if fields[0] and fields[6]:
-                busy.setdefault(fields[6] - 1, []).append((key, fields))
+        for index, digest, count in keys.registries():
+            tracked[index] = count
+            entry_of[digest] = index
+        # registry entry -> its keys in flight
+        busy: dict[int, list[_Held]] = {}
+        for node in self._leases.held_nodes():
+            view, key = keys.view(node)
+            if view.inflight and view.registry:
+                busy.setdefault(view.registry - 1, []).append((key, node, view))
         totals = {}
         for limit in limits:
             path = limit.path
-            entry = entry_of.get(_path_digest(path)) if limit.wildcard else None
+            entry = entry_of.get(path_digest(path)) if limit.wildcard else None
             if limit.wildcard:
                 held_keys = busy.get(entry, []) if entry is not None else []
-                shown = heapq.nsmallest(top, held_keys, key=lambda item: (-item[1][0], item[0]))
-                keys = tracked.get(entry, 0) if entry is not None else 0
+                shown = heapq.nsmallest(
+                    top, held_keys, key=lambda item: (-item[2].inflight, item[0])
+                )
+                count = tracked.get(entry, 0) if entry is not None else 0
             else:
                 found = self._lookup(path)
                 held_keys = shown = [] if found is None else [found]
-                keys = len(shown)
-            seen = {key for key, _ in shown}
+                count = len(shown)
+            seen = {key for key, _, _ in shown}
             for key in watch.get(path, ()):
                 found = self._lookup(key) if key not in seen else None
-                if found is not None and (entry is None or found[1][6] == entry + 1):
+                if found is not None and (entry is None or found[2].registry == entry + 1):
                     seen.add(key)
                     shown.append(found)
             totals[path] = LimitTotals(
-                inflight=sum(fields[0] for _, fields in held_keys),
-                keys=keys,
-                busy=sum(1 for _, fields in held_keys if fields[0]),
-                top=tuple(self._key_usage(key, fields, limit, now) for key, fields in shown),
+                inflight=sum(view.inflight for _, _, view in held_keys),
+                keys=count,
+                busy=sum(1 for _, _, view in held_keys if view.inflight),
+                top=tuple(self._key_usage(held, limit, now) for held in shown),
             )
         return totals
 
-    def _node_fields(self, node: int) -> tuple[tuple[Any, ...], str]:
-        """A node's fields (``NODE``) and key. Under the lock."""
-        mm = self._mm
-        assert mm is not None
-        offset = self._nodes_off + node * self._node_size
-        fields = NODE.unpack_from(mm, offset)
-        raw = mm[offset + NODE_HEAD : offset + NODE_HEAD + fields[1]]
-        return fields, raw.decode("utf-8", "surrogateescape")
-
-    def _lookup(self, key: str) -> tuple[str, tuple[Any, ...]] | None:
-        """(key, node fields) of a key the table holds, else None. Under the lock."""
+    def _lookup(self, key: str) -> _Held | None:
+        """(key, node, its fields) of a key the table holds, else None. Under the lock."""
         try:
-            node = self._find(self._key(key))
+            node = self._keys.find(self._keys.key(key))
         except NoRoom:  # longer than any key the table can hold
             return None
-        return None if node < 0 else (key, self._node_fields(node)[0])
+        return None if node < 0 else (key, node, self._keys.view(node)[0])
 
-    def _key_usage(self, key: str, fields: tuple[Any, ...], limit: Limit, now: float) -> KeyUsage:
+    def _key_usage(self, held: _Held, limit: Limit, now: float) -> KeyUsage:
         """A key's requests in flight and its window's use now, read without changing it."""
+        key, node, view = held
         rate = limit.rate
         if rate is None:
-            return KeyUsage(key, fields[0], None, 0.0)
-        mm = self._mm
-        assert mm is not None
-        cutoff = now - rate.seconds
-        start, chunk, left = fields[2], fields[3], fields[5]
-        while left:
-            stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self._chunk_at(chunk) + 8)
-            for stamp in stamps[start : start + left]:
-                if stamp > cutoff:
-                    return KeyUsage(key, fields[0], left, stamp - cutoff)
-                left -= 1
-            chunk, start = U32.unpack_from(mm, self._chunk_at(chunk))[0], 0
-        return KeyUsage(key, fields[0], 0, 0.0)
+            return KeyUsage(key, view.inflight, None, 0.0)
+        left, until = self._windows.usage(node, now - rate.seconds)
+        return KeyUsage(key, view.inflight, left, until)

@@ -485,6 +485,14 @@ class Layout:
         )
 
 
+def clear_counters(mm: mmap.mmap) -> None:
+    """Write the mutable block of an empty table (no lease, heap entry, process, key or
+    window chunk in use) over a zeroed header."""
+    U32.pack_into(mm, H_LEASE_FREE, NIL)
+    mm[H_CHUNK_FREE:MUT_END] = U32.pack(NIL) + bytes(4)
+    U32.pack_into(mm, H_CHUNK_CHECK, chunk_check(mm[H_CHUNK_FREE:MUT_END]))
+
+
 def fixed_digest(head: bytes | bytearray) -> int:
     """The checksum of a header's fixed fields (stored at ``H_CHECK``)."""
     fixed = b"".join(
@@ -504,7 +512,8 @@ def chunk_check(counters: bytes) -> int:
 
 
 def header_problem(layout: Layout, head: bytes, size: int) -> str | None:
-    """What in a header of a valid magic no correct process writes, None if nothing."""
+    """What in the fixed fields of a header of a valid magic no correct process writes,
+    None if nothing (its counters: :func:`counters_problem`)."""
     if struct.unpack_from("<Q", head, H_CHECK)[0] != fixed_digest(head):
         return "its fixed fields fail their checksum"
     if size < layout.total:
@@ -514,11 +523,19 @@ def header_problem(layout: Layout, head: bytes, size: int) -> str | None:
     if head[H_EPOCH : H_EPOCH + 8] != head[H_EPOCH_COPY : H_EPOCH_COPY + 8]:
         return "its epoch disagrees with its copy"
     jlen = U32.unpack_from(head, H_JLEN)[0]
+    if jlen > layout.journal:
+        return f"its journal length {jlen} exceeds the journal ({layout.journal} bytes)"
+    return None
+
+
+def counters_problem(layout: Layout, head: bytes) -> str | None:
+    """What in a header's counters no correct process leaves once its update is complete,
+    None if nothing. Read after the journal is rolled back: a process killed inside an
+    update (between the window chunk counters and their check word, say) leaves counters
+    that only its journal makes whole again."""
     live, lease_free, lease_high, heap_len, _, procs_high, nodes_used, _, chunk_free, chunk_high = (
         struct.unpack_from("<10I", head, H_LIVE)
     )
-    if jlen > layout.journal:
-        return f"its journal length {jlen} exceeds the journal ({layout.journal} bytes)"
     if U32.unpack_from(head, H_CHUNK_CHECK)[0] != chunk_check(head[H_CHUNK_FREE:MUT_END]):
         return "its window chunk counters fail their check"
     waiting, _, waiter_free, waiter_high, lines_used = LINES_HEAD.unpack_from(head, H_WAITING)

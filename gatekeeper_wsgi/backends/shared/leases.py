@@ -108,7 +108,8 @@ class Leases:
         """Whether ``lease`` is still the one admitted as (``pid``, ``serial``): not
         reclaimed, freed or reused meanwhile."""
         at = self._base + lease * LEASE_SIZE
-        return bool(LEASE_HEAD.unpack_from(self._mm, at) == (pid, serial))
+        held: bool = LEASE_HEAD.unpack_from(self._mm, at) == (pid, serial)
+        return held
 
     def free(self, lease: int) -> None:
         """Give the lease's slots back and put it on the free list."""

@@ -1,0 +1,422 @@
+"""The key table of a shared table: a two-choice hash table of nodes, the registry of
+wildcard limits and their least-recently-used lists, eviction of idle keys.
+
+A key's node lives in one of two buckets of 8 (``tags``: a 32-bit hash per node, 0 =
+free), chosen by its blake2b digest, so a lookup reads 16 tags and compares at most a few
+keys. Both buckets full: an idle node of the 16 is evicted, else the key is refused
+(:class:`~.faults.NoRoom`). A wildcard limit has a registry entry (its path's digest, its
+key count, the head and tail of its LRU list through the nodes' prev/next fields); at
+``max_keys`` its least recently used idle key is evicted. An idle key has nothing in flight
+and nothing left in its rate window: evicting any other would reset its limit.
+
+:class:`KeyTable` works on the map, the layout, the journal and the windows (which free an
+evicted key's chunks) it is given, nothing else: it can be driven alone
+(``tests/test_shared_structures.py``).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import mmap
+import struct
+
+from gatekeeper_wsgi.backends.shared.faults import NoRoom
+from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.layout import (
+    CHAIN,
+    H_NODES_USED,
+    LRU_SCAN,
+    N_NEXT,
+    N_PREV,
+    N_REG,
+    NIL,
+    NODE,
+    NODE_HEAD,
+    R_COUNT,
+    R_HEAD,
+    R_TAIL,
+    REG,
+    REG_SIZE,
+    TAGS,
+    U32,
+    Layout,
+    NodeView,
+    node_view,
+)
+from gatekeeper_wsgi.backends.shared.windows import Windows
+from gatekeeper_wsgi.config import Limit
+
+#: (key bytes + NUL, tag, first bucket, second bucket)
+KeyEntry = tuple[bytes, int, int, int]
+#: at a registry entry: the u64 digest of its limit path (0: free)
+REG_DIGEST = struct.Struct("<Q")
+
+
+def path_digest(path: str) -> int:
+    """The registry's name for a wildcard limit path (never 0, which marks a free entry)."""
+    digest = hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+class KeyTable:
+    """The keys of one mapped table: nodes, tags, the wildcard registry and LRU lists."""
+
+    __slots__ = (
+        "_buckets",
+        "_hints",
+        "_journal",
+        "_key_size",
+        "_keys",
+        "_mm",
+        "_node_size",
+        "_nodes",
+        "_nodes_off",
+        "_registries",
+        "_registry_off",
+        "_regs",
+        "_save",
+        "_tags_off",
+        "_windows",
+    )
+
+    def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal, windows: Windows) -> None:
+        self._mm = mm
+        self._journal = journal
+        self._save = journal.save
+        self._windows = windows
+        self._buckets = layout.buckets
+        self._nodes = layout.nodes
+        self._key_size = layout.key_size
+        self._node_size = layout.node_size
+        self._tags_off = layout.tags_off
+        self._nodes_off = layout.nodes_off
+        self._registry_off = layout.registry_off
+        self._registries = layout.registry
+        #: key -> its entry (a blake2b per key is ~1 µs)
+        self._keys: dict[str, KeyEntry] = {}
+        #: key bytes -> the node they were last found in (checked before use)
+        self._hints: dict[bytes, int] = {}
+        #: limit path -> (registry entry, digest), checked against the table at each use
+        self._regs: dict[str, tuple[int, int]] = {}
+
+    def key(self, key: str) -> KeyEntry:
+        """(key bytes + NUL, tag, first bucket, second bucket), cached per key."""
+        entry = self._keys.get(key)
+        if entry is None:
+            raw = key.encode("utf-8", "surrogateescape")
+            if len(raw) >= self._key_size:
+                raise NoRoom(
+                    f"key {key[:40]!r}... is longer than the {self._key_size - 1} bytes the "
+                    f"table was sized for (the longest limit path of the configuration)"
+                )
+            digest = int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
+            buckets = self._buckets
+            first = (digest >> 32) % buckets
+            second = (digest >> 80) % buckets
+            if second == first and buckets > 1:
+                second = (first + 1) % buckets
+            entry = (raw + b"\0", (digest & 0xFFFFFFFF) or 1, first, second)
+            if len(self._keys) >= 8192:
+                self._keys = {}
+            self._keys[key] = entry
+        return entry
+
+    def find(self, entry: KeyEntry) -> int:
+        """The node holding the key of ``entry``, -1 if none does."""
+        mm = self._mm
+        raw, tag, first, second = entry
+        tags_off = self._tags_off
+        key_at = self._nodes_off + NODE_HEAD
+        node_size = self._node_size
+        size = len(raw)
+        # Where the key was found last: still its node if the node's tag and key bytes say
+        # so (a key is in one node at most; a freed node's tag is 0, never a key's tag).
+        node = self._hints.get(raw, -1)
+        if node >= 0:
+            start = key_at + node * node_size
+            if (
+                U32.unpack_from(mm, tags_off + node * 4)[0] == tag
+                and mm[start : start + size] == raw
+            ):
+                return node
+        for bucket in (first, second):
+            tags = TAGS.unpack_from(mm, tags_off + bucket * CHAIN * 4)
+            if tag in tags:
+                for position in range(CHAIN):
+                    if tags[position] == tag:
+                        node = bucket * CHAIN + position
+                        start = key_at + node * node_size
+                        if mm[start : start + size] == raw:
+                            if len(self._hints) >= 8192:
+                                self._hints = {}
+                            self._hints[raw] = node
+                            return node
+        return -1
+
+    def create(self, entry: KeyEntry, limit: Limit, now: float, pinned: list[int]) -> int:
+        """A node for a new key: a free one of its two buckets, else an idle one there
+        (never one of ``pinned``, the nodes this request already counts on). A wildcard
+        limit at ``max_keys`` makes room first: a refusal then leaves no node behind."""
+        mm = self._mm
+        if limit.wildcard:
+            self._make_room(limit, now, pinned)
+        raw, tag, first, second = entry
+        tags_off = self._tags_off
+        tags1 = TAGS.unpack_from(mm, tags_off + first * CHAIN * 4)
+        tags2 = TAGS.unpack_from(mm, tags_off + second * CHAIN * 4)
+        free1, free2 = tags1.count(0), tags2.count(0)
+        if free1 or free2:
+            if free1 >= free2:
+                node = first * CHAIN + tags1.index(0)
+            else:
+                node = second * CHAIN + tags2.index(0)
+        else:
+            node = self._chain_victim(first, second, now, pinned)
+            self.remove(node)
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD + len(raw))
+        NODE.pack_into(mm, offset, 0, len(raw) - 1, 0, NIL, NIL, 0, 0, NIL, NIL, 0.0)
+        mm[offset + NODE_HEAD : offset + NODE_HEAD + len(raw)] = raw
+        tag_at = tags_off + node * 4
+        self._save(tag_at, 4)
+        U32.pack_into(mm, tag_at, tag)
+        self._journal.save_header()
+        U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] + 1)
+        if limit.wildcard:
+            self._track(node, limit)
+        return node
+
+    def _make_room(self, limit: Limit, now: float, pinned: list[int]) -> None:
+        """Before a key joins a wildcard limit: at ``max_keys``, evict an idle key of it."""
+        registry = self.registry(limit.path)
+        at = self._registry_off + registry * REG_SIZE + R_COUNT
+        count = U32.unpack_from(self._mm, at)[0]
+        if count >= limit.max_keys:
+            self._evict_lru(registry, limit.path, count, now, pinned)
+
+    def _track(self, node: int, limit: Limit) -> None:
+        """Count a node under a wildcard limit (``_make_room`` made room for it)."""
+        mm = self._mm
+        registry = self.registry(limit.path)  # an eviction may have freed its entry
+        at = self._registry_off + registry * REG_SIZE
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD)
+        U32.pack_into(mm, offset + N_REG, registry + 1)
+        self._lru_append(registry, node)
+        U32.pack_into(mm, at + R_COUNT, U32.unpack_from(mm, at + R_COUNT)[0] + 1)
+
+    def _untrack(self, registry: int, node: int) -> None:
+        """Take a node out of its wildcard limit's list and count."""
+        mm = self._mm
+        self._lru_unlink(registry, node)
+        at = self._registry_off + registry * REG_SIZE
+        count = U32.unpack_from(mm, at + R_COUNT)[0] - 1
+        if count <= 0:
+            mm[at : at + REG_SIZE] = bytes(REG_SIZE)
+        else:
+            U32.pack_into(mm, at + R_COUNT, count)
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD)
+        U32.pack_into(mm, offset + N_REG, 0)
+
+    def _chain_victim(self, first: int, second: int, now: float, pinned: list[int]) -> int:
+        """An idle node of two full buckets to make room for a new key. Never a node with
+        requests in flight or entries left in its rate window: evicting it would reset its
+        limit (a spray of fresh keys could then free any caller), so without an idle one
+        the new key is refused (``NoRoom``)."""
+        mm = self._mm
+        soonest: float | None = None
+        in_flight = False
+        for bucket in (first, second):
+            for position in range(CHAIN):
+                node = bucket * CHAIN + position
+                view = node_view(mm, self._nodes_off + node * self._node_size)
+                if node in pinned:
+                    continue
+                if view.idle(now):
+                    return node
+                in_flight = in_flight or bool(view.inflight)
+                if not view.inflight:
+                    soonest = view.empty_at if soonest is None else min(soonest, view.empty_at)
+        raise NoRoom(
+            f"both hash buckets of a new key are full of keys in use (in flight or inside "
+            f"a rate window); give the table more room with ?size=<keys> (it holds "
+            f"{self._nodes})",
+            None if soonest is None else soonest - now,
+            "concurrency" if in_flight else "rate",
+        )
+
+    def remove(self, node: int) -> None:
+        """Take a node (nothing in flight) out of the table: window, LRU list, tag."""
+        mm = self._mm
+        offset = self._nodes_off + node * self._node_size
+        view = node_view(mm, offset)
+        if view.length:
+            self._windows.free_chunks(view.first, view.last)
+        registry = view.registry
+        if registry:
+            self._untrack(registry - 1, node)
+        tag_at = self._tags_off + node * 4
+        self._save(tag_at, 4)
+        U32.pack_into(mm, tag_at, 0)
+        self._journal.save_header()
+        U32.pack_into(mm, H_NODES_USED, U32.unpack_from(mm, H_NODES_USED)[0] - 1)
+
+    # --- wildcard limits: the registry and least-recently-used lists ----------------------
+
+    def registry(self, path: str) -> int:
+        mm = self._mm
+        base = self._registry_off
+        cached = self._regs.get(path)
+        if cached is not None:
+            index, digest = cached
+            if REG_DIGEST.unpack_from(mm, base + index * REG_SIZE)[0] == digest:
+                return index
+        else:
+            digest = path_digest(path)
+        free = -1
+        for index in range(self._registries):
+            stored = REG_DIGEST.unpack_from(mm, base + index * REG_SIZE)[0]
+            if stored == digest:
+                self._regs[path] = (index, digest)
+                return index
+            if not stored and free < 0:
+                free = index
+        if free < 0:
+            raise NoRoom(
+                f"no room for wildcard limit {path!r} (the table tracks "
+                f"{self._registries} wildcard limits; a reload added more)"
+            )
+        at = base + free * REG_SIZE
+        self._save(at, REG_SIZE)
+        REG.pack_into(mm, at, digest, 0, NIL, NIL)
+        self._regs[path] = (free, digest)
+        return free
+
+    def _evict_lru(
+        self, registry: int, path: str, count: int, now: float, pinned: list[int]
+    ) -> None:
+        """Make room under a wildcard limit at ``max_keys``: evict the least recently used
+        idle key among its ``LRU_SCAN`` least recently used. A key in flight or inside its
+        rate window is never evicted (that would reset its limit): with none idle, the new
+        key is refused (``NoRoom``), as nginx refuses when its zone cannot allocate. The
+        busy keys looked at move to the end of the list, so that long requests at its head
+        do not hide the idle keys behind them from the next new key."""
+        mm = self._mm
+        at = self._registry_off + registry * REG_SIZE
+        node = U32.unpack_from(mm, at + R_HEAD)[0]
+        nodes_off, node_size = self._nodes_off, self._node_size
+        soonest: float | None = None
+        in_flight = False
+        for _ in range(LRU_SCAN):
+            if node == NIL:
+                break
+            view = node_view(mm, nodes_off + node * node_size)
+            if node in pinned:
+                node = view.newer
+                continue
+            if view.idle(now):
+                self.remove(node)
+                return
+            in_flight = in_flight or bool(view.inflight)
+            if not view.inflight:
+                soonest = view.empty_at if soonest is None else min(soonest, view.empty_at)
+            following = view.newer
+            if following != NIL:
+                self._lru_unlink(registry, node)
+                self._lru_append(registry, node)
+            node = following
+        raise NoRoom(
+            f"wildcard limit {path!r} tracks max_keys={count} keys and its least recently "
+            f"used are all in use (in flight or inside their rate window); raise its max_keys",
+            None if soonest is None else soonest - now,
+            "concurrency" if in_flight else "rate",
+        )
+
+    def _lru_append(self, registry: int, node: int) -> None:
+        mm = self._mm
+        at = self._registry_off + registry * REG_SIZE
+        nodes_off, node_size = self._nodes_off, self._node_size
+        tail = U32.unpack_from(mm, at + R_TAIL)[0]
+        self._save(at, REG_SIZE)
+        offset = nodes_off + node * node_size
+        self._save(offset, NODE_HEAD)
+        U32.pack_into(mm, offset + N_PREV, tail)
+        U32.pack_into(mm, offset + N_NEXT, NIL)
+        if tail != NIL:
+            self._save(nodes_off + tail * node_size, NODE_HEAD)
+            U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
+        else:
+            U32.pack_into(mm, at + R_HEAD, node)
+        U32.pack_into(mm, at + R_TAIL, node)
+
+    def _lru_unlink(self, registry: int, node: int) -> None:
+        mm = self._mm
+        at = self._registry_off + registry * REG_SIZE
+        nodes_off, node_size = self._nodes_off, self._node_size
+        offset = nodes_off + node * node_size
+        prev = U32.unpack_from(mm, offset + N_PREV)[0]
+        nxt = U32.unpack_from(mm, offset + N_NEXT)[0]
+        self._save(at, REG_SIZE)
+        if prev != NIL:
+            self._save(nodes_off + prev * node_size, NODE_HEAD)
+            U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
+        else:
+            U32.pack_into(mm, at + R_HEAD, nxt)
+        if nxt != NIL:
+            self._save(nodes_off + nxt * node_size, NODE_HEAD)
+            U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
+        else:
+            U32.pack_into(mm, at + R_TAIL, prev)
+
+    def touch(self, node: int, limit: Limit, now: float, pinned: list[int]) -> None:
+        """Mark a wildcard key most recently used in its limit's list. A key counted so far
+        under another limit (an exact path a 'user' or 'header' value equals, or a pattern
+        a reload replaced) moves to this limit's list, counted against its ``max_keys``."""
+        mm = self._mm
+        offset = self._nodes_off + node * self._node_size
+        registry = self.registry(limit.path)
+        current = U32.unpack_from(mm, offset + N_REG)[0] - 1
+        if current == registry:
+            if U32.unpack_from(mm, self._registry_off + registry * REG_SIZE + R_TAIL)[0] != node:
+                self._lru_unlink(registry, node)
+                self._lru_append(registry, node)
+            return
+        self._make_room(limit, now, [*pinned, node])
+        if current >= 0:
+            self._untrack(current, node)
+        self._track(node, limit)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def in_use(self) -> list[int]:
+        """Every node holding a key, by one pass over the tags."""
+        tags = array.array("I")
+        tags.frombytes(self._mm[self._tags_off : self._tags_off + self._nodes * 4])
+        return [node for node, tag in enumerate(tags) if tag]
+
+    def view(self, node: int) -> tuple[NodeView, str]:
+        """A node's fields and key."""
+        offset = self._nodes_off + node * self._node_size
+        view = node_view(self._mm, offset)
+        raw = self._mm[offset + NODE_HEAD : offset + NODE_HEAD + view.key_length]
+        return view, raw.decode("utf-8", "surrogateescape")
+
+    def lookup(self, key: str) -> tuple[str, NodeView] | None:
+        """(key, node fields) of a key the table holds, else None."""
+        try:
+            node = self.find(self.key(key))
+        except NoRoom:  # longer than any key the table can hold
+            return None
+        return None if node < 0 else (key, self.view(node)[0])
+
+    def registries(self) -> list[tuple[int, int, int]]:
+        """(entry, path digest, keys) of every wildcard limit the registry tracks."""
+        base = self._registry_off
+        regs = self._mm[base : base + self._registries * REG_SIZE]
+        return [
+            (index, digest, count)
+            for index, (digest, count, _, _) in enumerate(REG.iter_unpack(regs))
+            if digest
+        ]
