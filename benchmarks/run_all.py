@@ -7,7 +7,8 @@ otherwise), then runs, each in its own process:
 1. ``overhead.py`` for Flask and Django on the memory, shared and Redis backends: µs per
    request by direct WSGI calls, 1 and 8 threads, against the bare app and the peer;
 2. ``throughput.py``: requests/s under gunicorn with ``wrk`` (or Python threads);
-3. ``engine.py``, ``shared.py``, ``redis_backend.py``, ``frs.py``, ``limit_lookup.py``,
+3. ``engine.py``, ``shared.py``, ``redis_backend.py``, ``queue_handoff.py``, ``frs.py``,
+   ``limit_lookup.py``,
    ``memory_keys.py`` and ``status_cost.py`` with shortened runs,
    their reports quoted as printed.
 """
@@ -47,6 +48,7 @@ REPORTS = [
         ["--iterations", "5000", "--rounds", "3"],
     ),
     ("Redis round trips per request", "redis_backend.py", ["--rounds", "5", "--requests", "300"]),
+    ("Queue hand-off between processes (shared)", "queue_handoff.py", ["--rounds", "20"]),
     ("FRS endpoint", "frs.py", ["--seconds", "1", "--http"]),
     ("Never-seen path, 1 000 and 100 000 limits", "limit_lookup.py", ["--rounds", "3"]),
     ("Memory per key, 100 000 keys of a 5/minute wildcard limit", "memory_keys.py", []),

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -25,6 +25,7 @@ from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend, tickets
 from gatekeeper_wsgi.backends.shared.liveness import proc_stat
 from gatekeeper_wsgi.backends.shared.tickets import path_digest
+from gatekeeper_wsgi.engine import Admission
 from tests.servers import wait_until
 
 DEADLINE = 30.0
@@ -150,6 +151,13 @@ def start_waiters(
         )
 
 
+def in_a_thread(gk: GateKeeper, name: str, observer: Observer) -> threading.Thread:
+    """A request of this process, in a thread of its own (see ``_admit_once``)."""
+    thread = threading.Thread(target=_admit_once, args=(gk, "api", name, observer), daemon=True)
+    thread.start()
+    return thread
+
+
 def shared(gk: GateKeeper) -> SharedBackend:
     backend = gk.backend
     assert isinstance(backend, SharedBackend)
@@ -187,23 +195,12 @@ def test_a_newcomer_of_another_process_lines_up_behind_the_waiters(
     backend = shared(gk)
     holder = gk.admit("shop", "api", "holder")
     start_waiters(table, backend, observer, workers, ["w0", "w1"])
-    outcome: list[str] = []
-
-    def newcomer() -> None:
-        admission = gk.admit("shop", "api", "late")
-        observer.write("+late")
-        observer.write("-late")
-        admission.release(200)
-        outcome.append("admitted")
-
-    thread = threading.Thread(target=newcomer, daemon=True)
-    thread.start()
+    thread = in_a_thread(gk, "late", observer)
     wait_until(lambda: len(line_of(backend)) == 3, DEADLINE, "the newcomer to line up")
     assert line_of(backend)[2] == os.getpid()
     holder.release(200)
     assert observer.admissions(3) == ["w0", "w1", "late"]
     thread.join(DEADLINE)
-    assert outcome == ["admitted"]
     gk.close()
 
 
@@ -251,23 +248,12 @@ def test_the_queue_size_bounds_the_line_of_the_host(
     # can drop its ticket.
     wait_until(lambda: (proc_stat(victim) or ("?",))[0] == "Z", DEADLINE, "the kill to land")
     assert victim in line_of(backend)
-    outcome: list[str] = []
-
-    def replacement() -> None:
-        admission = gk.admit("shop", "api", "fourth")
-        observer.write("+fourth")
-        observer.write("-fourth")
-        admission.release(200)
-        outcome.append("admitted")
-
-    thread = threading.Thread(target=replacement, daemon=True)
-    thread.start()
+    thread = in_a_thread(gk, "fourth", observer)
     wait_until(lambda: os.getpid() in line_of(backend), DEADLINE, "the replacement in line")
     assert line_of(backend) == [workers[0].pid, os.getpid()]
     holder.release(200)
     assert observer.admissions(2) == ["w0", "fourth"]
     thread.join(DEADLINE)
-    assert outcome == ["admitted"]
     gk.close()
 
 
@@ -355,40 +341,102 @@ def test_threads_of_several_processes_share_one_line(
     gk.close()
 
 
-def test_a_first_waiter_refused_by_another_limit_is_woken_by_its_release(
-    table: Path, observer: Observer, workers: list[BaseProcess]
-) -> None:
-    """The first waiter of ``shop/api`` finds the project limit ``shop`` full when its
-    turn comes: the release of a ``shop`` slot by a request of another service wakes it
-    (nothing else would before its wait runs out)."""
-    both = {
-        "shop": {"concurrency": 2, "queue": {"size": 10, "wait": DEADLINE}},
-        PATH: {"concurrency": 1, "queue": {"size": 10, "wait": DEADLINE}},
-    }
-    gk = GateKeeper({"project": "shop", "backend": f"shared://{table}", "limits": both})
+class ProjectFull(NamedTuple):
+    """The scene of a first waiter of ``shop/api`` whose turn comes while the project
+    limit ``shop`` (2) is full: the keeper and the two requests of service ``other``
+    that fill it."""
+
+    gk: GateKeeper
+    other: Admission
+    again: Admission
+
+
+def project_full_at_its_turn(
+    table: Path, observer: Observer, workers: list[BaseProcess], shop: dict[str, Any]
+) -> ProjectFull:
+    """Set the scene: ``shop/api`` full (1) and a waiter of another process in its line;
+    ``shop`` filled by service ``other``; the waiter frozen (SIGSTOP) while the ``shop/api``
+    slot is released and ``shop`` filled again, so that its turn, when it thaws, finds
+    ``shop`` full."""
+    both = {"project": "shop", "backend": f"shared://{table}", "limits": {"shop": shop, **limits()}}
+    gk = GateKeeper(both)
     backend = shared(gk)
     api_holder = gk.admit("shop", "api", "holder")  # shop 1/2, shop/api 1/1
-    context = multiprocessing.get_context("fork")
 
     def waiter() -> None:
         tickets.FIRST_LOOK = tickets.LOOK = NEVER
-        keeper = GateKeeper({"project": "shop", "backend": f"shared://{table}", "limits": both})
-        _admit_once(keeper, "api", "w", observer)
+        _admit_once(GateKeeper(both), "api", "w", observer)
         os._exit(0)
 
-    process = context.Process(target=waiter, daemon=True)
+    process = multiprocessing.get_context("fork").Process(target=waiter, daemon=True)
     process.start()
     workers.append(process)
     assert process.pid is not None
     wait_until(lambda: process.pid in line_of(backend), DEADLINE, "the waiter in line")
     other = gk.admit("shop", "other", "x")  # shop 2/2
-    # Frozen, the waiter cannot take its turn before the project limit is full again.
     os.kill(process.pid, signal.SIGSTOP)
-    api_holder.release(200)  # its wake-up waits in its socket
-    again = gk.admit("shop", "other", "y")  # shop 2/2 again: the waiter will be refused
+    api_holder.release(200)  # shop 1/2, shop/api free: its wake-up waits in its socket
+    again = gk.admit("shop", "other", "y")  # shop 2/2 before the waiter can look
     os.kill(process.pid, signal.SIGCONT)
+    return ProjectFull(gk, other, again)
+
+
+def test_a_first_waiter_refused_by_another_limit_is_woken_by_its_release(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """The first waiter of ``shop/api`` finds the project limit ``shop`` (with a queue)
+    full when its turn comes: the release of a ``shop`` slot by a request of another
+    service wakes it (nothing else would before its wait runs out)."""
+    shop = {"concurrency": 2, "queue": {"size": 10, "wait": DEADLINE}}
+    scene = project_full_at_its_turn(table, observer, workers, shop)
+    backend = shared(scene.gk)
     wait_until(lambda: refused_by(backend) == path_digest("shop"), DEADLINE, "the refusal")
-    other.release(200)
+    scene.other.release(200)
     assert observer.admissions(1) == ["w"]
-    again.release(200)
-    gk.close()
+    scene.again.release(200)
+    scene.gk.close()
+
+
+def test_a_waiter_refused_by_a_limit_without_a_queue_gives_its_ticket_up(
+    table: Path, observer: Observer, workers: list[BaseProcess]
+) -> None:
+    """The first waiter of ``shop/api`` whose turn comes while the project limit ``shop``
+    (no queue) is full is refused by it, GK-CONCURRENCY-LIMIT, and leaves the line: the
+    next request is admitted by the next free slot, not stuck behind a ticket."""
+    scene = project_full_at_its_turn(table, observer, workers, {"concurrency": 2})
+    assert observer.events(1) == ["!w:GK-CONCURRENCY-LIMIT"]
+    assert line_of(shared(scene.gk)) == []
+    scene.other.release(200)
+    scene.gk.admit("shop", "api", "next").release(200)  # not queued behind a lost ticket
+    scene.again.release(200)
+    scene.gk.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sending as another user needs root")
+def test_a_wake_up_sent_by_another_user_is_ignored() -> None:
+    """Abstract socket names are listed for every user: a datagram another user sends to
+    a waiter's wake socket is read and not taken for a wake-up; one of this user is."""
+    sock, nonce = tickets._wake_socket()
+    assert sock is not None
+    context = multiprocessing.get_context("fork")
+
+    def stranger() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+        bell = tickets.Bell()
+        bell.ring(nonce)
+        bell.close()
+        os._exit(0)
+
+    process = context.Process(target=stranger)
+    process.start()
+    process.join(DEADLINE)
+    assert process.exitcode == 0
+    try:
+        assert not tickets._recv_own(sock)
+        bell = tickets.Bell()
+        bell.ring(nonce)
+        bell.close()
+        assert tickets._recv_own(sock)
+    finally:
+        sock.close()

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from gatekeeper_wsgi.backends.base import Denial, Grant, Slot, WaitingLine
 from gatekeeper_wsgi.backends.shared.layout import (
-    H_LINES_END,
     H_WAITING,
     LINE,
     LINE_SIZE,
@@ -154,17 +153,19 @@ class Lines:
         head: tuple[int, int, int, int, int] = LINES_HEAD.unpack_from(self._mm, H_WAITING)
         return head
 
+    def _write(self, layout: struct.Struct, at: int, values: tuple[int, ...]) -> None:
+        """Journal the bytes at ``at``, then write ``values`` there."""
+        self._journal.save(at, layout.size)
+        layout.pack_into(self._mm, at, *values)
+
     def _set_head(self, waiting: int, ticket: int, free: int, high: int, used: int) -> None:
-        self._journal.save(H_WAITING, H_LINES_END - H_WAITING)
-        LINES_HEAD.pack_into(self._mm, H_WAITING, waiting, ticket, free, high, used)
+        self._write(LINES_HEAD, H_WAITING, (waiting, ticket, free, high, used))
 
     def _line(self, index: int) -> _Line:
         return _Line._make(LINE.unpack_from(self._mm, self._lines_off + index * LINE_SIZE))
 
     def _set_line(self, index: int, line: _Line) -> None:
-        at = self._lines_off + index * LINE_SIZE
-        self._journal.save(at, LINE_SIZE)
-        LINE.pack_into(self._mm, at, *line)
+        self._write(LINE, self._lines_off + index * LINE_SIZE, line)
 
     def _waiter(self, index: int) -> _Waiter:
         if index >= self._waiters:
@@ -172,9 +173,7 @@ class Lines:
         return _Waiter._make(WAITER.unpack_from(self._mm, self._waiters_off + index * WAITER_SIZE))
 
     def _set_waiter(self, index: int, waiter: _Waiter) -> None:
-        at = self._waiters_off + index * WAITER_SIZE
-        self._journal.save(at, WAITER_SIZE)
-        WAITER.pack_into(self._mm, at, *waiter)
+        self._write(WAITER, self._waiters_off + index * WAITER_SIZE, waiter)
 
     def digest(self, path: str) -> int:
         """:func:`path_digest`, remembered for the paths this process asks about."""
