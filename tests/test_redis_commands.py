@@ -15,6 +15,7 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
+from gatekeeper_wsgi.backends.redis import _RedisGrant, _Release  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
 from tests.test_redis import keeper  # noqa: E402
 from tests.test_redis_tidy import assert_late_admission_takes_nothing, redis_backend  # noqa: E402
@@ -183,5 +184,32 @@ def test_a_late_admission_after_its_give_back_takes_nothing(prefixed: str, first
         assert (totals[first].inflight, totals["shop/work"].inflight) == (2, 2)
         for admission in both:
             admission.release(200)
+    finally:
+        gk.close()
+
+
+def test_a_release_sent_again_costs_one_look(own_redis: ControlledRedis) -> None:
+    """A release sent again along with an admission, because the sender's call with it was
+    still out: if that call had not run, the copy frees the slots; once it has, the copy
+    costs one look (a ZSCORE) and changes nothing."""
+    gk = keeper(own_redis.url, THREE_LEVELS)
+    try:
+        backend = redis_backend(gk)
+        admission = gk.admit("shop", "orders", "c")
+        grant = admission._held[0]
+        assert isinstance(grant, _RedisGrant)
+        copy = _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0, again=True)
+        backend._send([copy])
+        assert gk.inflight() == {}
+        backend.client.config_resetstat()
+        backend._send([copy])
+        calls = commands_run(backend.client)
+        assert (calls.pop("evalsha"), calls.pop("config|resetstat", 1)) == (1, 1)
+        assert calls == {"zscore": 1}
+        admission.release(200)  # its own release, later still, does nothing either
+        assert gk.inflight() == {}
+        totals = gk.totals()
+        assert totals is not None
+        assert all(totals[path].inflight == 0 for path in THREE_LEVELS)
     finally:
         gk.close()

@@ -249,6 +249,9 @@ class _Release(NamedTuple):
     tombstone: int = 0
     #: not a release: a claimed adaptive state to write (``codes`` is its whole spec)
     write: bool = False
+    #: a copy sent along while the sender's call with it is out: gate.lua applies it only
+    #: if that call has not (one look, not a removal per key)
+    again: bool = False
 
     def spec(self, now: float) -> str:
         """This release's spec for gate.lua. The delay is what is left of it ``now``, so a
@@ -260,7 +263,8 @@ class _Release(NamedTuple):
         delay = self.delay
         if delay > 0:
             delay = max(0.0, delay - (now - self.placed))
-        return f"{self.lease} {round(delay * 1_000_000)} {self.codes}"
+        mark = "?" if self.again else ""
+        return f"{mark}{self.lease} {round(delay * 1_000_000)} {self.codes}"
 
 
 class CircuitOpen(BackendError):
@@ -388,7 +392,16 @@ class _Outbox:
         touches one slot."""
         with self._lock:
             taken = self._drain(tag)
-            return taken + self._sending if self._sending else taken
+            sending = self._sending
+            if not sending:
+                return taken
+        # Sent again: gate.lua skips those the sender's call applied already. A give-back
+        # or an adaptive write is sent as it is (both are idempotent).
+        return taken + [
+            release if release.write or release.tombstone else release._replace(again=True)
+            for release in sending
+            if tag is None or release.input.keys[0].startswith(tag)
+        ]
 
     def _drain(self, tag: str | None) -> list[_Release]:
         waiting = self._waiting
@@ -411,7 +424,7 @@ class _Outbox:
         """Releases whose call failed: first in line for the sender's next try."""
         with self._lock:
             sending = self._sending
-            mine = [release for release in releases if release not in sending]
+            mine = [release for release in releases if not release.again and release not in sending]
             self._waiting.extendleft(reversed(mine))
         self._arm()
 
@@ -452,15 +465,27 @@ class _Outbox:
                         return
                 continue
             self._wake.clear()
-            if interval > 0:
-                # Gather what comes within the interval into one call, and leave the GIL to
-                # the request threads meanwhile: most releases ride along with an admission
-                # before the sender sends them.
-                stop.wait(interval)
-            self._armed = False
-            while self._waiting and not stop.is_set():
+            while not stop.is_set():
                 with self._lock:
-                    batch = self._sending = self._drain(None)
+                    waiting = self._waiting
+                    if not waiting:
+                        # Checked and disarmed in one step: a release put after this
+                        # finds the sender disarmed and wakes it.
+                        self._armed = False
+                        break
+                    oldest = waiting[0].placed
+                # A release waits the interval first, leaving the GIL to the request
+                # threads: most ride along with an admission of the process meanwhile,
+                # and only those left are sent (sent now, they would be sent again by
+                # every admission while this call is out).
+                due = oldest + interval - time.monotonic()
+                if due > 0:
+                    stop.wait(due)
+                    continue
+                with self._lock:
+                    batch = self._sending = self._drain_due(time.monotonic() - interval)
+                if not batch:  # taken along by an admission meanwhile
+                    continue
                 try:
                     backend._send(batch)
                 except BackendError:
@@ -473,6 +498,14 @@ class _Outbox:
                 self._sending = []
             if stop.is_set():
                 return
+
+    def _drain_due(self, cutoff: float) -> list[_Release]:
+        """The waiting releases placed at ``cutoff`` or before (with ``_lock`` held)."""
+        waiting = self._waiting
+        due: list[_Release] = []
+        while waiting and waiting[0].placed <= cutoff:
+            due.append(waiting.popleft())
+        return due
 
     def flush(self) -> None:
         """Send what is waiting from this thread, now (status reads, close)."""

@@ -46,6 +46,7 @@
 --            (a limit that counts only some statuses, and this response's was not one);
 --            an adaptive slot's code is "<code>:" or, with the request's sample,
 --            "<code>:<latency in us>:<faulty 1/0>";
+--            "?<lease> ..." is a release sent again (it may have been applied already);
 --            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
 --            answer never came (freed now, and never taken if it runs later: a tombstone
 --            in the route's first set);
@@ -247,6 +248,15 @@ for r = 2, releases + 1 do
     tombstone = delay
     delay = 0
   end
+  local skip = false
+  if string.byte(lease, 1) == 63 then
+    -- '?<lease>': sent again because the sender's call with it was still out. That call
+    -- mostly ran first; one look at the route's first set tells (an applied release took
+    -- the lease out of every set, in one go).
+    lease = string.sub(lease, 2)
+    local score = redis.call('ZSCORE', first, lease)
+    skip = not score or tonumber(score) >= BAND
+  end
   for word in string.gmatch(codes, '%S+') do
     local code, adaptive, latency, faulty = string.match(word, '^(%d+)(:?)(%d*):?(%d*)$')
     local key = KEYS[k]
@@ -265,6 +275,7 @@ for r = 2, releases + 1 do
       end
       k = k + 1
     end
+    if not skip then
     local path = path_of(key)
     if code % 2 == 1 then
       redis.call('ZREM', key, lease .. ':w')
@@ -318,11 +329,15 @@ for r = 2, releases + 1 do
       -- A key lives max_hold after an admission, for its lease. Once no request is in
       -- flight on it, it lives only as long as what is left needs. Unmarked, nothing else
       -- is live: an emptied key is gone already, a rate key keeps its window.
-      if taken >= 2 then
+      if taken == 3 then
         settle(key, window_ms, clock())
+      elseif taken == 2 then
+        -- Applied before (a release sent again): nothing changed but the marks it took.
+        redis.call('ZADD', key, BAND, MARK, BAND, MARK2)
       elseif taken == 1 and window_ms > 0 then
         redis.call('PEXPIRE', key, window_ms + 1)
       end
+    end
     end
   end
   if tombstone > 0 then
