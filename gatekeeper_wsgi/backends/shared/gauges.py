@@ -14,7 +14,7 @@ import struct
 
 from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveReport, AdaptiveSpec, Controller
 from gatekeeper_wsgi.backends.shared.faults import Damaged
-from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.journal import Journal, Structure
 from gatekeeper_wsgi.backends.shared.layout import (
     F_GAUGE,
     G_HOT,
@@ -38,25 +38,14 @@ _LATENCY_AT = Controller.STATE.index("latency")
 _BASELINE_AT = Controller.STATE.index("min_latency")
 
 
-class Gauges:
+class Gauges(Structure):
     """The controllers of the adaptive keys of one mapped table."""
 
-    __slots__ = (
-        "_gauges_off",
-        "_journal",
-        "_mm",
-        "_node_size",
-        "_nodes_off",
-        "_prints",
-        "_scratch",
-    )
+    __slots__ = ("_gauges_off", "_prints", "_scratch")
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
-        self._mm = mm
-        self._journal = journal
+        super().__init__(mm, layout, journal)
         self._gauges_off = layout.gauges_off
-        self._nodes_off = layout.nodes_off
-        self._node_size = layout.node_size
         #: id(spec) -> (spec, its numbers in a gauge)
         self._prints: dict[int, tuple[AdaptiveSpec, tuple[int, int, int, int]]] = {}
         #: adds a sample to a window loaded from a gauge, reports a gauge

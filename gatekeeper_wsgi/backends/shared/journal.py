@@ -156,6 +156,23 @@ class Journal:
         self._saved = {}
 
 
+class Structure:
+    """A structure of one mapped table (the key table, the windows, the leases...): the
+    map it works on, the journal it saves the bytes it changes to, and where the nodes
+    are, which every structure reads or counts on. Nothing else of the backend: each can
+    be driven alone on a map of its own."""
+
+    __slots__ = ("_journal", "_mm", "_node_size", "_nodes_off", "_save")
+
+    def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
+        self._mm = mm
+        self._journal = journal
+        #: bound once: called several times on every admission and release
+        self._save = journal.save
+        self._nodes_off = layout.nodes_off
+        self._node_size = layout.node_size
+
+
 class Transaction:
     """``with transaction as mm:`` - one update of the table: ``enter()`` takes the thread
     and file locks (and checks, attaches or recovers the table) and returns the map; on an

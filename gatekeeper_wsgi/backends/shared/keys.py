@@ -22,7 +22,7 @@ import mmap
 import struct
 
 from gatekeeper_wsgi.backends.shared.faults import NoRoom
-from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.journal import Journal, Structure
 from gatekeeper_wsgi.backends.shared.layout import (
     CHAIN,
     H_NODES_USED,
@@ -59,38 +59,29 @@ def path_digest(path: str) -> int:
     return int.from_bytes(digest, "little") or 1
 
 
-class KeyTable:
+class KeyTable(Structure):
     """The keys of one mapped table: nodes, tags, the wildcard registry and LRU lists."""
 
     __slots__ = (
         "_buckets",
         "_hints",
-        "_journal",
         "_key_size",
         "_keys",
-        "_mm",
-        "_node_size",
         "_nodes",
-        "_nodes_off",
         "_registries",
         "_registry_off",
         "_regs",
-        "_save",
         "_tags_off",
         "_windows",
     )
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal, windows: Windows) -> None:
-        self._mm = mm
-        self._journal = journal
-        self._save = journal.save
+        super().__init__(mm, layout, journal)
         self._windows = windows
         self._buckets = layout.buckets
         self._nodes = layout.nodes
         self._key_size = layout.key_size
-        self._node_size = layout.node_size
         self._tags_off = layout.tags_off
-        self._nodes_off = layout.nodes_off
         self._registry_off = layout.registry_off
         self._registries = layout.registry
         #: key -> its entry (a blake2b per key is ~1 µs)
@@ -335,40 +326,38 @@ class KeyTable:
         )
 
     def _lru_append(self, registry: int, node: int) -> None:
+        """Put ``node`` at the end (most recently used) of the registry entry's list."""
         mm = self._mm
         at = self._registry_off + registry * REG_SIZE
-        nodes_off, node_size = self._nodes_off, self._node_size
         tail = U32.unpack_from(mm, at + R_TAIL)[0]
         self._save(at, REG_SIZE)
-        offset = nodes_off + node * node_size
+        offset = self._nodes_off + node * self._node_size
         self._save(offset, NODE_HEAD)
         U32.pack_into(mm, offset + N_PREV, tail)
         U32.pack_into(mm, offset + N_NEXT, NIL)
-        if tail != NIL:
-            self._save(nodes_off + tail * node_size, NODE_HEAD)
-            U32.pack_into(mm, nodes_off + tail * node_size + N_NEXT, node)
-        else:
-            U32.pack_into(mm, at + R_HEAD, node)
+        self._link(at, tail, N_NEXT, node, R_HEAD)
         U32.pack_into(mm, at + R_TAIL, node)
 
     def _lru_unlink(self, registry: int, node: int) -> None:
+        """Take ``node`` out of the registry entry's list (its own links are left)."""
         mm = self._mm
         at = self._registry_off + registry * REG_SIZE
-        nodes_off, node_size = self._nodes_off, self._node_size
-        offset = nodes_off + node * node_size
+        offset = self._nodes_off + node * self._node_size
         prev = U32.unpack_from(mm, offset + N_PREV)[0]
         nxt = U32.unpack_from(mm, offset + N_NEXT)[0]
         self._save(at, REG_SIZE)
-        if prev != NIL:
-            self._save(nodes_off + prev * node_size, NODE_HEAD)
-            U32.pack_into(mm, nodes_off + prev * node_size + N_NEXT, nxt)
-        else:
-            U32.pack_into(mm, at + R_HEAD, nxt)
-        if nxt != NIL:
-            self._save(nodes_off + nxt * node_size, NODE_HEAD)
-            U32.pack_into(mm, nodes_off + nxt * node_size + N_PREV, prev)
-        else:
-            U32.pack_into(mm, at + R_TAIL, prev)
+        self._link(at, prev, N_NEXT, nxt, R_HEAD)
+        self._link(at, nxt, N_PREV, prev, R_TAIL)
+
+    def _link(self, at: int, node: int, field: int, value: int, end: int) -> None:
+        """Point ``node``'s link ``field`` (N_PREV, N_NEXT) at ``value``; with no node
+        (NIL: the list's end) the registry entry's ``end`` (R_HEAD, R_TAIL) instead."""
+        if node == NIL:
+            U32.pack_into(self._mm, at + end, value)
+            return
+        offset = self._nodes_off + node * self._node_size
+        self._save(offset, NODE_HEAD)
+        U32.pack_into(self._mm, offset + field, value)
 
     def touch(self, node: int, limit: Limit, now: float, pinned: list[int]) -> None:
         """Mark a wildcard key most recently used in its limit's list. A key counted so far

@@ -18,7 +18,7 @@ import mmap
 from collections.abc import Iterator
 
 from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
-from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal
+from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Structure
 from gatekeeper_wsgi.backends.shared.layout import (
     F64,
     H_HEAP_LEN,
@@ -44,29 +44,16 @@ from gatekeeper_wsgi.backends.shared.layout import (
 )
 
 
-class Leases:
+class Leases(Structure):
     """The leases and delayed releases of one mapped table."""
 
-    __slots__ = (
-        "_base",
-        "_capacity",
-        "_heap",
-        "_journal",
-        "_mm",
-        "_node_size",
-        "_nodes_off",
-        "_save",
-    )
+    __slots__ = ("_base", "_capacity", "_heap")
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
-        self._mm = mm
-        self._journal = journal
-        self._save = journal.save
+        super().__init__(mm, layout, journal)
         self._base = layout.leases_off
         self._heap = layout.heap_off
         self._capacity = layout.leases
-        self._nodes_off = layout.nodes_off
-        self._node_size = layout.node_size
 
     # --- the lease table ------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 
 from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
-from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.journal import Journal, Structure
 from gatekeeper_wsgi.backends.shared.layout import H_PROCS_HIGH, PROC, PROC_SIZE, U32, Layout
 from gatekeeper_wsgi.backends.shared.leases import Leases
 
@@ -70,24 +70,13 @@ def is_dead(pid: int, start: int, *, deep: bool) -> bool:
     return stat is None or stat[0] in ("Z", "X") or bool(start and stat[1] and stat[1] != start)
 
 
-class Processes:
+class Processes(Structure):
     """The process slots of one mapped table, seen from process ``pid`` (``start``: its
     start time in clock ticks, 0 while unknown). ``name`` is the table's path, for
     messages; ``forget(pid)`` is called for a dead process before its leases are
     reclaimed (the queues' lines drop its waiters)."""
 
-    __slots__ = (
-        "_base",
-        "_capacity",
-        "_forget",
-        "_journal",
-        "_leases",
-        "_mine",
-        "_mm",
-        "_name",
-        "_pid",
-        "_start",
-    )
+    __slots__ = ("_base", "_capacity", "_forget", "_leases", "_mine", "_name", "_pid", "_start")
 
     def __init__(
         self,
@@ -101,8 +90,7 @@ class Processes:
         name: str,
         forget: Callable[[int], None],
     ) -> None:
-        self._mm = mm
-        self._journal = journal
+        super().__init__(mm, layout, journal)
         self._leases = leases
         self._base = layout.procs_off
         self._capacity = layout.procs

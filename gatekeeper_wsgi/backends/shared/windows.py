@@ -18,7 +18,7 @@ import mmap
 import struct
 
 from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
-from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.journal import Journal, Structure
 from gatekeeper_wsgi.backends.shared.layout import (
     CHUNK_FMT,
     CHUNK_SIZE,
@@ -51,27 +51,13 @@ CHUNK_COUNTERS = struct.Struct("<II")
 EMPTY_WINDOW = struct.Struct("<III")
 
 
-class Windows:
+class Windows(Structure):
     """The sliding logs of the rate keys of one mapped table."""
 
-    __slots__ = (
-        "_chunks",
-        "_chunks_off",
-        "_journal",
-        "_mm",
-        "_node_size",
-        "_nodes_off",
-        "_registry",
-        "_registry_off",
-        "_save",
-    )
+    __slots__ = ("_chunks", "_chunks_off", "_registry", "_registry_off")
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
-        self._mm = mm
-        self._journal = journal
-        self._save = journal.save
-        self._nodes_off = layout.nodes_off
-        self._node_size = layout.node_size
+        super().__init__(mm, layout, journal)
         self._chunks_off = layout.chunks_off
         self._chunks = layout.chunks
         self._registry_off = layout.registry_off
