@@ -15,8 +15,16 @@ sections, each against its target:
 - **overhead**: a Flask app by direct WSGI calls, bare, on memory and on shared (3
   concurrency levels + 1 rate), 1 and 8 threads, interleaved. Targets: shared's cost over
   bare Flask <= 2.5 x memory's with 1 thread; shared with 8 threads <= 1.5 x 1 thread.
+  ``--cpu`` times it by CPU time instead (the thread's; with 8 threads the process's): a
+  loaded machine stretches wall time by its load, and 1 and 8 threads unequally.
 - **throughput**: bare Flask and Flask + gatekeeper on shared under gunicorn (2 workers x 4
   threads) driven by ``wrk`` (Python threads without it). Target: >= 0.85 of bare.
+
+``--loop N --backend B`` only runs N admit + release on backend B (``memory``,
+``shared``) after a warm-up, ``--flask`` N requests to the Flask app (``bare`` or in the
+middleware on B), for a count of the work itself, which load does not change: the
+instructions of ``--loop 1200`` less those of ``--loop 200`` under ``valgrind
+--tool=cachegrind --cache-sim=no``, divided by 1000, are one admit + release (one request).
 
 Figures from a machine other work shares are noisy: quote them with the command and the
 load average printed at the start. With ``--check`` the exit status is 1 when a target is
@@ -32,6 +40,7 @@ import fcntl
 import mmap
 import multiprocessing
 import os
+import resource
 import shutil
 import statistics
 import struct
@@ -164,16 +173,39 @@ def _worker(backend: str, iterations: int, barrier: Barrier, results: Any) -> No
     for _ in range(200):  # warm up: caches, first pages of the file
         admit("shop", "orders", "crm").release(200)
     barrier.wait()
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     started = time.perf_counter()
     for _ in range(iterations):
         admit("shop", "orders", "crm").release(200)
     elapsed = time.perf_counter() - started
-    results.put((started, started + elapsed, elapsed / iterations * 1e6))
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches
+    results.put((started, started + elapsed, elapsed / iterations * 1e6, switches / iterations))
     gk.close()
 
 
-def measure(backend: str, processes: int, iterations: int) -> tuple[float, float]:
-    """(mean µs per admit + release in one process, host-wide admissions per second)."""
+def loop(name: str, iterations: int, *, flask: bool = False) -> None:
+    """``iterations`` admit + release on a fresh backend (``flask``: requests to the Flask
+    app, bare or in the middleware on the backend), after 300 to warm up."""
+    with tempfile.TemporaryDirectory(dir=_tmpfs()) as directory:
+        backend = "memory" if name == "memory" else f"shared://{directory}/loop.shm"
+        if flask:
+            app = (
+                _common.flask_app()
+                if name == "bare"
+                else _common.flask_gatekeeper_middleware(backend)
+            )
+            _common.run(app, 300 + iterations)
+            return
+        gk = GateKeeper({**SETTINGS, "backend": backend})
+        admit = gk.admit
+        for _ in range(300 + iterations):
+            admit("shop", "orders", "crm").release(200)
+        gk.close()
+
+
+def measure(backend: str, processes: int, iterations: int) -> tuple[float, float, float]:
+    """(mean µs per admit + release in one process, host-wide admissions per second,
+    voluntary context switches per admit + release: waits for the file lock)."""
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(processes)
     results = context.Queue()
@@ -190,14 +222,15 @@ def measure(backend: str, processes: int, iterations: int) -> tuple[float, float
             raise RuntimeError(f"worker exited with {worker.exitcode}")
     per_op = statistics.mean(sample[2] for sample in samples)
     wall = max(sample[1] for sample in samples) - min(sample[0] for sample in samples)
-    return per_op, processes * iterations / wall
+    switches = statistics.mean(sample[3] for sample in samples)
+    return per_op, processes * iterations / wall, switches
 
 
-def engine(iterations: int, rounds: int) -> dict[tuple[str, int], tuple[float, float]]:
-    """(backend, processes) -> medians of (µs per admit + release, host admits/s); the
-    cells take turns in every round, so noise from elsewhere hits all alike."""
+def engine(iterations: int, rounds: int) -> dict[tuple[str, int], tuple[float, float, float]]:
+    """(backend, processes) -> medians of :func:`measure`'s figures; the cells take turns
+    in every round, so noise from elsewhere hits all alike."""
     cells = [(name, processes) for processes in (1, 2, 4) for name in ("memory", "shared")]
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
+    samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {c: [] for c in cells}
     with tempfile.TemporaryDirectory(dir=_tmpfs()) as directory:
         for round_ in range(rounds):
             for name, processes in cells:
@@ -209,11 +242,47 @@ def engine(iterations: int, rounds: int) -> dict[tuple[str, int], tuple[float, f
                 samples[name, processes].append(measure(backend, processes, iterations))
     return {
         cell: (
-            statistics.median(us for us, _ in values),
-            statistics.median(rate for _, rate in values),
+            statistics.median(sample[0] for sample in values),
+            statistics.median(sample[1] for sample in values),
+            statistics.median(sample[2] for sample in values),
         )
         for cell, values in samples.items()
     }
+
+
+def lock_share(iterations: int) -> tuple[float, float]:
+    """(µs per admit + release, µs of it holding the file lock) in this process: what
+    serialises the processes of a host, whose admits/s can grow at most by the ratio."""
+    from gatekeeper_wsgi.backends.shared import backend as module
+
+    held = [0]
+    clock = time.perf_counter_ns
+    taken = [0]
+    lock_file, unlock_file = module.lock_file, module.unlock_file
+
+    def timed_lock(fd: int) -> None:
+        lock_file(fd)
+        taken[0] = clock()
+
+    def timed_unlock(fd: int) -> None:
+        held[0] += clock() - taken[0]
+        unlock_file(fd)
+
+    with tempfile.TemporaryDirectory(dir=_tmpfs()) as directory:
+        gk = GateKeeper({**SETTINGS, "backend": f"shared://{directory}/hold.shm"})
+        admit = gk.admit
+        for _ in range(200):
+            admit("shop", "orders", "crm").release(200)
+        module.lock_file, module.unlock_file = timed_lock, timed_unlock
+        try:
+            started = clock()
+            for _ in range(iterations):
+                admit("shop", "orders", "crm").release(200)
+            elapsed = clock() - started
+        finally:
+            module.lock_file, module.unlock_file = lock_file, unlock_file
+            gk.close()
+    return elapsed / iterations / 1000, held[0] / iterations / 1000
 
 
 # --- overhead: a Flask app by direct WSGI calls, 1 and 8 threads --------------------------
@@ -222,19 +291,45 @@ BARE = "bare Flask"
 WAYS = ("memory", "shared")
 
 
-def overhead(rounds: int, requests: int) -> dict[str, dict[str, float]]:
+def _threads_cpu(app: _common.WSGIApp, n: int, threads: int) -> float:
+    """CPU µs of the whole process (every thread, user and system) per request with
+    ``threads`` threads sharing ``n`` requests: what the lock and GIL hand-overs cost in
+    work, without the waiting that other processes on the machine stretch."""
+    share = max(1, n // threads)
+    started = time.process_time()
+    _common.threaded(threads, lambda _index: _common.run(app, share))
+    return (time.process_time() - started) / (share * threads) * 1e6
+
+
+def _threads_switches(app: _common.WSGIApp, n: int, threads: int) -> float:
+    """Voluntary context switches of the process (all its threads, ended ones included)
+    per request with ``threads`` threads sharing ``n`` requests: a thread that sleeps on
+    a lock or waits for the GIL counts one, which load elsewhere barely changes."""
+    share = max(1, n // threads)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    _common.threaded(threads, lambda _index: _common.run(app, share))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before) / (share * threads)
+
+
+def overhead(rounds: int, requests: int, *, cpu: bool = False) -> dict[str, dict[str, float]]:
     """{"1": {way: µs}, "8": {way: µs}}: medians over interleaved rounds of bare Flask and
-    Flask in the gatekeeper middleware (3 concurrency levels + 1 rate) on each backend."""
+    Flask in the gatekeeper middleware (3 concurrency levels + 1 rate) on each backend.
+    With ``cpu``, CPU time: the measuring thread's (1 thread), the process's (8 threads)."""
     with tempfile.TemporaryDirectory(dir=_tmpfs(), prefix="gk-bench-") as directory:
         apps: dict[str, _common.WSGIApp] = {BARE: _common.flask_app()}
         apps["memory"] = _common.flask_gatekeeper_middleware("memory")
         apps["shared"] = _common.flask_gatekeeper_middleware(f"shared://{directory}/o.shm")
         for app in apps.values():  # warm up: imports, first pages of the file
             _common.run(app, 300)
+        clock = time.thread_time if cpu else time.perf_counter
+        threads = _threads_cpu if cpu else _common.run_threads
         return {
-            "1": _common.interleaved(apps, rounds, lambda app: _common.run(app, requests)),
-            "8": _common.interleaved(
-                apps, rounds, lambda app: _common.run_threads(app, requests, 8)
+            "1": _common.interleaved(
+                apps, rounds, lambda app: _common.run(app, requests, clock=clock)
+            ),
+            "8": _common.interleaved(apps, rounds, lambda app: threads(app, requests, 8)),
+            "switches": _common.interleaved(
+                apps, rounds, lambda app: _threads_switches(app, requests, 8)
             ),
         }
 
@@ -291,7 +386,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="throughput: per round")
     parser.add_argument("--throughput-rounds", type=int, default=3)
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="overhead by CPU time (a loaded machine stretches wall time, not CPU time)",
+    )
+    parser.add_argument("--loop", type=int, help="only run this many admit + release")
+    parser.add_argument("--backend", choices=("memory", "shared", "bare"), default="shared")
+    parser.add_argument("--flask", action="store_true", help="--loop: Flask requests")
     args = parser.parse_args(argv)
+    if args.loop is not None:
+        loop(args.backend, args.loop, flask=args.flask)
+        return 0
     sections = {"floor"} if args.floor else set(args.sections.split(","))
     unknown = sections - set(SECTIONS)
     if unknown:
@@ -314,9 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in sections:
         cells = engine(args.iterations, args.rounds)
         print(f"\nengine: admit + release, median of {args.rounds} rounds")
-        print(f"  {'backend':<8} {'procs':>5} {'µs/admit+release':>17} {'host admits/s':>14}")
-        for (name, processes), (us, rate) in cells.items():
-            print(f"  {name:<8} {processes:>5} {us:>17.1f} {rate:>14,.0f}")
+        print(
+            f"  {'backend':<8} {'procs':>5} {'µs/admit+release':>17} {'host admits/s':>14}"
+            f" {'switches/op':>12}"
+        )
+        for (name, processes), (us, rate, waits) in cells.items():
+            print(f"  {name:<8} {processes:>5} {us:>17.1f} {rate:>14,.0f} {waits:>12.3f}")
+        total, held = lock_share(args.iterations)
+        print(
+            f"  shared, 1 process: the file lock is held {held:.1f} µs of {total:.1f} µs per "
+            f"admit + release ({held / total:.0%}): processes can add at most "
+            f"{total / held:.2f} x one's admits/s"
+        )
         one, two = cells["shared", 1], cells["shared", 2]
         gain = two[1] / one[1]
         ok = gain >= PROCESSES_GAIN
@@ -331,15 +446,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{one[0] / lowest:.1f} x its floor of {lowest:.1f} µs"
             )
     if "overhead" in sections:
-        results = overhead(args.rounds, args.requests)
-        print(f"\noverhead: Flask, direct WSGI calls, median of {args.rounds} rounds")
+        results = overhead(args.rounds, args.requests, cpu=args.cpu)
+        timing = "CPU time" if args.cpu else "wall time"
+        print(f"\noverhead: Flask, direct WSGI calls, {timing}, median of {args.rounds} rounds")
         print(f"  {'':24}{'threads':>8}{'µs/request':>12}{'over bare':>11}")
         cost: dict[tuple[str, str], float] = {}
+        switches = results.pop("switches")
         for threads, medians in results.items():
             for name, value in medians.items():
                 cost[threads, name] = value - medians[BARE]
                 label = name if name == BARE else f"gatekeeper on {name}"
                 print(f"  {label:24}{threads:>8}{value:12.2f}{cost[threads, name]:11.2f}")
+        print(
+            "  voluntary context switches per request, 8 threads: "
+            + ", ".join(f"{name} {value:.2f}" for name, value in switches.items())
+        )
         ratio = cost["1", "shared"] / cost["1", "memory"]
         ok = ratio <= OVERHEAD_RATIO
         missed |= not ok

@@ -1,6 +1,6 @@
-"""The shared backend's fast paths keep their guarantees: the file lock taken without
-letting go of the GIL still excludes other processes, a journal saved in one step undoes
-exactly what it covers, and a remembered node is never used for another key."""
+"""The shared backend's fast paths keep their guarantees: the file lock excludes other
+processes, a journal saved in one step undoes exactly what it covers, and a remembered
+node is never used for another key."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def _blocked_on(inode: int) -> bool:
 
 
 def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
-    """While another process holds the lock, lock_file() waits (past its non-blocking tries),
-    and returns once that process unlocks, seeing what it wrote under the lock."""
+    """While another process holds the lock, lock_file() waits, and returns once that
+    process unlocks, seeing what it wrote under the lock."""
     path = tmp_path / "lock"
     path.write_bytes(bytes(16))
     context = multiprocessing.get_context("spawn")
@@ -70,8 +70,8 @@ def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
 
         taker = threading.Thread(target=take)
         taker.start()
-        # The kernel lists a request blocked on a lock with "->": the taker is past its
-        # non-blocking tries, waiting for the child.
+        # The kernel lists a request blocked on a lock with "->": the taker waits for the
+        # child.
         inode = os.stat(path).st_ino
         wait_until(lambda: _blocked_on(inode), what="the taker blocked on the lock")
         assert not taken.is_set()

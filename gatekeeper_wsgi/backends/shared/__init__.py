@@ -7,7 +7,7 @@ table:
 - :mod:`.layout`: the byte layout (its table is that module's docstring), its constants
   and struct formats, the sizes derived from a configuration, the header checks;
 - :mod:`.files`: opening the file safely (private mode, no symlinks, no planted files);
-- :mod:`.filelock`: the file lock, taken and dropped without letting go of the GIL;
+- :mod:`.filelock`: the file lock and the size check every update makes;
 - :mod:`.faults`: what the structures raise (no room for a request, a damaged table);
 - :mod:`.journal`: the undo journal (save, commit, rollback, recover) and the one
   transaction context manager every update runs in;

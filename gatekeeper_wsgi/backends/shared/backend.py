@@ -209,9 +209,7 @@ class SharedBackend(Backend):
     locks belong to the open file description, which the threads of a process share). The
     kernel drops an OFD lock when its last descriptor closes, so a killed process cannot
     leave it held; each process opens the file itself (the descriptor inherited across
-    ``fork`` is closed in the child at once). The lock is taken and dropped without letting
-    go of the GIL while it is free (:mod:`.filelock`: a thread waiting for the GIL back
-    while holding the locks stalled every other thread and process behind it).
+    ``fork`` is closed in the child at once). The system calls are :mod:`.filelock`'s.
 
     **The file is private.** It is created ``0600`` (``?mode=0660``: group too) with
     ``O_CREAT|O_EXCL|O_NOFOLLOW``; an existing file is used only when ``fstat`` on the opened
