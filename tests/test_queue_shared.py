@@ -10,10 +10,13 @@ killed) can move the line: a lost wake-up shows as a queue timeout, never as a p
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import random
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -440,3 +443,54 @@ def test_a_wake_up_sent_by_another_user_is_ignored() -> None:
         assert tickets._recv_own(sock)
     finally:
         sock.close()
+
+
+def _cycle(table: Path, seed: int) -> None:
+    """A worker process that queues, gets in, holds for a moment and leaves, again and
+    again, until it is killed: joins, looks and leaves of the line all the time."""
+    rng = random.Random(seed)
+    gk = GateKeeper(settings(table, size=50))
+    while True:
+        with contextlib.suppress(Rejected):
+            admission = gk.admit("shop", "api", "cycle")
+            time.sleep(rng.uniform(0, 0.002))  # holding the slot: a workload, not a sync
+            admission.release(200)
+
+
+def test_workers_killed_at_random_moments_leave_the_line_consistent(
+    table: Path, workers: list[BaseProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Workers cycling through the line are SIGKILLed at random moments (some in the
+    middle of an update of the line, which the journal rolls back) and replaced, 30 times:
+    the table is never found damaged, a request afterwards is admitted at once past the
+    dead tickets, and the line and the slots end empty."""
+    rng = random.Random(18)
+    context = multiprocessing.get_context("fork")
+
+    def spawn() -> BaseProcess:
+        process = context.Process(target=_cycle, args=(table, rng.random()), daemon=True)
+        process.start()
+        workers.append(process)
+        return process
+
+    gk = GateKeeper(settings(table, size=50))
+    backend = shared(gk)
+    running = [spawn() for _ in range(3)]
+    wait_until(lambda: line_of(backend), DEADLINE, "the workers to queue")
+    for _ in range(30):
+        time.sleep(rng.uniform(0, 0.02))  # a random moment: chaos, not synchronization
+        victim = running.pop(rng.randrange(len(running)))
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(DEADLINE)
+        running.append(spawn())
+    for process in running:
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(DEADLINE)
+    gk.admit("shop", "api", "after").release(200)  # GK-QUEUE-TIMEOUT if a dead ticket stuck
+    assert line_of(backend) == []
+    assert backend.usage()["waiting"] == 0
+    assert gk.inflight() == {PATH: 0}
+    assert not [record for record in caplog.records if "damaged" in record.getMessage()]
+    gk.close()

@@ -831,7 +831,8 @@ class SharedBackend(Backend):
         return Census(usage["leases"] - usage["delayed"], usage["delayed"])
 
     def usage(self) -> dict[str, Any]:
-        """How full the table is: keys, leases, delayed releases, processes, file size."""
+        """How full the table is: keys, leases, delayed releases, queue waiters (of every
+        line), processes, file size."""
         with self._transaction as mm:
             layout = self._layout
             assert layout is not None
@@ -844,6 +845,8 @@ class SharedBackend(Backend):
                 "leases": live,
                 "lease_capacity": layout.leases,
                 "delayed": heap_len,
+                "waiting": U32.unpack_from(mm, H_WAITING)[0],
+                "waiter_capacity": layout.waiters,
                 "processes": sorted(pids),
                 "bytes": layout.total,
             }
