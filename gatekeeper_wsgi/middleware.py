@@ -71,8 +71,9 @@ class _WatchedResponse(ResponseWatch):
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
     ) -> Callable[[bytes], object]:
-        code = _STATUS_CODES.get(status)
-        if code is None:
+        try:  # a subscript: a hit costs a bytecode, not a method call
+            code = _STATUS_CODES[status]
+        except KeyError:
             code = _status_code(status)
         if code < 500 and not self.admission.route.marks_headers:
             # Only a 5xx can make it faulty: no header to look at.

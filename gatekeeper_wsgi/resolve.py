@@ -182,10 +182,10 @@ class Route:
         # in it keeps the old configuration alive.
         memo = self._memo
         key = (self.project, self.service, raw)
-        found = memo.get(key)
-        if found is None:
-            found = remember(memo, key, self._caller_level(caller, environ, user), len(raw))
-        return found
+        try:  # a subscript: a hit costs a bytecode, not a method call
+            return memo[key]
+        except KeyError:
+            return remember(memo, key, self._caller_level(caller, environ, user), len(raw))
 
     def _caller_level(
         self, caller: str, environ: Mapping[str, Any], user: str | None
