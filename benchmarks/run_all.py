@@ -1,16 +1,16 @@
 """Run every benchmark and write ``benchmarks/RESULTS.md``.
 
-Run ``python benchmarks/run_all.py`` (about 2 minutes on 2 cores). It starts one private
-``redis-server`` on a free loopback port when the binary exists (Redis cells are skipped
-otherwise), then runs, each in its own process:
+Run ``python benchmarks/run_all.py`` (about 2 minutes on 2 cores, a few more with
+valgrind). It starts one private ``redis-server`` on a free loopback port when the binary
+exists (Redis cells are skipped otherwise), then runs, each in its own process:
 
 1. ``overhead.py`` for Flask and Django on the memory, shared and Redis backends: µs per
    request by direct WSGI calls, 1 and 8 threads, against the bare app and the peer;
 2. ``throughput.py``: requests/s under gunicorn with ``wrk`` (or Python threads);
 3. ``engine.py``, ``shared.py``, ``redis_backend.py``, ``queue_handoff.py``, ``frs.py``,
-   ``limit_lookup.py``,
-   ``memory_keys.py`` and ``status_cost.py`` with shortened runs,
-   their reports quoted as printed.
+   ``limit_lookup.py``, ``memory_keys.py``, ``status_cost.py`` and (when ``valgrind`` is
+   installed, a few minutes more) ``instructions.py`` with shortened runs, their reports
+   quoted as printed.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ REPORTS = [
         "status_cost.py",
         ["--rounds", "5", "--seconds", "1"],
     ),
+    ("Instructions per request (callgrind)", "instructions.py", ["--requests", "500"]),
 ]
 
 
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not have_redis:
                     continue
                 options = [*options, "--url", redis_url]
+            if name == "instructions.py" and shutil.which("valgrind") is None:
+                continue
             if name == "frs.py":
                 tables = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=_tmpfs())))
                 options = [*options, "--backend", f"shared://{tables}/frs.shm"]

@@ -122,10 +122,10 @@ class ResponseWatch:
         # The safety net: nothing closed the response. An exception here could only be
         # printed as "Exception ignored", and the backend's own expiry still frees the
         # slots, so none escapes.
-        try:
-            admission = self.admission
-            if not admission.released:
-                admission.release(self.status, faulty=self.faulty)
+        # A second release does nothing: called as is, not after asking `released` (a
+        # property, whose call from C costs more than release's own first test).
+        try:  # noqa: SIM105 - contextlib.suppress costs ~0.4 µs on every response
+            self.admission.release(self.status, faulty=self.faulty)
         except Exception:
             pass
 
@@ -154,7 +154,8 @@ class ResponseWatch:
                     left -= len(chunk)
                     if left <= 0:
                         left = _FINISHED
-                        self.finish()
+                        # finish(), inlined: a frame less on every sized body
+                        self.admission.release(self.status, faulty=self.faulty)
                 yield chunk
         except GeneratorExit:  # closed early: the client went away
             raise
