@@ -9,8 +9,6 @@ totals), no delayed set left, and the full capacity admitted."""
 
 from __future__ import annotations
 
-import multiprocessing
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +16,12 @@ import pytest
 
 redis = pytest.importorskip("redis")
 
-from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
+from gatekeeper_wsgi import GateKeeper  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
+from tests.apps.redis_load_host import LoadHosts  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
 from tests.servers import ClusterRedis, ControlledRedis, wait_until  # noqa: E402
+from tests.test_redis_tidy import assert_admits_exactly  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -40,57 +40,23 @@ def run_hosts(url: str, server: ControlledRedis, observer_url: str, restart: boo
     """Two host processes of 4 threads on ``LIMITS`` (every 4th response faulty) while
     ``server`` is frozen once mid-load, and with ``restart`` then stopped and started again
     (no persistence: it forgets every lease); checks what the observer and the hosts saw."""
-    from tests.apps.redis_load_host import run_load
-
-    context = multiprocessing.get_context("spawn")
-    start = context.Barrier(3)
-    stop = context.Event()
-    progress = context.Value("i", 0)
-    outage = context.Value("i", 0)
-    results = context.Queue()
-    observer_key = f"observer-{uuid.uuid4().hex}"
-    hosts = [
-        context.Process(
-            target=run_load,
-            args=(url, observer_url, observer_key, LIMIT, 4, start, stop, progress, outage),
-            kwargs={"results": results, "limits": LIMITS, "path": ("work", "c"), "faulty": 4},
-        )
-        for _ in range(2)
-    ]
-    for host in hosts:
-        host.start()
-
-    def more(count: int, counter: Any = progress) -> None:
-        target = counter.value + count
-        wait_until(lambda: counter.value >= target, what=f"{count} more")
-
+    hosts = LoadHosts(url, observer_url, LIMIT, limits=LIMITS, path=("work", "c"), faulty=4)
     try:
-        start.wait(timeout=60)
-        more(300)
+        hosts.more(300)
         server.pause()
         try:
-            more(20, outage)  # the hosts see the freeze
+            hosts.more(20, hosts.outage)  # the hosts see the freeze
         finally:
             server.resume()
-        more(300)
+        hosts.more(300)
         if restart:
             server.stop()
-            more(20, outage)
+            hosts.more(20, hosts.outage)
             server.start()
-            more(300)
+            hosts.more(300)
     finally:
-        stop.set()
-    reports = [results.get(timeout=120) for _ in hosts]
-    for host in hosts:
-        host.join(timeout=60)
-        assert host.exitcode == 0
-    for report in reports:
-        assert report["errors"] == []
-        assert set(report["codes"]) <= {"GK-CONCURRENCY-LIMIT", "GK-BACKEND-UNAVAILABLE"}
-        assert report["admitted"] > 0
-        assert report["pending"] == 0
-        assert report["slowest"] < 3.0  # connect + read timeouts, and slack for the machine
-    assert max(report["max_inside"] for report in reports) <= LIMIT
+        hosts.stop.set()
+    reports = hosts.reports()
     assert sum(report["codes"].get("GK-CONCURRENCY-LIMIT", 0) for report in reports) > 0
 
 
@@ -111,12 +77,7 @@ def assert_nothing_leaked(url: str) -> None:
         backend = gk.backend
         assert isinstance(backend, RedisBackend)
         assert list(backend.client.scan_iter(match=f"{backend.prefix}:*:d:*")) == []
-        full = [gk.admit("shop", "work", "c") for _ in range(LIMIT)]
-        with pytest.raises(Rejected) as refused:
-            gk.admit("shop", "work", "c")
-        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
-        for admission in full:
-            admission.release(200)
+        assert_admits_exactly(gk, LIMIT)
     finally:
         gk.close()
 

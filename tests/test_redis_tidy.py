@@ -50,6 +50,33 @@ def assert_late_admission_takes_nothing(gk: GateKeeper, route: list[Slot], lease
     assert all(totals[slot.limit.path].inflight == 0 for slot in route)
 
 
+def freezable_keeper(own_redis: ControlledRedis, concurrency: int, options: str = "") -> GateKeeper:
+    """A keeper of ``shop/work`` on ``own_redis`` with short timeouts (a frozen Redis fails
+    a call in 0.2 s), refusing on backend errors; connected and its script loaded."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05{options}",
+        {"shop/work": {"concurrency": concurrency}},
+        on_backend_error="reject",
+    )
+    gk.admit("shop", "work", "c").release(200)
+    return gk
+
+
+def assert_admits_exactly(
+    gk: GateKeeper, count: int, path: tuple[str, str] = ("work", "c")
+) -> None:
+    """``path`` (service, caller) of project shop admits ``count`` requests at once, the
+    first once Redis answers again, and refuses one more (GK-CONCURRENCY-LIMIT); all are
+    released after."""
+    held = [wait_until(lambda: admitted(gk, *path), what="an admission by Redis")]
+    held += [gk.admit("shop", *path) for _ in range(count - 1)]
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", *path)
+    assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+    for admission in held:
+        admission.release(200)
+
+
 def test_a_delayed_release_on_a_busy_key_lives_by_its_delay(prefixed: str) -> None:
     """Two requests in flight on one key; the first ends faulty (60 s delay), the second
     ends well: the key then lives 60 s (its pending delayed release), not max_hold (300 s)
@@ -136,14 +163,9 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
     """Redis frozen (SIGSTOP) while threads admit: their calls time out, their leases are
     given back; after the thaw, whichever order Redis runs the queued admissions and
     give-backs in, no slot stays taken: the limit admits its full concurrency."""
-    gk = keeper(
-        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05",
-        {"shop/work": {"concurrency": 4}},
-        on_backend_error="reject",
-    )
+    gk = freezable_keeper(own_redis, 4)
     try:
         backend = redis_backend(gk)
-        gk.admit("shop", "work", "c").release(200)  # connected, script loaded
         barrier = threading.Barrier(5)
         outcomes: list[str] = []
 
@@ -167,13 +189,7 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
             own_redis.resume()
         assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 4
         wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
-        held = [wait_until(lambda: admitted(gk), what="recovery")]
-        held += [gk.admit("shop", "work", "c") for _ in range(3)]
-        with pytest.raises(Rejected) as refused:
-            gk.admit("shop", "work", "c")
-        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
-        for admission in held:
-            admission.release(200)
+        assert_admits_exactly(gk, 4)
     finally:
         gk.close()
 
@@ -219,11 +235,7 @@ def test_a_tombstone_on_a_rate_key_outlives_later_requests(prefixed: str) -> Non
         backend = redis_backend(gk)
         answer, _ = backend._run([], backend._input(route), "stale-lease-3")
         assert answer != 1 and answer[0] == 0
-        held = [gk.admit("shop", "work", "c") for _ in range(3)]
-        with pytest.raises(Rejected):
-            gk.admit("shop", "work", "c")
-        for admission in held:
-            admission.release(200)
+        assert_admits_exactly(gk, 3)
     finally:
         gk.close()
 
@@ -233,14 +245,9 @@ def test_a_freeze_longer_than_max_hold_leaks_no_slot(own_redis: ControlledRedis)
     lost: a give-back's tombstone lives max_hold from when Redis runs it, after the thaw, so
     whichever order Redis runs the queued admissions and give-backs in, no slot stays taken:
     the full concurrency is admitted as soon as the give-backs are answered."""
-    gk = keeper(
-        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05&max_hold=2",
-        {"shop/work": {"concurrency": 2}},
-        on_backend_error="reject",
-    )
+    gk = freezable_keeper(own_redis, 2, "&max_hold=2")
     try:
         backend = redis_backend(gk)
-        gk.admit("shop", "work", "c").release(200)  # connected, script loaded
         own_redis.pause()
         try:
             for _ in range(2):
@@ -253,11 +260,6 @@ def test_a_freeze_longer_than_max_hold_leaks_no_slot(own_redis: ControlledRedis)
         finally:
             own_redis.resume()
         wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
-        held = [wait_until(lambda: admitted(gk), what="recovery"), gk.admit("shop", "work", "c")]
-        with pytest.raises(Rejected) as refused:
-            gk.admit("shop", "work", "c")
-        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
-        for admission in held:
-            admission.release(200)
+        assert_admits_exactly(gk, 2)
     finally:
         gk.close()

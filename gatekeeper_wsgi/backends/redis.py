@@ -335,12 +335,13 @@ class _Outbox:
     thread that sends them.
 
     :meth:`put` costs the responding thread an append and a wake-up, no I/O. The sender
-    thread sends everything waiting in one script call (one round trip, however many
-    releases piled up while the previous call was out), keeps what failed and tries again
-    once the breaker lets it. An admission takes what is waiting along in its own script
-    call (:meth:`take`), so a process's releases are always applied before its next
-    decision. A release is idempotent, so one sent twice (by the sender and alongside an
-    admission) does nothing the second time.
+    thread sends what has waited ``flush_interval`` in one script call (one round trip,
+    however many releases piled up), keeps what failed and tries again once the breaker
+    lets it. An admission takes what is waiting along in its own script call
+    (:meth:`take`), and the sender's batch while its call is out, so a process's releases
+    are always applied before its next decision. A release is idempotent, so one sent
+    twice (by the sender and alongside an admission) does nothing the second time; the
+    copy is marked, so gate.lua finds that out with one look.
 
     The thread is started on the first release in each process (a thread does not survive
     ``fork``: gunicorn ``--preload`` forks workers from a master that may have used the
@@ -545,11 +546,12 @@ class RedisBackend(Backend):
     - ``cluster=1``: talk to a Redis Cluster (keys of one project share a hash tag).
 
     Admission is one script call (``lua/gate.lua``) the request waits for. A release is
-    handed to a sender thread and the response does not wait for it: the sender sends
-    all releases waiting in one call, and the next admission of the process carries the
-    ones still waiting in its own call, so a release is applied before any later decision
-    of its process, and within one round trip (plus a thread switch, at most
-    ``sys.getswitchinterval()``, 5 ms) for the other hosts. Releases that fail are kept and
+    handed to a sender thread and the response does not wait for it: the next admission
+    of the process carries the releases waiting in its own call, and the sender sends,
+    all in one call, those no admission took within ``flush_interval``; so a release is
+    applied before any later decision of its process, and within ``flush_interval`` plus
+    one round trip (plus a thread switch, at most ``sys.getswitchinterval()``, 5 ms) for
+    the other hosts. Releases that fail are kept and
     sent again once Redis answers; those lost (a crashed process, a restart without
     persistence, more than 10 000 waiting) end by lease expiry. Status reads
     (:meth:`inflight`) send the waiting releases first, so they count exactly.

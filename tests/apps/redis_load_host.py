@@ -9,8 +9,10 @@ count at entry is the number of requests inside across all hosts at that moment.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import threading
 import time
+import uuid
 from multiprocessing.synchronize import Barrier, Event
 from typing import Any
 
@@ -104,3 +106,71 @@ def run_load(
     report["backend_errors"] = keeper.stats()["counters"]["backend_errors"]
     keeper.close()
     results.put(report)
+
+
+class LoadHosts:
+    """``hosts`` processes running :func:`run_load` against ``backend_url``, started
+    together; the test drives the phases (:meth:`more`) and then gathers the
+    :meth:`reports`. ``options`` go to :func:`run_load` (limits, path, faulty)."""
+
+    def __init__(
+        self,
+        backend_url: str,
+        observer_url: str,
+        limit: int,
+        hosts: int = 2,
+        threads: int = 4,
+        **options: Any,
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        start = context.Barrier(hosts + 1)
+        self.stop = context.Event()
+        self.progress = context.Value("i", 0)
+        #: GK-BACKEND-UNAVAILABLE refusals so far
+        self.outage = context.Value("i", 0)
+        self.limit = limit
+        self._results = context.Queue()
+        observer_key = f"observer-{uuid.uuid4().hex}"
+        self._processes = [
+            context.Process(
+                target=run_load,
+                args=(backend_url, observer_url, observer_key, limit, threads, start),
+                kwargs={
+                    "stop": self.stop,
+                    "progress": self.progress,
+                    "outage": self.outage,
+                    "results": self._results,
+                    **options,
+                },
+            )
+            for _ in range(hosts)
+        ]
+        for process in self._processes:
+            process.start()
+        start.wait(timeout=60)
+
+    def more(self, count: int, counter: Any = None) -> None:
+        """Wait until ``count`` more admissions (or, with ``counter``, of that) happened."""
+        counted = self.progress if counter is None else counter
+        target = counted.value + count
+        wait_until(lambda: counted.value >= target, what=f"{count} more")
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Stop the load; each host's report, once every host exited cleanly, checked: no
+        error, only ServiceFaults, admissions bounded by the socket timeouts, every release
+        sent, and the observer never saw more inside than the limit."""
+        self.stop.set()
+        reports = [self._results.get(timeout=120) for _ in self._processes]
+        for process in self._processes:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+        for report in reports:
+            assert report["errors"] == []
+            assert set(report["codes"]) <= {"GK-CONCURRENCY-LIMIT", "GK-BACKEND-UNAVAILABLE"}
+            assert report["admitted"] > 0
+            assert report["pending"] == 0
+            # Bounded by connect + read timeout (0.25 + 0.2 s, one retry on a closed
+            # connection); the rest is slack for a loaded machine.
+            assert report["slowest"] < 3.0
+        assert max(report["max_inside"] for report in reports) <= self.limit
+        return reports
