@@ -104,7 +104,10 @@ def new_backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if kind == "shared":
         return f"shared://{tmp_path}/gatekeeper.shm"
     base = request.getfixturevalue("redis_server")
-    return f"{base}?prefix=gk-test-{uuid.uuid4().hex[:8]}"
+    # A generous read timeout: these tests are about counting, and on a loaded machine a
+    # SCAN of a status read can take longer than the default 0.5 s. The timeout tests set
+    # their own.
+    return f"{base}?prefix=gk-test-{uuid.uuid4().hex[:8]}&socket_timeout=5"
 
 
 @pytest.fixture(params=BACKENDS)
