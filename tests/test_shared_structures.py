@@ -1,6 +1,7 @@
 """Each structure of the shared table on its own, against a plain model: the delay heap
-against ``heapq``, a rate window's log against a deque of stamps, the key table and its
-LRU lists against a dict and an OrderedDict, the undo journal against random kills.
+against ``heapq``, the lease table against a dict of held leases, a rate window's log
+against a deque of stamps, the key table and its LRU lists against a dict and an
+OrderedDict, the undo journal against random kills.
 
 The structures are driven on an anonymous map of a small layout (no file, no lock, no
 backend): what they do to the bytes is all there is. The journal's kill test runs the
@@ -39,6 +40,7 @@ from gatekeeper_wsgi.backends.shared.layout import (
     CHUNK_STAMPS,
     H_CHUNK_FREE,
     H_JLEN,
+    H_LIVE,
     H_NODES_USED,
     HEADER,
     MUT_END,
@@ -142,6 +144,64 @@ def test_maturing_frees_exactly_the_delayed_releases_due(
     assert leases.live() == len(left)
     assert U32.unpack_from(mm, inflight_at)[0] == len(left)
     assert leases.next_due() == (min(due for _, _, due in held if due > now) if left else None)
+
+
+lease_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["new", "new", "new", "free", "reclaim"]),
+        st.integers(1, 3),  # owner pid
+        st.lists(st.integers(0, 3), min_size=1, max_size=3, unique=True),  # nodes
+        st.integers(0, 10_000),  # which held lease
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lease_ops)
+def test_lease_table_matches_a_dict_of_held_leases(
+    ops: list[tuple[str, int, list[int], int]],
+) -> None:
+    """New leases, releases and reclaims of a dead owner's leases on a table of 8 leases
+    hold what a dict of held leases holds: never two live leases in one entry, a freed
+    entry reused, all 8 held -> refused (no room), each node's in-flight count the number
+    of live leases on it, a reclaim frees exactly that owner's leases."""
+    mm, layout, journal = table(leases=8)
+    leases = Leases(mm, layout, journal)
+    held: dict[int, tuple[int, int, list[int]]] = {}  # lease -> (pid, serial, nodes)
+
+    def inflight(node: int) -> int:
+        return int(U32.unpack_from(mm, layout.nodes_off + node * layout.node_size)[0])
+
+    for op, pid, nodes, pick in ops:
+        if op == "new":
+            if len(held) == layout.leases:
+                with pytest.raises(NoRoom):
+                    leases.new(pid, nodes)
+                journal.rollback()
+                continue
+            lease, serial = leases.new(pid, nodes)
+            assert lease not in held and serial not in {each[1] for each in held.values()}
+            for node in nodes:  # the admission raises its nodes' counts
+                at = layout.nodes_off + node * layout.node_size
+                U32.pack_into(mm, at, inflight(node) + 1)
+            held[lease] = (pid, serial, nodes)
+        elif op == "free" and held:
+            lease = sorted(held)[pick % len(held)]
+            owner, serial, _ = held.pop(lease)
+            assert leases.holds(lease, owner, serial)
+            leases.free(lease)
+            assert not leases.holds(lease, owner, serial)
+        elif op == "reclaim":
+            mine = [lease for lease, (owner, _, _) in held.items() if owner == pid]
+            assert leases.reclaim(pid) == len(mine)
+            for lease in mine:
+                del held[lease]
+        journal.commit()
+        assert leases.live() == len(held) == U32.unpack_from(mm, H_LIVE)[0]
+        for node in range(4):
+            assert inflight(node) == sum(node in each[2] for each in held.values())
+        assert leases.held_nodes() == {node for each in held.values() for node in each[2]}
 
 
 # --- a rate window's log ----------------------------------------------------------------
