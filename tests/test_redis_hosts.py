@@ -17,7 +17,7 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper  # noqa: E402
-from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release  # noqa: E402
 from tests.apps.redis_load_host import LoadHosts  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
 from tests.servers import ClusterRedis, ControlledRedis, wait_until  # noqa: E402
@@ -101,4 +101,42 @@ def test_hosts_on_a_cluster_through_a_freeze(tmp_path: Path, redis_server: str) 
         run_hosts(url, node, redis_server, restart=False)
         assert_nothing_leaked(url)
     finally:
+        node.stop()
+
+
+def test_a_cluster_admission_carries_only_its_own_projects_releases(tmp_path: Path) -> None:
+    """On a Redis Cluster, while the sender's call with releases of two projects is out, an
+    admission of one project carries only that project's (the other's keys live in another
+    slot: the script would fail CROSSSLOT): it is admitted by Redis, and the copy it carried
+    freed its project's slot."""
+    node = ClusterRedis(redis_binary(), tmp_path)
+    node.start()
+    gk = GateKeeper(
+        {
+            "project": "shop",
+            "backend": node.url,
+            "on_backend_error": "reject",
+            "limits": {"*": {"concurrency": 5}},
+        }
+    )
+    try:
+        backend = gk.backend
+        assert isinstance(backend, RedisBackend)
+        held = [gk.admit("shop", "work", "c"), gk.admit("blog", "work", "c")]
+        grants = [admission._held[0] for admission in held]
+        out = [
+            _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0)
+            for grant in grants
+            if isinstance(grant, _RedisGrant)
+        ]
+        backend._outbox._sending = out  # as if the sender's call with both were out
+        again = gk.admit("shop", "work", "c")
+        assert gk.stats()["counters"]["backend_errors"] == 0
+        backend._outbox._sending = []
+        assert gk.inflight() == {"shop": 1, "blog": 1}  # shop's first freed by the copy
+        for admission in (*held, again):
+            admission.release(200)
+        assert gk.inflight() == {}
+    finally:
+        gk.close()
         node.stop()
