@@ -370,8 +370,11 @@ def gunicorn_throughput(seconds: float, rounds: int) -> dict[str, float]:
 # --- the report ---------------------------------------------------------------------------
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+def _target(what: str, value: float, target: float, *, at_least: bool) -> tuple[str, bool]:
+    """The summary line of one target, and whether it is met."""
+    met = value >= target if at_least else value <= target
+    sign = ">=" if at_least else "<="
+    return f"{what}: {value:.2f} (target {sign} {target}): {'met' if met else 'MISSED'}", met
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sections {sorted(unknown)}; expected some of {SECTIONS}")
     load = os.getloadavg()[0]
     print(f"{_common.machine()}; load average {load:.2f} at the start")
-    missed = False
-    summary: list[str] = []
+    summary: list[tuple[str, bool]] = []  # (line, met)
 
     if "floor" in sections:
         costs = floor(100_000)
@@ -433,17 +435,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{total / held:.2f} x one's admits/s"
         )
         one, two = cells["shared", 1], cells["shared", 2]
-        gain = two[1] / one[1]
-        ok = gain >= PROCESSES_GAIN
-        missed |= not ok
         summary.append(
-            f"host admits/s, 2 processes ÷ 1 (shared): {gain:.2f} "
-            f"(target >= {PROCESSES_GAIN}): {_verdict(ok)}"
+            _target(
+                "host admits/s, 2 processes ÷ 1 (shared)",
+                two[1] / one[1],
+                PROCESSES_GAIN,
+                at_least=True,
+            )
         )
         if "floor" in sections:
             summary.append(
-                f"shared admit + release, 1 process: {one[0]:.1f} µs, "
-                f"{one[0] / lowest:.1f} x its floor of {lowest:.1f} µs"
+                (
+                    f"shared admit + release, 1 process: {one[0]:.1f} µs, "
+                    f"{one[0] / lowest:.1f} x its floor of {lowest:.1f} µs",
+                    True,
+                )
             )
     if "overhead" in sections:
         results = overhead(args.rounds, args.requests, cpu=args.cpu)
@@ -461,19 +467,21 @@ def main(argv: list[str] | None = None) -> int:
             "  voluntary context switches per request, 8 threads: "
             + ", ".join(f"{name} {value:.2f}" for name, value in switches.items())
         )
-        ratio = cost["1", "shared"] / cost["1", "memory"]
-        ok = ratio <= OVERHEAD_RATIO
-        missed |= not ok
         summary.append(
-            f"cost over bare Flask, shared ÷ memory, 1 thread: {ratio:.2f} "
-            f"(target <= {OVERHEAD_RATIO}): {_verdict(ok)}"
+            _target(
+                "cost over bare Flask, shared ÷ memory, 1 thread",
+                cost["1", "shared"] / cost["1", "memory"],
+                OVERHEAD_RATIO,
+                at_least=False,
+            )
         )
-        ratio = cost["8", "shared"] / cost["1", "shared"]
-        ok = ratio <= THREADS_RATIO
-        missed |= not ok
         summary.append(
-            f"cost over bare Flask on shared, 8 threads ÷ 1: {ratio:.2f} "
-            f"(target <= {THREADS_RATIO}): {_verdict(ok)}"
+            _target(
+                "cost over bare Flask on shared, 8 threads ÷ 1",
+                cost["8", "shared"] / cost["1", "shared"],
+                THREADS_RATIO,
+                at_least=False,
+            )
         )
     if "throughput" in sections:
         rates = gunicorn_throughput(args.seconds, args.throughput_rounds)
@@ -484,17 +492,27 @@ def main(argv: list[str] | None = None) -> int:
         for name, rate in rates.items():
             label = name if name == BARE else f"gatekeeper on {name}"
             print(f"  {label:24}{rate:>10,.0f} req/s")
-        share = rates["shared"] / rates[BARE]
-        ok = share >= THROUGHPUT_SHARE
-        missed |= not ok
         summary.append(
-            f"gunicorn requests/s, Flask on shared ÷ bare: {share:.2f} "
-            f"(target >= {THROUGHPUT_SHARE}): {_verdict(ok)}"
+            _target(
+                "gunicorn requests/s, Flask on shared ÷ bare",
+                rates["shared"] / rates[BARE],
+                THROUGHPUT_SHARE,
+                at_least=True,
+            )
         )
     if summary:
         print("\ntargets (issue 18):")
-        for line in summary:
+        cores = os.cpu_count() or 1
+        if load > cores:
+            # One thread gets a slice of a core, eight threads more slices: wall times
+            # stretch unequally, and "8 threads ÷ 1" comes out too low.
+            print(
+                f"  (load average {load:.1f} on {cores} cores: wall-time figures are stretched "
+                f"by other work, unequally; judge nothing by this run)"
+            )
+        for line, _ in summary:
             print(f"  {line}")
+    missed = not all(met for _, met in summary)
     return 1 if missed and args.check else 0
 
 
