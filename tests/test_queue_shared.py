@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -445,16 +444,19 @@ def test_a_wake_up_sent_by_another_user_is_ignored() -> None:
         sock.close()
 
 
-def _cycle(table: Path, seed: int) -> None:
+def _cycle(table: Path, seed: int, cycles: Any, index: int) -> None:
     """A worker process that queues, gets in, holds for a moment and leaves, again and
-    again, until it is killed: joins, looks and leaves of the line all the time."""
+    again, until it is killed: joins, looks and leaves of the line all the time. Each
+    round it completes is counted in ``cycles[index]`` (its own cell: written by this process
+    only and without a lock, which a SIGKILL could leave held)."""
     rng = random.Random(seed)
     gk = GateKeeper(settings(table, size=50))
     while True:
         with contextlib.suppress(Rejected):
             admission = gk.admit("shop", "api", "cycle")
-            time.sleep(rng.uniform(0, 0.002))  # holding the slot: a workload, not a sync
+            sum(range(rng.randrange(20_000)))  # holding the slot for a random while: work
             admission.release(200)
+        cycles[index] += 1
 
 
 def test_workers_killed_at_random_moments_leave_the_line_consistent(
@@ -467,8 +469,12 @@ def test_workers_killed_at_random_moments_leave_the_line_consistent(
     rng = random.Random(18)
     context = multiprocessing.get_context("fork")
 
+    cycles = context.RawArray("q", 64)  # rounds completed, per worker
+
     def spawn() -> BaseProcess:
-        process = context.Process(target=_cycle, args=(table, rng.random()), daemon=True)
+        process = context.Process(
+            target=_cycle, args=(table, rng.random(), cycles, len(workers)), daemon=True
+        )
         process.start()
         workers.append(process)
         return process
@@ -478,7 +484,9 @@ def test_workers_killed_at_random_moments_leave_the_line_consistent(
     running = [spawn() for _ in range(3)]
     wait_until(lambda: line_of(backend), DEADLINE, "the workers to queue")
     for _ in range(30):
-        time.sleep(rng.uniform(0, 0.02))  # a random moment: chaos, not synchronization
+        # A random moment: after a random number of rounds, so inside whatever comes next.
+        target = sum(cycles) + rng.randint(1, 6)
+        wait_until(lambda goal=target: sum(cycles) >= goal, DEADLINE, "the workers to cycle")
         victim = running.pop(rng.randrange(len(running)))
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)
