@@ -75,8 +75,13 @@ class Leases(Structure):
         elif high < self._capacity:
             lease = high
             # Leases past the mark have never been written since the table was created.
-            if LEASE_HEAD.unpack_from(mm, self._base + lease * LEASE_SIZE)[1]:
+            at = self._base + lease * LEASE_SIZE
+            if LEASE_HEAD.unpack_from(mm, at)[1]:
                 raise Damaged("its lease mark is below a lease in use")
+            # Saved too: an update rolled back (a peek, a kill before the commit) lowers
+            # the mark again, and must leave the lease past it unwritten, as that check
+            # expects (it used to keep the lease's serial and so re-create the table).
+            self._save(at, LEASE_SIZE)
             U32.pack_into(mm, H_LEASE_HIGH, high + 1)
         else:
             raise NoRoom(
