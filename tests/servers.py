@@ -135,6 +135,14 @@ class RedisServer:
             self.process.wait(timeout=10)
             self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-whatever, with no chance to save or say goodbye."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)  # a frozen one would stay a zombie
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
 
 class ControlledRedis(RedisServer):
     """A redis-server that a test can also freeze (SIGSTOP: it accepts connections but never
@@ -156,10 +164,13 @@ class ControlledRedis(RedisServer):
 
 class ClusterRedis(RedisServer):
     """A one-node Redis Cluster owning all 16 384 slots: it refuses scripts whose keys span
-    slots (CROSSSLOT), as a real cluster does."""
+    slots (CROSSSLOT), as a real cluster does. Started again on its port (after a stop or
+    a kill), it comes back from its cluster config file owning them still; with
+    ``persistent`` it also keeps every write it acknowledged (an AOF fsynced on each)."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, persistent: bool = False) -> None:
         port = free_port()
+        durable = ("--appendonly", "yes", "--appendfsync", "always") if persistent else ()
         super().__init__(
             binary,
             workdir,
@@ -171,6 +182,7 @@ class ClusterRedis(RedisServer):
                 f"nodes-{port}.conf",
                 "--cluster-port",
                 str(free_port()),  # the default, port + 10000, may not exist
+                *durable,  # after start()'s "--appendonly no": the last one counts
             ),
         )
 
@@ -183,7 +195,8 @@ class ClusterRedis(RedisServer):
 
         super().start()
         admin = redis.Redis(port=self.port)
-        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        if b"cluster_slots_assigned:0\r" in admin.execute_command("CLUSTER", "INFO"):
+            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         wait_until(
             lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
             what="the cluster to be ok",

@@ -1,14 +1,16 @@
 """Hosts on one Redis (issue 19 point 5), on the asynchronous release path: host processes
 hammer a wildcard limit with a rate and delayed releases (marks, tombstones, totals and
 delayed sets all in play) on one redis-server and on a Redis Cluster, through a freeze
-(SIGSTOP) with releases waiting in the senders, and on one redis-server a restart. An
-independent observer (INCR / DECR on another redis-server) counts what the app really runs
-at once: never more than the limit; nothing but ServiceFaults, admissions bounded by the
-socket timeouts, and once the load stopped and the delays matured, nothing held (counts and
-totals), no delayed set left, and the full capacity admitted."""
+(SIGSTOP) with releases waiting in the senders, on one redis-server a restart, and on a
+Cluster a node SIGKILLed and started again. An independent observer (INCR / DECR on
+another redis-server) counts what the app really runs at once: never more than the limit;
+every request answered, by nothing but admissions and ServiceFaults, admissions bounded by
+the socket timeouts, and once the load stopped and the delays matured, nothing held
+(counts and totals), no delayed set left, and the full capacity admitted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,28 +38,30 @@ class FrozenCluster(ClusterRedis, ControlledRedis):
     """A one-node Redis Cluster that a test can freeze (SIGSTOP) and thaw."""
 
 
-def run_hosts(url: str, server: ControlledRedis, observer_url: str, restart: bool) -> None:
-    """Two host processes of 4 threads on ``LIMITS`` (every 4th response faulty) while
-    ``server`` is frozen once mid-load, and with ``restart`` then stopped and started again
-    (no persistence: it forgets every lease); checks what the observer and the hosts saw."""
+#: A way Redis goes away mid-load and the way it comes back.
+Outage = tuple[Callable[[], None], Callable[[], None]]
+
+
+def run_hosts(url: str, observer_url: str, outages: Sequence[Outage]) -> list[dict[str, Any]]:
+    """Two host processes of 4 threads on ``LIMITS`` (every 4th response faulty) through
+    each of ``outages`` in turn mid-load (the hosts see it: refusals by
+    ``on_backend_error``; then Redis comes back and they admit again); the hosts'
+    reports, checked for what the observer and the hosts saw (``LoadHosts.reports``)."""
     hosts = LoadHosts(url, observer_url, LIMIT, limits=LIMITS, path=("work", "c"), faulty=4)
     try:
         hosts.more(300)
-        server.pause()
-        try:
-            hosts.more(20, hosts.outage)  # the hosts see the freeze
-        finally:
-            server.resume()
-        hosts.more(300)
-        if restart:
-            server.stop()
-            hosts.more(20, hosts.outage)
-            server.start()
+        for down, up in outages:
+            down()
+            try:
+                hosts.more(20, hosts.outage)  # the hosts see the outage
+            finally:
+                up()
             hosts.more(300)
     finally:
         hosts.stop.set()
     reports = hosts.reports()
     assert sum(report["codes"].get("GK-CONCURRENCY-LIMIT", 0) for report in reports) > 0
+    return reports
 
 
 def assert_nothing_leaked(url: str) -> None:
@@ -88,7 +92,10 @@ def test_hosts_on_one_redis_through_a_freeze_and_a_restart(
     """Two hosts on one redis-server, frozen mid-load, then stopped and restarted: never
     over the limit, no leak."""
     url = f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05"
-    run_hosts(url, own_redis, redis_server, restart=True)
+    # No persistence: the restart forgets every lease.
+    run_hosts(
+        url, redis_server, [(own_redis.pause, own_redis.resume), (own_redis.stop, own_redis.start)]
+    )
     assert_nothing_leaked(url)
 
 
@@ -98,7 +105,28 @@ def test_hosts_on_a_cluster_through_a_freeze(tmp_path: Path, redis_server: str) 
     node.start()
     try:
         url = f"{node.url}&socket_timeout=0.2&breaker_cooldown=0.05"
-        run_hosts(url, node, redis_server, restart=False)
+        run_hosts(url, redis_server, [(node.pause, node.resume)])
+        assert_nothing_leaked(url)
+    finally:
+        node.stop()
+
+
+def test_hosts_on_a_cluster_through_a_node_killed_and_restarted(
+    tmp_path: Path, redis_server: str
+) -> None:
+    """A Redis Cluster node SIGKILLed mid-load and started again on its port (its cluster
+    config file brings its slots back, its AOF every write it acknowledged, so the leases
+    of the requests in flight at the kill are still held): never over the limit, every
+    request answered by an admission or a ServiceFault, and the releases that were waiting
+    in the senders (or unanswered when it died) replayed, so no slot is leaked: nothing
+    held once the delays matured, and the full concurrency admitted again."""
+    node = ClusterRedis(redis_binary(), tmp_path, persistent=True)
+    node.start()
+    try:
+        url = f"{node.url}&socket_timeout=0.2&breaker_cooldown=0.05"
+        reports = run_hosts(url, redis_server, [(node.kill, node.start)])
+        # Releases were caught in the asynchronous path by the kill, and all got through.
+        assert sum(report["stranded"] for report in reports) > 0
         assert_nothing_leaked(url)
     finally:
         node.stop()

@@ -57,14 +57,24 @@ def run_load(
     assert isinstance(backend, RedisBackend)
     observer = redis.Redis.from_url(observer_url)
     lock = threading.Lock()
-    report: dict[str, Any] = {"admitted": 0, "codes": {}, "errors": [], "max_inside": 0}
+    report: dict[str, Any] = {
+        "admitted": 0,
+        "asked": 0,
+        "answered": 0,
+        "codes": {},
+        "errors": [],
+        "max_inside": 0,
+    }
     slowest = [0.0]
+    #: the most releases (and give-backs) seen waiting for Redis while it was out
+    stranded = [0]
 
     def worker() -> None:
-        admitted = max_inside = 0
+        admitted = max_inside = asked = 0
         codes: dict[str, int] = {}
         while not stop.is_set():
             began = time.monotonic()
+            asked += 1
             try:
                 admission = keeper.admit("shop", service, caller)
             except Rejected as exc:
@@ -72,6 +82,7 @@ def run_load(
                 if exc.code == "GK-BACKEND-UNAVAILABLE":
                     with outage.get_lock():
                         outage.value += 1
+                    stranded[0] = max(stranded[0], backend.pending_releases())
                 continue
             except BaseException as exc:  # anything else would be a 500
                 with lock:
@@ -88,6 +99,8 @@ def run_load(
                 progress.value += 1
         with lock:
             report["admitted"] += admitted
+            report["asked"] += asked
+            report["answered"] += admitted + sum(codes.values())
             report["max_inside"] = max(report["max_inside"], max_inside)
             for code, count in codes.items():
                 report["codes"][code] = report["codes"].get(code, 0) + count
@@ -102,6 +115,7 @@ def run_load(
     with contextlib.suppress(TimeoutError):
         wait_until(lambda: not backend.pending_releases(), 30.0, "the releases to be sent")
     report["pending"] = backend.pending_releases()
+    report["stranded"] = stranded[0]
     report["slowest"] = slowest[0]
     report["backend_errors"] = keeper.stats()["counters"]["backend_errors"]
     keeper.close()
@@ -157,8 +171,9 @@ class LoadHosts:
 
     def reports(self) -> list[dict[str, Any]]:
         """Stop the load; each host's report, once every host exited cleanly, checked: no
-        error, only ServiceFaults, admissions bounded by the socket timeouts, every release
-        sent, and the observer never saw more inside than the limit."""
+        error, every request answered by an admission or a ServiceFault, admissions bounded
+        by the socket timeouts, every release sent, and the observer never saw more inside
+        than the limit."""
         self.stop.set()
         reports = [self._results.get(timeout=120) for _ in self._processes]
         for process in self._processes:
@@ -166,6 +181,7 @@ class LoadHosts:
             assert process.exitcode == 0
         for report in reports:
             assert report["errors"] == []
+            assert report["answered"] == report["asked"]  # each an admission or a fault
             assert set(report["codes"]) <= {"GK-CONCURRENCY-LIMIT", "GK-BACKEND-UNAVAILABLE"}
             assert report["admitted"] > 0
             assert report["pending"] == 0
