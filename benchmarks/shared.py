@@ -253,7 +253,7 @@ def engine(iterations: int, rounds: int) -> dict[tuple[str, int], tuple[float, f
 def lock_share(iterations: int) -> tuple[float, float]:
     """(µs per admit + release, µs of it holding the file lock) in this process: what
     serialises the processes of a host, whose admits/s can grow at most by the ratio."""
-    from gatekeeper_wsgi.backends.shared import backend as module
+    from gatekeeper_wsgi.backends.shared import table as module
 
     held = [0]
     clock = time.perf_counter_ns

@@ -20,14 +20,18 @@ table:
   boot's id;
 - :mod:`.tickets`: the queues' lines, FIFO across the processes of the host, and their
   wake-ups;
-- :mod:`.backend`: :class:`SharedBackend`: the file, map and locks, attaching, damage and
-  re-creation, admission and release composed of the structures above (each works on
-  the map, the layout and the journal it is given).
+- :mod:`.table`: :class:`~.table.Table`: the file, its map and its locks, attaching,
+  initialising, damage and re-creation, fork handling, the structures of the current map;
+- :mod:`.url`: the ``shared://`` URL and its options;
+- :mod:`.reads`: the status reads (in flight, totals, adaptive reports, usage);
+- :mod:`.backend`: :class:`SharedBackend`, on the table: the backend contract, admission
+  and release composed of the structures above (each works on the map, the layout and
+  the journal it is given).
 """
 
 from __future__ import annotations
 
-from gatekeeper_wsgi.backends.shared.backend import LayoutMismatch, SharedBackend
+from gatekeeper_wsgi.backends.shared.backend import SharedBackend
 from gatekeeper_wsgi.backends.shared.layout import (
     DEFAULT_KEYS_CAP,
     DEFAULT_LEASES_CAP,
@@ -36,6 +40,7 @@ from gatekeeper_wsgi.backends.shared.layout import (
     NODE_HEAD,
     VERSION,
 )
+from gatekeeper_wsgi.backends.shared.table import LayoutMismatch
 
 __all__ = [
     "DEFAULT_KEYS_CAP",

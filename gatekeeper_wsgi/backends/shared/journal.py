@@ -1,4 +1,5 @@
-"""The undo journal of a shared table and the one context manager every update runs in.
+"""The undo journal of a shared table and the one context manager every locked section
+(an update, or a look) runs in.
 
 :class:`Journal` owns the journal region (``layout.journal_off``, ``layout.journal`` bytes)
 and the journal length at ``H_JLEN``: before a byte range of the table changes, its old
@@ -11,7 +12,8 @@ writes nowhere (:class:`~.faults.Damaged` instead).
 
 :class:`Transaction` is ``with backend._transaction as mm:``: locks taken on entry, the
 update rolled back on an exception, the locks released in every case. It holds no state
-of its own (one serves every thread).
+of its own (one serves every thread). :meth:`Transaction.reading` is the same section for a
+look that changes nothing (``with backend._reading as mm:``).
 """
 
 from __future__ import annotations
@@ -193,6 +195,13 @@ class Transaction:
         self._fail = fail
         self._leave = leave
 
+    @classmethod
+    def reading(cls, enter: Callable[[], mmap.mmap], leave: Callable[[], None]) -> Transaction:
+        """The locked section of a look that changes nothing: the same locks, and an
+        exception leaves as it is (nothing to roll back; what a damaged table means to a
+        look, its caller decides)."""
+        return cls(enter, _unchanged, leave)
+
     def __enter__(self) -> mmap.mmap:
         return self._enter()
 
@@ -204,3 +213,7 @@ class Transaction:
                 self._fail(exc)
         finally:
             self._leave()
+
+
+def _unchanged(exc: BaseException) -> None:
+    """The ``fail`` of :meth:`Transaction.reading`: a look wrote nothing to undo."""

@@ -1,0 +1,140 @@
+"""What the status page, Prometheus and ``gatekeeper status`` read from a shared table:
+the requests in flight per key, the totals of each limit, the adaptive reports, how full
+the table is.
+
+Functions of the structures of one map, called under the table's lock (the backend's
+``_observed``, once due delays are applied and dead processes' leases reclaimed); they
+change nothing. The totals come from the live leases and the wildcard registry's key
+counts: O(limits + leases in use + watched keys), never a pass over the key table.
+"""
+
+from __future__ import annotations
+
+import heapq
+import mmap
+import struct
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from gatekeeper_wsgi.adaptive import AdaptiveReport
+from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
+from gatekeeper_wsgi.backends.shared.faults import NoRoom
+from gatekeeper_wsgi.backends.shared.gauges import Gauges
+from gatekeeper_wsgi.backends.shared.keys import KeyTable, path_digest
+from gatekeeper_wsgi.backends.shared.layout import H_LIVE, H_WAITING, U32, Layout, NodeView
+from gatekeeper_wsgi.backends.shared.leases import Leases
+from gatekeeper_wsgi.backends.shared.liveness import Processes
+from gatekeeper_wsgi.backends.shared.windows import Windows
+from gatekeeper_wsgi.config import Limit
+
+__all__ = ["read_adaptive", "read_inflight", "read_totals", "read_usage"]
+
+#: a key the totals show: (key, node, its fields)
+_Held = tuple[str, int, NodeView]
+
+
+def read_inflight(keys: KeyTable) -> dict[str, int]:
+    """Requests in flight of every key the table holds."""
+    found = {}
+    for node in keys.in_use():
+        view, key = keys.view(node)
+        found[key] = view.inflight
+    return found
+
+
+def read_totals(
+    keys: KeyTable,
+    leases: Leases,
+    windows: Windows,
+    limits: Sequence[Limit],
+    now: float,
+    top: int,
+    watch: Mapping[str, Collection[str]],
+) -> dict[str, LimitTotals]:
+    """Per limit: requests in flight, keys tracked, keys busy, and the ``top`` busiest
+    keys with the ``watch`` ones (see ``Backend.totals``)."""
+    # registry entry -> keys it tracks, and digest -> entry
+    tracked: dict[int, int] = {}
+    entry_of: dict[int, int] = {}
+    for index, digest, count in keys.registries():
+        tracked[index] = count
+        entry_of[digest] = index
+    # registry entry -> its keys in flight
+    busy: dict[int, list[_Held]] = {}
+    for node in leases.held_nodes():
+        view, key = keys.view(node)
+        if view.inflight and view.registry:
+            busy.setdefault(view.registry - 1, []).append((key, node, view))
+    found_totals = {}
+    for limit in limits:
+        path = limit.path
+        entry = entry_of.get(path_digest(path)) if limit.wildcard else None
+        if limit.wildcard:
+            held_keys = busy.get(entry, []) if entry is not None else []
+            shown = heapq.nsmallest(top, held_keys, key=lambda item: (-item[2].inflight, item[0]))
+            count = tracked.get(entry, 0) if entry is not None else 0
+        else:
+            found = _lookup(keys, path)
+            held_keys = shown = [] if found is None else [found]
+            count = len(shown)
+        seen = {key for key, _, _ in shown}
+        for key in watch.get(path, ()):
+            found = _lookup(keys, key) if key not in seen else None
+            if found is not None and (entry is None or found[2].registry == entry + 1):
+                seen.add(key)
+                shown.append(found)
+        found_totals[path] = LimitTotals(
+            inflight=sum(view.inflight for _, _, view in held_keys),
+            keys=count,
+            busy=sum(1 for _, _, view in held_keys if view.inflight),
+            top=tuple(_key_usage(windows, held, limit, now) for held in shown),
+        )
+    return found_totals
+
+
+def read_adaptive(keys: KeyTable, gauges: Gauges) -> dict[str, AdaptiveReport]:
+    """The report of every gauge in use, found through the key table's tags: the limit,
+    latency and baseline (under the table the state was last made with)."""
+    reports = {}
+    for node in keys.in_use():
+        report = gauges.report(node)
+        if report is not None:
+            reports[keys.view(node)[1]] = report
+    return reports
+
+
+def read_usage(path: str, mm: mmap.mmap, layout: Layout, procs: Processes) -> dict[str, Any]:
+    """How full the table is: keys, leases, delayed releases, queue waiters (of every
+    line), processes, file size."""
+    live, _, _, heap_len, _, _, nodes_used = struct.unpack_from("<7I", mm, H_LIVE)
+    return {
+        "path": path,
+        "keys": nodes_used,
+        "key_capacity": layout.nodes,
+        "leases": live,
+        "lease_capacity": layout.leases,
+        "delayed": heap_len,
+        "waiting": U32.unpack_from(mm, H_WAITING)[0],
+        "waiter_capacity": layout.waiters,
+        "processes": sorted(procs.pids()),
+        "bytes": layout.total,
+    }
+
+
+def _lookup(keys: KeyTable, key: str) -> _Held | None:
+    """(key, node, its fields) of a key the table holds, else None."""
+    try:
+        node = keys.find(keys.key(key))
+    except NoRoom:  # longer than any key the table can hold
+        return None
+    return None if node < 0 else (key, node, keys.view(node)[0])
+
+
+def _key_usage(windows: Windows, held: _Held, limit: Limit, now: float) -> KeyUsage:
+    """A key's requests in flight and its window's use now, read without changing it."""
+    key, node, view = held
+    rate = limit.rate
+    if rate is None:
+        return KeyUsage(key, view.inflight, None, 0.0)
+    left, until = windows.usage(node, now - rate.seconds)
+    return KeyUsage(key, view.inflight, left, until)
