@@ -1,0 +1,138 @@
+"""The shared table's locked sections (``backends/shared/table.py``): an update and a look
+run in one context manager; a look that fails passes its error on and leaves the table as
+it was, both locks free; the reads that answer a default when the table cannot be
+reached do."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatekeeper_wsgi import GateKeeper
+from gatekeeper_wsgi.backends.shared import SharedBackend
+from gatekeeper_wsgi.backends.shared.table import Recreated
+from tests.conftest import FakeClock
+
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+
+
+def _settings(path: Path, limits: dict[str, Any]) -> dict[str, Any]:
+    return {"project": "shop", "backend": f"shared://{path}", "limits": limits}
+
+
+def _file_lock_free(path: Path) -> bool:
+    """Whether another open file description may take the table's lock now (F_OFD_GETLK)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        result = fcntl.fcntl(
+            fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        )
+    finally:
+        os.close(fd)
+    return bool(_FLOCK.unpack(result)[0] == fcntl.F_UNLCK)
+
+
+def _admits_from_another_thread(gk: GateKeeper) -> bool:
+    """Whether a thread of this process gets a slot (a thread lock left held would stop it;
+    the join's bound only keeps a broken build from hanging the suite)."""
+    admitted = threading.Event()
+
+    def admit() -> None:
+        gk.admit("shop", "api", "c").release(200)
+        admitted.set()
+
+    thread = threading.Thread(target=admit, daemon=True)
+    thread.start()
+    thread.join(30)
+    return admitted.is_set()
+
+
+@pytest.fixture
+def keeper(tmp_path: Path, clock: FakeClock) -> Any:
+    gk = GateKeeper(_settings(tmp_path / "t.shm", {"shop": {"concurrency": 5}}), clock=clock)
+    yield gk
+    gk.close()
+
+
+@pytest.mark.parametrize("error", [ValueError, IndexError, KeyError])
+def test_a_look_that_fails_passes_its_error_and_changes_nothing(
+    keeper: GateKeeper, tmp_path: Path, caplog: pytest.LogCaptureFixture, error: type[Exception]
+) -> None:
+    """An exception inside a look leaves as it is: the table is not re-created (the slot in
+    flight is still counted), and both the file lock and the thread lock are free again."""
+    backend = keeper.backend
+    assert isinstance(backend, SharedBackend)
+    held = keeper.admit("shop", "api", "c")
+    with (
+        caplog.at_level(logging.ERROR, logger="gatekeeper"),
+        pytest.raises(error),
+        backend._reading,
+    ):
+        raise error("found while looking")
+    assert "damaged" not in caplog.text
+    assert keeper.inflight()["shop"] == 1
+    assert _file_lock_free(tmp_path / "t.shm")
+    assert _admits_from_another_thread(keeper)
+    held.release(200)
+    assert keeper.inflight()["shop"] == 0
+
+
+def test_an_update_that_fails_the_same_way_re_creates_the_table(
+    keeper: GateKeeper, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same value error inside an update means garbage in the table: it is re-created
+    with one ERROR, and the locks are free again."""
+    backend = keeper.backend
+    assert isinstance(backend, SharedBackend)
+    keeper.admit("shop", "api", "c")
+    with (
+        caplog.at_level(logging.ERROR, logger="gatekeeper"),
+        pytest.raises(Recreated),
+        backend._transaction,
+    ):
+        raise ValueError("an index out of range")
+    assert "is damaged" in caplog.text
+    assert keeper.inflight().get("shop", 0) == 0  # the new table does not count the old slot
+    assert _file_lock_free(tmp_path / "t.shm")
+    assert _admits_from_another_thread(keeper)
+
+
+def test_reads_of_a_closed_table_answer_their_defaults(tmp_path: Path, clock: FakeClock) -> None:
+    """Closed, the table answers what nothing known means: nothing due, nothing pending,
+    an adaptive limit's initial value."""
+    gk = GateKeeper(
+        _settings(tmp_path / "t.shm", {"shop": {"concurrency": "auto", "delay": 5.0}}), clock=clock
+    )
+    backend = gk.backend
+    limit = gk.config.limits["shop"]
+    assert limit.adaptive is not None
+    gk.admit("shop", "api", "c").release(500, faulty=True)  # held back for 5 s
+    assert backend.next_due() == clock.now + 5.0
+    assert backend.delayed_pending() == 1
+    backend.close()
+    assert backend.next_due() is None
+    assert backend.delayed_pending() == 0
+    assert backend.adaptive_limit("shop", limit) == limit.adaptive.initial
+
+
+def test_an_adaptive_limit_of_a_megabyte_key_is_the_initial_one(tmp_path: Path) -> None:
+    """A key longer than any the table holds (1 MB) reads as untracked: the initial limit,
+    and the look leaves the table as it was."""
+    gk = GateKeeper(
+        _settings(tmp_path / "a.shm", {"shop/api/*": {"concurrency": "auto"}}),
+        clock=FakeClock(),
+    )
+    limit = gk.config.limits["shop/api/*"]
+    assert limit.adaptive is not None
+    before = (tmp_path / "a.shm").read_bytes()
+    assert gk.backend.adaptive_limit("shop/api/" + "x" * (1 << 20), limit) == limit.adaptive.initial
+    assert (tmp_path / "a.shm").read_bytes() == before
+    assert _file_lock_free(tmp_path / "a.shm")
+    gk.close()
