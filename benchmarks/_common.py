@@ -22,6 +22,7 @@ import gc
 import io
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -301,20 +302,43 @@ def run_threads(app: WSGIApp, n: int, threads: int) -> float:
 
 
 def interleaved(
-    apps: dict[str, WSGIApp], rounds: int, measure: Callable[[WSGIApp], float]
+    apps: dict[str, WSGIApp],
+    rounds: int,
+    measure: Callable[[WSGIApp], float],
+    *,
+    paired: str | None = None,
 ) -> dict[str, float]:
-    """Median of ``measure(app)`` per app over ``rounds`` rounds, the apps taking turns in
-    every round (so machine noise hits all alike), with the collector off."""
+    """Median of ``measure(app)`` per app over ``rounds`` rounds, with the collector off.
+
+    The apps take turns in every round, in an order shuffled afresh each round (seeded:
+    runs repeat), so neither machine noise nor a fixed position (whose predecessor warmed
+    or cooled the caches) favours one of them. With ``paired`` (the name of the bare app),
+    every other app's figure is the bare median plus the median of its per-round
+    differences from the bare app's measurement of the same round: ``figure - bare`` is
+    then the paired cost, which a machine whose speed drifts between rounds moves far less
+    than a difference of two medians.
+    """
     samples: dict[str, list[float]] = {name: [] for name in apps}
+    order = list(apps)
+    shuffle = random.Random(0).shuffle
     gc.collect()
     gc.disable()
     try:
         for _ in range(rounds):
-            for name, app in apps.items():
-                samples[name].append(measure(app))
+            shuffle(order)
+            for name in order:
+                samples[name].append(measure(apps[name]))
     finally:
         gc.enable()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    if paired is None:
+        return medians
+    base = samples[paired]
+    return {
+        name: medians[paired]
+        + statistics.median(value - bare for value, bare in zip(values, base, strict=True))
+        for name, values in samples.items()
+    }
 
 
 # --- servers and the machine --------------------------------------------------------------

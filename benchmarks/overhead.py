@@ -17,9 +17,11 @@ One app, several ways, measured interleaved in one run (so machine noise hits al
 The peers have no host-wide file store, so they sit out ``--backend shared``. On a
 shared, loaded machine ``--cpu`` times the one-thread rows by the measuring thread's CPU
 time (``time.thread_time``), which other processes do not inflate (no 8-thread rows then).
-Prints median µs per request, the cost over the bare app, and that cost as a share of the
-peer's cost over the same bare app; with 8 threads the time is wall time / requests (what
-the GIL and the locks leave of parallelism).
+Prints µs per request, the cost over the bare app (the median of the per-round
+differences: many short rounds in a shuffled order, each way paired with the bare app's
+run of the same round), and that cost as a share of the peer's cost over the same bare
+app; with 8 threads the time is wall time / requests (what the GIL and the locks leave of
+parallelism).
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ def measure(
     *,
     cpu: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """{"1": {way: µs}, "8": {way: µs}}: medians over interleaved rounds. With ``cpu``,
-    the one-thread figures are the measuring thread's CPU time, and there is no "8"."""
+    """{"1": {way: µs}, "8": {way: µs}} over interleaved rounds: the bare app's median, and
+    for every other way that plus its median paired cost (see ``_common.interleaved``).
+    With ``cpu``, the one-thread figures are the measuring thread's CPU time, and there is
+    no "8"."""
     with ExitStack() as stack:
         if backend == "redis":
             server = stack.enter_context(_common.redis_server(redis_url))
@@ -107,14 +111,15 @@ def measure(
         for app in ways.values():  # warm up: imports, connections, scripts, first pages
             _common.run(app, 300)
         clock = time.thread_time if cpu else time.perf_counter
+        bare = BARE[framework]
         results = {
             "1": _common.interleaved(
-                ways, rounds, lambda app: _common.run(app, requests, clock=clock)
+                ways, rounds, lambda app: _common.run(app, requests, clock=clock), paired=bare
             )
         }
         if not cpu:  # CPU time of one thread says nothing of what 8 threads leave
             results["8"] = _common.interleaved(
-                ways, rounds, lambda app: _common.run_threads(app, requests, 8)
+                ways, rounds, lambda app: _common.run_threads(app, requests, 8), paired=bare
             )
         return results
 
@@ -128,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--framework", choices=("flask", "django"), default="flask")
     parser.add_argument("--backend", choices=("memory", "shared", "redis"), default="memory")
     parser.add_argument("--redis-url", help="an existing Redis nobody else uses")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument(
-        "--requests", type=int, help="per round and way (default 1000, 300 on Redis)"
+        "--requests", type=int, help="per round and way (default 300, 100 on Redis)"
     )
     parser.add_argument("--json", type=Path, help="also write the medians here")
     parser.add_argument(
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         help="time by this thread's CPU time (one thread only): for a shared, loaded machine",
     )
     args = parser.parse_args(argv)
-    requests = args.requests or (300 if args.backend == "redis" else 1000)
+    requests = args.requests or (100 if args.backend == "redis" else 300)
     results = measure(
         args.framework, args.backend, args.redis_url, args.rounds, requests, cpu=args.cpu
     )
@@ -147,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     bare, peer = BARE[args.framework], PEER[args.framework]
     print(
         f"{args.framework}, backend {args.backend}: {args.rounds} rounds x {requests} "
-        f"requests, medians, direct WSGI calls" + (", CPU time of the thread" if args.cpu else "")
+        f"requests, paired medians, direct WSGI calls"
+        + (", CPU time of the thread" if args.cpu else "")
     )
     print(
         f"{'':48}{'threads':>8}{'µs/request':>12}{'over bare':>11}{'x bare':>8}"
