@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
-from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release, _text  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
 from tests.test_redis import admitted, keeper  # noqa: E402
 
@@ -261,5 +262,43 @@ def test_a_freeze_longer_than_max_hold_leaks_no_slot(own_redis: ControlledRedis)
             own_redis.resume()
         wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
         assert_admits_exactly(gk, 2)
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("rate", [None, "100/second"], ids=["no rate", "rate"])
+@pytest.mark.parametrize("limit_path", ["shop/work", "shop/work/*"], ids=["exact", "wildcard"])
+def test_a_matured_delayed_release_leaves_no_key_past_its_delay(
+    prefixed: str, limit_path: str, rate: str | None
+) -> None:
+    """Other callers came and went (their rate windows, 1 s, still live), then a request
+    ends faulty with a 2 s delay and nothing else is live: every key under the prefix,
+    whatever its kind (the path's set with its ``<lease>:d``, a wildcard's totals and
+    delayed sets, the windows, the marks they carry), expires by Redis's own PTTL within
+    the delay + 1 ms, though its admissions gave them max_hold (300 s)."""
+    settings: dict[str, Any] = {"concurrency": 5, "delay": 2}
+    if rate is not None:
+        settings["rate"] = rate
+    gk = keeper(prefixed, {limit_path: settings})
+    try:
+        backend = redis_backend(gk)
+        for index in range(3):
+            gk.admit("shop", "work", f"other{index}").release(200)
+        faulty = gk.admit("shop", "work", "c")
+        concrete = "shop/work" if limit_path == "shop/work" else "shop/work/c"
+        assert life_left(gk, concrete) > 290_000  # the lease's max_hold
+        faulty.release(503, faulty=True)
+        backend._outbox.flush()
+        assert gk.inflight() == {concrete: 1}  # the delayed release holds its slot
+        lives = {
+            _text(key): int(backend.client.pttl(key))
+            for key in backend.client.scan_iter(match=f"{backend.prefix}:*")
+        }
+        kinds = {key.split("}:", 1)[1].split(":", 1)[0] for key in lives}
+        # Every kind of key a delayed release touches is there (a wildcard's totals set
+        # without a rate was emptied of its last lease: gone), and none outlives it.
+        expected = {"z"} if limit_path == "shop/work" else {"z", "d", "t"} if rate else {"z", "d"}
+        assert kinds == expected
+        assert all(0 < life <= 2_001 for life in lives.values()), lives
     finally:
         gk.close()

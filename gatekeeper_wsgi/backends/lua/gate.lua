@@ -21,7 +21,8 @@
 --   <path>          a key with a rate window; score = MINUS when its newest entry slides out
 -- and its delayed set, the delayed releases of its keys (<lease>|<path>, scored by when they
 -- mature), which lives exactly as long as its latest one: a matured delayed release leaves
--- nothing behind (the totals set lives by its admissions).
+-- nothing behind. The totals set lives by its admissions (an eighth past their max_hold),
+-- and a delayed release cuts it to its latest member.
 -- Every member carries its own end, so a lease that expires by max_hold (a crashed holder)
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
@@ -129,6 +130,27 @@ local function settle(key, window_ms, t)
     end
   end
   redis.call('PEXPIRE', key, ttl + 1)
+end
+
+-- A wildcard limit's totals set, once a delayed release took a lease out of it: it lives
+-- as long as its latest member and not longer (the latest lease's end is the highest
+-- score, the latest window's end minus the lowest), so a matured delayed release leaves it
+-- behind no longer than its delay, not 1.125 x max_hold after the last admission.
+local function settle_totals(totals, t)
+  local last = redis.call('ZRANGE', totals, -1, -1, 'WITHSCORES')
+  if not last[2] then
+    return -- emptied: gone
+  end
+  local ends = tonumber(last[2])
+  local first = tonumber(redis.call('ZRANGE', totals, 0, 0, 'WITHSCORES')[2])
+  if -first > ends then
+    ends = -first
+  end
+  if ends <= t then
+    redis.call('DEL', totals) -- nothing of it is live: readers would skip it all
+  else
+    redis.call('PEXPIRE', totals, math.floor((ends - t) / 1000) + 1)
+  end
 end
 
 -- An adaptive hash idle this long (ms) goes: its path starts over from 'initial'.
@@ -306,6 +328,7 @@ for r = 2, releases + 1 do
           -- member: once it matured, nothing of it is left.
           local member = lease .. '|' .. path
           redis.call('ZREM', totals, member)
+          settle_totals(totals, t)
           redis.call('ZREMRANGEBYSCORE', delayed, '-inf', t)
           redis.call('ZADD', delayed, t + delay, member)
           local life_ms = math.floor(delay / 1000) + 1
