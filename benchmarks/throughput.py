@@ -2,13 +2,26 @@
 worker processes on 127.0.0.1, driven by a load generator on the same machine.
 
 Run ``python benchmarks/throughput.py`` (``--help`` for options). Each app of
-:func:`_common.make_app` that makes sense with several workers runs under ``gunicorn
---workers 2 --threads 4`` (gthread) for ``--seconds``: gatekeeper-wsgi on the shared
-backend (one table for both workers) and on Redis, the peers on their in-process memory
-(which, with 2 workers, counts each limit twice over) and on Redis. The load comes from
-``wrk`` when it is installed (``apt-get install wrk``), else from Python threads with
+:func:`_common.make_app` that makes sense with several workers runs in ``--workers``
+gthread worker processes of ``--threads`` threads for ``--seconds``: gatekeeper-wsgi on the
+shared backend (one table for all workers) and on Redis, the peers on their in-process
+memory (which, with 2 workers, counts each limit twice over) and on Redis. The load comes
+from ``wrk`` when it is installed (``apt-get install wrk``), else from Python threads with
 keep-alive ``http.client`` connections, which on a small machine saturate before the
 server does: compare rows of one run, not runs with different generators.
+
+Each worker is a gunicorn of its own (``--workers 1``) on its own port with its own share
+of the connections (one ``wrk`` per worker, run together). One gunicorn with ``--workers
+2`` would leave it to the workers' accept race which worker holds which keep-alive
+connection: runs saw 16/0, 15/1 and 11/5 splits of 16 connections, so one case was served
+by one process (one GIL, one core) and the next by two, whatever the app. The split is now
+even, the same for every case.
+
+Besides requests/s, each case's CPU per request: its worker processes' (user + system, from
+``/proc``) and the Redis server's (``INFO cpu``), with Redis commands per request (``INFO
+commandstats``). Those count the work itself, which a machine shared with other jobs
+inflates far less than it inflates wall-time rates. With ``--only Redis`` the run ends by
+saying whether gatekeeper-wsgi is ahead of each peer on the same Redis, by both measures.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
 import shutil
 import statistics
@@ -25,6 +39,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import _common
 
@@ -86,6 +101,61 @@ def serve(spec: str, workers: int, threads: int) -> tuple[subprocess.Popen[bytes
     return server, port
 
 
+class Servers:
+    """``workers`` gunicorns of one gthread worker of ``threads`` threads each, serving
+    ``spec`` on a port of its own (see the module docstring for why not one gunicorn)."""
+
+    def __init__(self, spec: str, workers: int, threads: int) -> None:
+        self.servers: list[subprocess.Popen[bytes]] = []
+        self.ports: list[int] = []
+        try:
+            for _ in range(workers):
+                server, port = serve(spec, 1, threads)
+                self.servers.append(server)
+                self.ports.append(port)
+        except BaseException:
+            self.stop()
+            raise
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds their worker processes used so far (from /proc)."""
+        masters = {server.pid for server in self.servers}
+        ticks = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                # After the command name: state, ppid, ... utime (the 12th), stime.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) in masters:
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            stop(server)
+
+
+def redis_counters(url: str) -> tuple[float, int]:
+    """The Redis server's CPU seconds (user + system) and the commands it ran so far
+    (these INFO calls left out)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        info = client.info("all")
+    finally:
+        client.close()
+    commands = sum(
+        stats["calls"]
+        for name, stats in info.items()
+        if name.startswith("cmdstat_") and name not in ("cmdstat_info", "cmdstat_hello")
+    )
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), commands
+
+
 def warm_up(port: int, requests: int = 50) -> None:
     """A few requests through each worker's imports and connections; each must be a 200."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -101,39 +171,57 @@ def warm_up(port: int, requests: int = 50) -> None:
 
 
 _WRK_RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
+_WRK_COUNT = re.compile(r"(\d+) requests in ")
 _WRK_LATENCY = re.compile(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", re.MULTILINE)
 _WRK_ERRORS = re.compile(r"Non-2xx or 3xx responses: (\d+)|Socket errors: .*")
 _UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 
 
-def load_wrk(port: int, seconds: float, connections: int, threads: int) -> dict[str, float]:
-    output = subprocess.run(
-        [
-            "wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency",
-            "-H", "X-Caller-Id: crm", f"http://127.0.0.1:{port}/orders",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=seconds + 30,
-    ).stdout  # fmt: skip
-    rate = _WRK_RATE.search(output)
-    if rate is None:
-        raise RuntimeError(f"unexpected wrk output:\n{output}")
-    latency = {p: float(v) * _UNIT_MS[unit] for p, v, unit in _WRK_LATENCY.findall(output)}
-    errors = _WRK_ERRORS.search(output)
-    if errors is not None:
-        raise RuntimeError(f"the server refused or failed requests:\n{output}")
-    return {"rps": float(rate.group(1)), "p50_ms": latency["50"], "p99_ms": latency["99"]}
+def load_wrk(
+    port: int | list[int], seconds: float, connections: int, threads: int
+) -> dict[str, float]:
+    """wrk on ``port`` with ``connections`` and ``threads``; on a list of ports, one wrk
+    per port, run together, each with its share of both: requests/s and requests summed,
+    p50 the requests-weighted mean of theirs, p99 the worst."""
+    ports = [port] if isinstance(port, int) else port
+    options = [
+        f"-t{max(1, threads // len(ports))}", f"-c{max(1, connections // len(ports))}",
+        f"-d{seconds:g}s", "--latency", "-H", "X-Caller-Id: crm",
+    ]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            ["wrk", *options, f"http://127.0.0.1:{each}/orders"], stdout=subprocess.PIPE, text=True
+        )
+        for each in ports
+    ]
+    samples = []
+    for run in runs:
+        output, _ = run.communicate(timeout=seconds + 30)
+        rate, count = _WRK_RATE.search(output), _WRK_COUNT.search(output)
+        if run.returncode or rate is None or count is None:
+            raise RuntimeError(f"unexpected wrk output:\n{output}")
+        if _WRK_ERRORS.search(output) is not None:
+            raise RuntimeError(f"the server refused or failed requests:\n{output}")
+        latency = {p: float(v) * _UNIT_MS[unit] for p, v, unit in _WRK_LATENCY.findall(output)}
+        samples.append((float(rate.group(1)), int(count.group(1)), latency))
+    requests = sum(count for _, count, _ in samples)
+    return {
+        "rps": sum(rate for rate, _, _ in samples),
+        "requests": float(requests),
+        "p50_ms": sum(count * latency["50"] for _, count, latency in samples) / max(1, requests),
+        "p99_ms": max(latency["99"] for _, _, latency in samples),
+    }
 
 
-def load_python(port: int, seconds: float, connections: int) -> dict[str, float]:
+def load_python(port: int | list[int], seconds: float, connections: int) -> dict[str, float]:
+    """``connections`` keep-alive clients in Python threads, spread over the ports."""
+    ports = [port] if isinstance(port, int) else port
     latencies: list[list[float]] = [[] for _ in range(connections)]
     stop = time.perf_counter() + seconds
     failures: list[int] = []
 
     def client(index: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=10)
         mine = latencies[index]
         while time.perf_counter() < stop:
             started = time.perf_counter()
@@ -151,18 +239,67 @@ def load_python(port: int, seconds: float, connections: int) -> dict[str, float]
     every = sorted(value for per in latencies for value in per)
     return {
         "rps": len(every) / wall,
+        "requests": float(len(every)),
         "p50_ms": every[len(every) // 2] * 1000,
         "p99_ms": every[int(len(every) * 0.99)] * 1000,
     }
+
+
+def measure(
+    servers: Servers, redis_url: str, generator: str, args: argparse.Namespace
+) -> dict[str, float]:
+    """One round of load on ``servers``, with the CPU it cost per request: the workers',
+    and the Redis server's (the other apps sit idle meanwhile), and Redis commands."""
+    workers_before = servers.cpu_seconds()
+    redis_before = redis_counters(redis_url)
+    if generator == "wrk":
+        sample = load_wrk(servers.ports, args.seconds, args.connections, 2)
+    else:
+        sample = load_python(servers.ports, args.seconds, args.connections)
+    redis_after = redis_counters(redis_url)
+    requests = max(1.0, sample["requests"])
+    sample["worker_cpu_us"] = (servers.cpu_seconds() - workers_before) / requests * 1e6
+    sample["redis_cpu_us"] = (redis_after[0] - redis_before[0]) / requests * 1e6
+    sample["redis_commands"] = (redis_after[1] - redis_before[1]) / requests
+    return sample
+
+
+#: (ours, the peer's) rows compared at the end of a run that has both
+VERSUS = [
+    ("gatekeeper middleware, Redis", "Flask-Limiter, Redis"),
+    ("gatekeeper Django middleware, Redis", "django-ratelimit, Redis"),
+]
+
+
+def verdicts(results: list[dict[str, Any]]) -> list[str]:
+    """For each pair of :data:`VERSUS` in ``results``: whether ours serves at least the
+    peer's requests/s, and whether it costs at most the peer's CPU per request (workers +
+    Redis: the figure a shared machine distorts least)."""
+    rows = {row["label"]: row for row in results}
+    lines = []
+    for ours, peer in VERSUS:
+        if ours not in rows or peer not in rows:
+            continue
+        mine, theirs = rows[ours], rows[peer]
+        cpu = mine["worker_cpu_us"] + mine["redis_cpu_us"]
+        peer_cpu = theirs["worker_cpu_us"] + theirs["redis_cpu_us"]
+        lines.append(
+            f"{ours} vs {peer}: {mine['rps'] / theirs['rps']:.2f}x the requests/s "
+            f"({'ahead' if mine['rps'] >= theirs['rps'] else 'BEHIND'}: "
+            f"{mine['rps']:,.0f} vs {theirs['rps']:,.0f}); "
+            f"{cpu / peer_cpu:.2f}x the CPU per request "
+            f"({'ahead' if cpu <= peer_cpu else 'BEHIND'}: {cpu:,.0f} vs {peer_cpu:,.0f} µs)"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="per app and round")
     parser.add_argument("--rounds", type=int, default=3, help="the median is reported")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="gunicorns of one worker each")
     parser.add_argument("--threads", type=int, default=4, help="per worker")
-    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--connections", type=int, default=16, help="shared by the workers")
     parser.add_argument("--redis-url", help="an existing Redis nobody else uses")
     parser.add_argument("--python-client", action="store_true", help="even if wrk exists")
     parser.add_argument("--only", help="run the cases whose label contains this")
@@ -170,36 +307,40 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     generator = "wrk" if shutil.which("wrk") and not args.python_client else "python"
     cases = [case for case in CASES if args.only is None or args.only in case[0]]
+    load_before = os.getloadavg()[0]
     with ExitStack() as stack:
         redis_url = stack.enter_context(_common.redis_server(args.redis_url))
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=_tmpfs())))
-        ports = {}
+        servers: dict[str, Servers] = {}
         for label, framework, way, kind in cases:  # all up at once, idle until their turn
             url = backend_url(framework, way, kind, redis_url, directory)
             cache = redis_url if framework == "django" and kind == "redis" else ""
             spec = f"_common:make_app({framework!r}, {way!r}, {url!r}, {cache!r})"
-            server, ports[label] = serve(spec, args.workers, args.threads)
-            stack.callback(stop, server)
-        for port in ports.values():
-            warm_up(port)
-        samples: dict[str, list[dict[str, float]]] = {label: [] for label in ports}
+            servers[label] = Servers(spec, args.workers, args.threads)
+            stack.callback(servers[label].stop)
+        for each in servers.values():
+            for port in each.ports:
+                warm_up(port)
+        samples: dict[str, list[dict[str, float]]] = {label: [] for label in servers}
         for _ in range(args.rounds):  # interleaved, so noise from elsewhere hits all alike
-            for label, port in ports.items():
-                if generator == "wrk":
-                    sample = load_wrk(port, args.seconds, args.connections, 2)
-                else:
-                    sample = load_python(port, args.seconds, args.connections)
-                samples[label].append(sample)
+            for label, each in servers.items():
+                samples[label].append(measure(each, redis_url, generator, args))
+    load_after = os.getloadavg()[0]
     results = []
     for label, framework, _way, _kind in cases:
         result = {
             name: statistics.median(sample[name] for sample in samples[label])
-            for name in ("rps", "p50_ms", "p99_ms")
+            for name in ("rps", "p50_ms", "p99_ms", "worker_cpu_us", "redis_cpu_us")
         }
+        result["redis_commands"] = statistics.median(
+            sample["redis_commands"] for sample in samples[label]
+        )
         results.append({"label": label, "framework": framework, **result})
         print(
-            f"{label:46}{result['rps']:>10,.0f} req/s  p50 {result['p50_ms']:6.2f} ms"
-            f"  p99 {result['p99_ms']:6.2f} ms"
+            f"{label:46}{result['rps']:>8,.0f} req/s  p50 {result['p50_ms']:6.2f} ms"
+            f"  p99 {result['p99_ms']:6.2f} ms  CPU/request: workers "
+            f"{result['worker_cpu_us']:5,.0f} µs, Redis {result['redis_cpu_us']:4,.0f} µs "
+            f"({result['redis_commands']:5.2f} commands)"
         )
     meta = {
         "generator": generator,
@@ -208,12 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "connections": args.connections,
         "seconds": args.seconds,
+        "load_average": [load_before, load_after],
     }
     print(
-        f"gunicorn {args.workers} workers x {args.threads} threads (gthread), "
-        f"{generator} with {args.connections} keep-alive connections, medians of "
-        f"{args.rounds} rounds of {args.seconds:g} s per app"
+        f"{args.workers} gunicorns x 1 worker x {args.threads} threads (gthread), "
+        f"{generator} with {args.connections} keep-alive connections split evenly, medians "
+        f"of {args.rounds} rounds of {args.seconds:g} s per app; load average "
+        f"{load_before:.2f} at the start, {load_after:.2f} at the end on "
+        f"{os.cpu_count()} cores"
     )
+    for line in verdicts(results):
+        print(line)
     if args.json is not None:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
