@@ -428,13 +428,13 @@ def _die_inside_the_lock(path: str, conn: Connection) -> None:
     held = [gk.admit("shop", "api", "c") for _ in range(2)]
     backend = gk.backend
     assert isinstance(backend, SharedBackend)
-    mm = backend._enter()
-    node = backend._keys.find(backend._keys.key("shop"))
-    offset = backend._nodes_off + node * backend._node_size
-    backend._journal.save(offset, NODE_HEAD)
-    struct.pack_into("<I", mm, offset, struct.unpack_from("<I", mm, offset)[0] + 5)
-    conn.send("inside")
-    conn.recv()  # never comes
+    with backend._transaction as mm:  # never left: the process is killed inside
+        node = backend._keys.find(backend._keys.key("shop"))
+        offset = backend._nodes_off + node * backend._node_size
+        backend._journal.save(offset, NODE_HEAD)
+        struct.pack_into("<I", mm, offset, struct.unpack_from("<I", mm, offset)[0] + 5)
+        conn.send("inside")
+        conn.recv()  # never comes
     del held
 
 

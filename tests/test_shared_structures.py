@@ -490,13 +490,13 @@ def _update_then_die(path: Path, seed: int, kill_at: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return tracer
 
-    mm = backend._enter()
-    sys.settrace(tracer)
-    for offset, data in writes:
-        backend._journal.save(offset, len(data))
-        mm[offset : offset + len(data)] = data
-    sys.settrace(None)
-    os.kill(os.getpid(), signal.SIGKILL)
+    with backend._transaction as mm:  # never left: the process dies inside
+        sys.settrace(tracer)
+        for offset, data in writes:
+            backend._journal.save(offset, len(data))
+            mm[offset : offset + len(data)] = data
+        sys.settrace(None)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @settings(

@@ -78,6 +78,9 @@ def _lease_slot(slots: Sequence[Slot]) -> int:
 
 
 class _SharedGrant(Grant):
+    """An admission on the shared table: the lease it holds (index, owner pid, serial, in
+    the table of ``epoch``) and what its release gives back (nodes, window stamps)."""
+
     __slots__ = ("admitted", "epoch", "lease", "nodes", "pid", "sample", "serial", "stamps")
 
     def __init__(

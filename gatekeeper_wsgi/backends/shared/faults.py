@@ -1,8 +1,8 @@
 """What the structures of a shared table raise when a request cannot be tracked or the
 table holds values no correct process writes. The backend turns them into what leaves it:
-:class:`NoRoom` into a ``CapacityError`` for the slot being worked on, :class:`Damaged`
-into a re-created table. Plain exceptions, no state of the table: every structure module
-imports them without importing the backend.
+:class:`NoRoom` into a ``CapacityError`` for the slot being worked on (:mod:`.backend`),
+:class:`Damaged` into a re-created table (:mod:`.table`). Plain exceptions, no state of the
+table: every structure module imports them without importing the backend.
 """
 
 from __future__ import annotations
