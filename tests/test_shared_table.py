@@ -1,24 +1,35 @@
-"""The shared table's locked sections (``backends/shared/table.py``): an update and a look
-run in one context manager; a look that fails passes its error on and leaves the table as
-it was, both locks free; the reads that answer a default when the table cannot be
-reached do."""
+"""The shared table (``backends/shared/table.py``, ``url.py``): an update and a look run in
+one context manager; a look that fails passes its error on and leaves the table as it was,
+both locks free; the reads that answer a default when the table cannot be reached do; a
+fork while another thread holds the locks leaves the child a table it can use; any URL is
+options in range or a ConfigError."""
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import multiprocessing
 import os
+import signal
 import struct
 import threading
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.backends.shared import SharedBackend
 from gatekeeper_wsgi.backends.shared.table import Recreated
+from gatekeeper_wsgi.backends.shared.url import parse_url
+from gatekeeper_wsgi.errors import ConfigError
 from tests.conftest import FakeClock
+
+#: seconds a child may take to report: a bound against a hang, never a timing asserted
+DEADLINE = 30.0
 
 _FLOCK = struct.Struct("hhxxxxqqixxxx")
 
@@ -136,3 +147,78 @@ def test_an_adaptive_limit_of_a_megabyte_key_is_the_initial_one(tmp_path: Path) 
     assert (tmp_path / "a.shm").read_bytes() == before
     assert _file_lock_free(tmp_path / "a.shm")
     gk.close()
+
+
+def _admit_inherited(gk: GateKeeper, conn: Connection) -> None:
+    """In a forked child: report, admit through the parent's GateKeeper, report again."""
+    conn.send("forked")
+    admission = gk.admit("shop", "api", "child")
+    conn.send(("admitted", gk.inflight()["shop"]))
+    conn.recv()  # holds its slot until killed
+    admission.release(200)
+
+
+@pytest.mark.slow
+def test_a_fork_while_another_thread_holds_the_locks_leaves_the_child_a_usable_table(
+    tmp_path: Path,
+) -> None:
+    """Forked while a thread of the parent is inside an update (thread lock and file lock
+    held), the child neither inherits the held thread lock nor shares the parent's file
+    lock: it waits for the parent's update like any process, then counts with it."""
+    gk = GateKeeper(_settings(tmp_path / "t.shm", {"shop": {"concurrency": 3}}))
+    backend = gk.backend
+    assert isinstance(backend, SharedBackend)
+    held = gk.admit("shop", "api", "parent")
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold_the_locks() -> None:
+        with backend._transaction:
+            inside.set()
+            leave.wait()
+
+    holder = threading.Thread(target=hold_the_locks)
+    holder.start()
+    assert inside.wait(DEADLINE)
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=_admit_inherited, args=(gk, child), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(DEADLINE) and parent.recv() == "forked"
+        assert not _file_lock_free(tmp_path / "t.shm")  # the parent's update is still on
+        leave.set()
+        holder.join()
+        assert parent.poll(DEADLINE)
+        assert parent.recv() == ("admitted", 2)
+        assert gk.inflight()["shop"] == 2
+    finally:
+        leave.set()
+        holder.join()
+        os.kill(process.pid, signal.SIGKILL)
+        process.join()
+    held.release(200)
+    gk.admit("shop", "api", "parent").release(200)  # reclaims the killed child's slot
+    assert gk.inflight()["shop"] == 0
+    gk.close()
+
+
+def test_a_5000_digit_size_is_refused_quoting_a_bounded_value(tmp_path: Path) -> None:
+    """A 5000-digit option is refused, with a message of bounded length (at most 40
+    characters of the value, 200 of the URL), and no file is made."""
+    with pytest.raises(ConfigError, match="expected a positive integer") as info:
+        SharedBackend.from_url(f"shared://{tmp_path}/t.shm?size={'9' * 5000}")
+    assert len(str(info.value)) < 400
+    assert not (tmp_path / "t.shm").exists()
+
+
+@given(st.text(max_size=200))
+def test_any_query_is_options_in_range_or_a_config_error(query: str) -> None:
+    """Whatever follows the ``?``, the URL parses into known options with values in
+    [1, 2**31), or it is a ConfigError: never another exception."""
+    try:
+        path, options = parse_url(f"shared:///run/gatekeeper/t.shm?{query}")
+    except ConfigError:
+        return
+    assert path == "/run/gatekeeper/t.shm"
+    assert set(options) <= {"size", "leases", "procs", "windows", "mode"}
+    assert all(1 <= value < 1 << 31 for value in options.values())
