@@ -130,8 +130,9 @@ def overhead_table(groups: list[dict[str, Any]]) -> list[str]:
 
 def throughput_table(data: dict[str, Any]) -> list[str]:
     lines = [
-        "| app | way, backend | requests/s | x bare | p50 ms | p99 ms |",
-        "|---|---|--:|--:|--:|--:|",
+        "| app | way, backend | requests/s | x bare | p50 ms | p99 ms | workers' CPU µs per "
+        "request | Redis CPU µs per request |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
     ]
     bare = {
         row["framework"]: row["rps"] for row in data["results"] if row["label"].startswith("bare")
@@ -140,7 +141,7 @@ def throughput_table(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {row['framework'].title()} | {row['label']} | {row['rps']:,.0f} | "
             f"{_ratio(row['rps'], bare[row['framework']])} | {row['p50_ms']:.2f} | "
-            f"{row['p99_ms']:.2f} |"
+            f"{row['p99_ms']:.2f} | {row['worker_cpu_us']:,.0f} | {row['redis_cpu_us']:,.0f} |"
         )
     return lines
 
@@ -221,10 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Throughput under gunicorn",
         "",
-        f"`python benchmarks/throughput.py`: gunicorn {meta['workers']} workers x "
-        f"{meta['threads']} threads (gthread) on 127.0.0.1, load from {meta['generator']} "
-        f"on the same machine with {meta['connections']} keep-alive connections, median of "
-        f"{meta['rounds']} interleaved rounds of {meta['seconds']:g} s per app. The server, "
+        f"`python benchmarks/throughput.py`: {meta['workers']} gunicorns of one gthread "
+        f"worker x {meta['threads']} threads on 127.0.0.1, load from {meta['generator']} "
+        f"on the same machine with {meta['connections']} keep-alive connections split evenly "
+        f"between the workers, median of {meta['rounds']} interleaved rounds of "
+        f"{meta['seconds']:g} s per app. The server, "
         "Redis and the load generator share the cores, so this measures the whole host's "
         "work per request. The peers' in-process memory stores count per worker (each "
         "limit is enforced N times over with N workers); gatekeeper-wsgi runs on the "
