@@ -6,6 +6,7 @@ options in range or a ConfigError."""
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import logging
 import multiprocessing
@@ -27,6 +28,12 @@ from gatekeeper_wsgi.backends.shared.table import Recreated
 from gatekeeper_wsgi.backends.shared.url import parse_url
 from gatekeeper_wsgi.errors import ConfigError
 from tests.conftest import FakeClock
+
+PACKAGE = Path(SharedBackend.__module__.replace(".", "/")).parent
+#: where the locks are taken and dropped by hand: the transaction itself, and the table's
+#: entry, which drops them again when the checks on the way in fail
+LOCKING = {("journal.py", "Transaction.__enter__"), ("journal.py", "Transaction.__exit__")}
+LOCKING |= {("table.py", "Table._enter")}
 
 #: seconds a child may take to report: a bound against a hang, never a timing asserted
 DEADLINE = 30.0
@@ -222,3 +229,29 @@ def test_any_query_is_options_in_range_or_a_config_error(query: str) -> None:
     assert path == "/run/gatekeeper/t.shm"
     assert set(options) <= {"size", "leases", "procs", "windows", "mode"}
     assert all(1 <= value < 1 << 31 for value in options.values())
+
+
+def _lock_calls() -> set[tuple[str, str]]:
+    """(file, Class.method) of every call of ``_enter()`` or ``_leave()`` in the package."""
+    root = Path(__file__).resolve().parent.parent / PACKAGE
+    found = set()
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for klass in [node for node in tree.body if isinstance(node, ast.ClassDef)]:
+            for method in [node for node in klass.body if isinstance(node, ast.FunctionDef)]:
+                for node in ast.walk(method):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("_enter", "_leave")
+                    ):
+                        found.add((path.name, f"{klass.name}.{method.name}"))
+    return found
+
+
+def test_every_locked_section_goes_through_the_transaction() -> None:
+    """No method of the shared package takes or drops the table's locks by hand: every
+    update and every look is a ``with`` of the one Transaction (issue 18)."""
+    calls = _lock_calls()
+    assert ("journal.py", "Transaction.__enter__") in calls  # the scan sees the calls
+    assert calls <= LOCKING
