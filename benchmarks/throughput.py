@@ -59,10 +59,15 @@ CASES = [
 ]
 
 
-def backend_url(framework: str, way: str, kind: str, redis_url: str, directory: Path) -> str:
+def backend_url(
+    framework: str, way: str, kind: str, redis_url: str, directory: Path, options: str = ""
+) -> str:
+    """The backend of a case; ``options``, a URL query, go to gatekeeper-wsgi's Redis."""
     if kind == "shared":
         return f"shared://{directory}/{framework}-{way}.shm"
     if kind == "redis":
+        if options and way.startswith("gatekeeper"):
+            return f"{redis_url}?{options}"
         return redis_url
     if way == "flask-limiter":
         return "memory://"
@@ -304,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-client", action="store_true", help="even if wrk exists")
     parser.add_argument("--only", help="run the cases whose label contains this")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--redis-options", default="", help="a query for gatekeeper-wsgi's Redis URL, e.g. "
+        "flush_interval=0.005 (the peers' Redis is left as it is)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     generator = "wrk" if shutil.which("wrk") and not args.python_client else "python"
     cases = [case for case in CASES if args.only is None or args.only in case[0]]
@@ -313,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=_tmpfs())))
         servers: dict[str, Servers] = {}
         for label, framework, way, kind in cases:  # all up at once, idle until their turn
-            url = backend_url(framework, way, kind, redis_url, directory)
+            url = backend_url(framework, way, kind, redis_url, directory, args.redis_options)
             cache = redis_url if framework == "django" and kind == "redis" else ""
             spec = f"_common:make_app({framework!r}, {way!r}, {url!r}, {cache!r})"
             servers[label] = Servers(spec, args.workers, args.threads)
@@ -350,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "connections": args.connections,
         "seconds": args.seconds,
         "load_average": [load_before, load_after],
+        "redis_options": args.redis_options,
     }
     print(
         f"{args.workers} gunicorns x 1 worker x {args.threads} threads (gthread), "
