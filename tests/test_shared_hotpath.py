@@ -4,13 +4,22 @@ when an update is rolled back: by a peek, by an error, by a process killed at an
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
 
-from gatekeeper_wsgi import GateKeeper, Rejected
-from tests.conftest import busy
+from gatekeeper_wsgi import Admission, GateKeeper, Rejected
+from gatekeeper_wsgi.backends.shared import SharedBackend, journal, plans, windows
+from gatekeeper_wsgi.backends.shared.layout import MUT_END, MUT_START
+from gatekeeper_wsgi.backends.shared.reads import read_inflight
+from tests.conftest import FakeClock, busy
 
 
 def settings_for(path: Path, limits: dict[str, Any]) -> dict[str, Any]:
@@ -38,3 +47,140 @@ def test_a_query_on_a_fresh_table_leaves_what_is_in_flight_counted(
         admission.release(200)
     assert busy(gk) == {}
     gk.close()
+
+
+# --- a process killed at any line of an admission or release by plan ------------------------
+
+#: a caller-level key with a rate (its window) under two concurrency levels
+PLANNED = {
+    "shop": {"concurrency": 5},
+    "shop/orders": {"concurrency": 4},
+    "shop/orders/*": {"concurrency": 3, "rate": "100/minute"},
+}
+#: the modules that write the table on the way of a planned admission and release
+WRITERS = tuple(
+    sys.modules[name].__file__ for name in (plans.__name__, journal.__name__, windows.__name__)
+)
+
+
+def _admitted(path: Path, clock: FakeClock, warm: int) -> tuple[GateKeeper, Admission]:
+    """A table that admitted and released ``warm`` requests (one a second: a window of
+    ``warm`` entries), the next one admitted and held: its plan is made."""
+    gk = GateKeeper(settings_for(path, PLANNED), clock=clock)
+    for _ in range(warm):
+        gk.admit("shop", "orders", "crm").release(200)
+        clock.advance(1.0)
+    held = gk.admit("shop", "orders", "crm")
+    clock.advance(1.0)
+    return gk, held
+
+
+def _step(gk: GateKeeper, held: Admission, stage: str) -> None:
+    """The update a child is killed in: a second admission by plan, or the release."""
+    if stage == "admit":
+        gk.admit("shop", "orders", "crm")
+    else:
+        held.release(200)
+
+
+def _state(path: Path) -> tuple[object, ...]:
+    """What a table counts, read as the next process to open it sees it (its journal
+    rolled back first), nothing reclaimed: in flight and window entries per key, the
+    live leases, the header's lease, key and window chunk counters."""
+    backend = SharedBackend(path)
+    try:
+        with backend._reading as mm:
+            keys = backend._keys
+            windows = {
+                keys.view(node)[1]: tuple(backend._windows.stamps(node)) for node in keys.in_use()
+            }
+            counters = bytes(mm[MUT_START:MUT_END])
+            return read_inflight(keys), windows, backend._leases.live(), counters
+    finally:
+        backend.close()
+
+
+def _step_then_die(path: Path, warm: int, stage: str, kill_at: int, report: Connection) -> None:
+    """In a forked child: make the table, then SIGKILL this process at line ``kill_at``
+    run in the writing modules during the step (or tell how many lines there were and
+    die after it)."""
+    gk, held = _admitted(path, FakeClock(), warm)
+    lines = 0
+
+    def tracer(frame: FrameType, event: str, arg: object) -> object:
+        nonlocal lines
+        if frame.f_code.co_filename not in WRITERS:
+            return None
+        if event == "line":
+            lines += 1
+            if lines == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return tracer
+
+    sys.settrace(tracer)
+    _step(gk, held, stage)
+    sys.settrace(None)
+    report.send(lines)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_child(path: Path, warm: int, stage: str, kill_at: int) -> int | None:
+    """Fork :func:`_step_then_die`; the lines it counted if it lived through the step."""
+    ours, theirs = multiprocessing.Pipe(duplex=False)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        try:
+            _step_then_die(path, warm, stage, kill_at, theirs)
+        finally:
+            os._exit(1)
+    theirs.close()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    try:
+        lines: int | None = ours.recv()
+    except EOFError:  # killed before it could tell
+        lines = None
+    ours.close()
+    return lines
+
+
+@pytest.mark.parametrize("stage", ["admit", "release"])
+@pytest.mark.parametrize("warm", [1, 5], ids=["window-entry", "new-window-chunk"])
+def test_a_kill_at_any_line_of_a_planned_update_leaves_before_or_after(
+    tmp_path: Path, stage: str, warm: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker SIGKILLed at any line the planned admission or release runs in the
+    modules that write the table leaves it, once the next process rolls the journal
+    back, exactly as before the update or as after it (in flight, window entries,
+    leases, counters; never re-created); once its slots are reclaimed the limit admits
+    exactly its capacity again."""
+    clock = FakeClock()
+    reference = tmp_path / "reference.shm"
+    gk, held = _admitted(reference, clock, warm)
+    before = _state(reference)
+    _step(gk, held, stage)
+    after = _state(reference)
+    gk.close()
+    assert before != after
+    total = _run_child(tmp_path / "count.shm", warm, stage, 0)
+    assert total is not None and total > 20
+    seen = set()
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        for kill_at in range(1, total + 1):
+            path = tmp_path / f"kill-{kill_at}.shm"
+            assert _run_child(path, warm, stage, kill_at) is None
+            state = _state(path)
+            assert state in (before, after), f"killed at line {kill_at}"
+            seen.add(state == after)
+            if kill_at % 16 == 1:  # reclaim and capacity, on some of the tables
+                survivor = GateKeeper(settings_for(path, PLANNED), clock=FakeClock(2000.0))
+                assert busy(survivor) == {}
+                admitted = [survivor.admit("shop", "orders", "crm") for _ in range(3)]
+                with pytest.raises(Rejected):
+                    survivor.admit("shop", "orders", "crm")
+                for admission in admitted:
+                    admission.release(200)
+                survivor.close()
+            path.unlink()
+    assert seen == {False, True}  # killed both before and after the commit point
+    assert not [record for record in caplog.records if "damaged" in record.getMessage()]

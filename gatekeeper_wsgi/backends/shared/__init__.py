@@ -20,6 +20,8 @@ table:
   boot's id;
 - :mod:`.tickets`: the queues' lines, FIFO across the processes of the host, and their
   wake-ups;
+- :mod:`.plans`: the per-request path: an admission (and its release) of slots admitted
+  before, by the node offsets found then, while no key has left the table since;
 - :mod:`.table`: :class:`~.table.Table`: the file, its map and its locks, attaching,
   initialising, damage and re-creation, fork handling, the structures of the current map;
 - :mod:`.url`: the ``shared://`` URL and its options;

@@ -35,6 +35,7 @@ from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
 from gatekeeper_wsgi.backends.shared.files import DEFAULT_MODE
 from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK
 from gatekeeper_wsgi.backends.shared.layout import H_HEAP_LEN, H_WAITING, MAX_REFS, NODE_HEAD, U32
+from gatekeeper_wsgi.backends.shared.plans import Plan
 from gatekeeper_wsgi.backends.shared.reads import (
     read_adaptive,
     read_inflight,
@@ -79,9 +80,10 @@ def _lease_slot(slots: Sequence[Slot]) -> int:
 
 class _SharedGrant(Grant):
     """An admission on the shared table: the lease it holds (index, owner pid, serial, in
-    the table of ``epoch``) and what its release gives back (nodes, window stamps)."""
+    the table of ``epoch``), what its release gives back (nodes, window stamps) and the
+    plan it was admitted by, if any."""
 
-    __slots__ = ("admitted", "epoch", "lease", "nodes", "pid", "sample", "serial", "stamps")
+    __slots__ = ("admitted", "epoch", "lease", "nodes", "pid", "plan", "sample", "serial", "stamps")
 
     def __init__(
         self,
@@ -107,6 +109,8 @@ class _SharedGrant(Grant):
         #: (faulty, now) of :meth:`SharedBackend.observe`: fed to the adaptive limits by
         #: the release, under the lock that release takes anyway
         self.sample: tuple[bool, float] | None = None
+        #: the plan it was admitted by (its release goes by it too); None: not by one
+        self.plan: Plan | None = None
 
 
 class SharedBackend(Table):
@@ -219,8 +223,16 @@ class SharedBackend(Table):
         """:meth:`acquire` for ``turn``, the place of the first waiter of a line
         (:mod:`.tickets`), which lines do not bar: a grant takes it out of its line. Errors
         leave as BackendError, as the transaction wraps them."""
+        plans = self._plans
+        plan = plans.find(slots) if plans is not None and turn is None else None
+        planned = None
+        if plan is not None:
+            # Made before the lock is taken, under which only its lease is filled in.
+            stamps = [None if check[4] is None else now for check in plan.checks]
+            planned = _SharedGrant(slots, (), 0, self._pid, 0, 0, plan.nodes, stamps)
+            planned.plan = plan
         try:
-            result, owners = self._locked(slots, now, keep=True, turn=turn)
+            result, owners = self._locked(slots, now, keep=True, turn=turn, planned=planned)
         except Recreated:  # decided again on the new table
             result, owners = self._locked(slots, now, keep=True)
         if owners and isinstance(result, Denial) and self._reap(owners):
@@ -256,9 +268,27 @@ class SharedBackend(Table):
         return result if isinstance(result, Denial) else None
 
     def _locked(
-        self, slots: Sequence[Slot], now: float, *, keep: bool, turn: Place | None = None
+        self,
+        slots: Sequence[Slot],
+        now: float,
+        *,
+        keep: bool,
+        turn: Place | None = None,
+        planned: _SharedGrant | None = None,
     ) -> tuple[Grant | Denial, list[tuple[int, int, int]]]:
+        """Admit (``keep``) or peek under the lock: (the grant or the denial, the other
+        registered processes after a denial, for :meth:`_reap`). ``planned``: the grant
+        of an admission by its plan (:mod:`.plans`), tried first, its lease to fill in."""
         with self._transaction as mm:
+            if planned is not None:
+                plans = self._plans
+                assert plans is not None and planned.plan is not None
+                taken = plans.admit(planned.plan, now, self._pid, self._procs.slot_at)
+                if taken is not None:
+                    planned.lease, planned.serial = taken
+                    planned.epoch = self._epoch
+                    self._held += 1
+                    return planned, []
             self._mature(mm, now)
             if keep:
                 try:
@@ -283,7 +313,12 @@ class SharedBackend(Table):
                 if turn is not None:
                     self._lines.settle(turn, slots, result)
                 self._journal.commit()
-                self._held += isinstance(result, _SharedGrant)
+                if isinstance(result, _SharedGrant):
+                    self._held += 1
+                    # The next admission of these very slots may go by plan.
+                    plans = self._plans
+                    assert plans is not None
+                    result.plan = plans.remember(slots, result.nodes)
             else:
                 self._rollback()
             return result, owners
@@ -302,8 +337,15 @@ class SharedBackend(Table):
     ) -> None:
         with self._transaction as mm:
             if grant.epoch == self._epoch:
-                self._release(grant, status, delay, now)
-                self._journal.commit()
+                plan = grant.plan
+                if plan is not None and plan.plain and delay <= 0 and grant.sample is None:
+                    # The same epoch is the same table and layout: the plan's offsets hold.
+                    plans = self._plans
+                    assert plans is not None
+                    plans.release(plan, grant.lease, grant.pid, grant.serial)
+                else:
+                    self._release(grant, status, delay, now)
+                    self._journal.commit()
                 self._held = max(0, self._held - 1)
             self._mature(mm, now)
             if U32.unpack_from(mm, H_WAITING)[0]:

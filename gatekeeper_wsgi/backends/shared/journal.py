@@ -35,6 +35,7 @@ from gatekeeper_wsgi.errors import BackendError
 
 #: (offset, length) of the header's mutable block (its counters), for :meth:`Journal.save_all`
 HEADER_BLOCK = (MUT_START, MUT_END - MUT_START)
+_HEADER_ENTRY = JENTRY.pack(*HEADER_BLOCK)
 
 
 class Journal:
@@ -99,6 +100,41 @@ class Journal:
         # Only now are the entries part of the journal: nothing they cover changed yet.
         U32.pack_into(mm, H_JLEN, end)
         self._jlen = end
+
+    def save_first(
+        self,
+        heads: tuple[bytes, ...],
+        offsets: tuple[int, ...],
+        length: int,
+        saved: dict[int, int],
+        at: int,
+        size: int,
+    ) -> None:
+        """The first save of an update that knows its ranges (:mod:`.plans`): ``length``
+        bytes at each of ``offsets`` (``heads``: their entries' packed (offset, length)),
+        the header's mutable block, and ``size`` bytes at ``at``; ``saved`` maps the
+        offsets and the block to their lengths (``at`` is added). As :meth:`save_all`,
+        in one write, without its per-range bookkeeping."""
+        if self._jlen:
+            self.save_all([*((offset, length) for offset in offsets), HEADER_BLOCK, (at, size)])
+            return
+        mm = self._mm
+        parts: list[bytes] = []
+        for head, offset in zip(heads, offsets, strict=True):
+            parts += (head, mm[offset : offset + length])
+        parts += (_HEADER_ENTRY, mm[MUT_START:MUT_END], JENTRY.pack(at, size), mm[at : at + size])
+        entries = b"".join(parts)
+        end = len(entries)
+        if end > self._cap:
+            raise BackendError(f"shared table {self._name!r}: update too large for its journal")
+        base = self._base
+        mm[base : base + end] = entries
+        # Only now are the entries part of the journal: nothing they cover changed yet.
+        U32.pack_into(mm, H_JLEN, end)
+        self._jlen = end
+        saved = saved.copy()
+        saved[at] = size
+        self._saved = saved
 
     def save_header(self) -> None:
         """Save the header's mutable block (its counters), once per update."""

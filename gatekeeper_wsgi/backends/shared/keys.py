@@ -25,7 +25,9 @@ from gatekeeper_wsgi.backends.shared.faults import NoRoom
 from gatekeeper_wsgi.backends.shared.journal import Journal, Structure
 from gatekeeper_wsgi.backends.shared.layout import (
     CHAIN,
+    H_KEYGEN,
     H_NODES_USED,
+    KEYGEN,
     LRU_SCAN,
     N_NEXT,
     N_PREV,
@@ -248,6 +250,9 @@ class KeyTable(Structure):
         registry = view.registry
         if registry:
             self._untrack(registry - 1, node)
+        # Before the tag goes: a process that remembers this node for the key must look
+        # again (raised, not journaled: a rollback that keeps the key costs a look only).
+        KEYGEN.pack_into(mm, H_KEYGEN, KEYGEN.unpack_from(mm, H_KEYGEN)[0] + 1)
         tag_at = self._tags_off + node * 4
         self._save(tag_at, 4)
         U32.pack_into(mm, tag_at, 0)

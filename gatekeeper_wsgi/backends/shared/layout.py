@@ -3,7 +3,7 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
 
     header, 4096 bytes
       0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-      8   4  u32 layout version (5)
+      8   4  u32 layout version (6)
      12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
      16   8  u64 epoch: random, new at every initialisation; grants of another epoch
              are void
@@ -26,6 +26,9 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
      88   4  u32 first free waiter + 1 (0: none)           |  the journal as one
      92   4  u32 waiters ever used (bump mark)             |  range
      96   4  u32 lines in use (the first n line entries)   |
+    104   8  u64 key generation: raised before a key leaves its node (an eviction,
+             not journaled: an update rolled back leaves it raised). A process may
+             count on the node it found a key in while this is unchanged
     256  16  boot id (/proc/sys/kernel/random/boot_id): another boot = stale table
     272   4  u32 key bytes per node (K, including a NUL terminator)
     276   4  u32 hash buckets (m)
@@ -108,8 +111,8 @@ MAGIC = b"GKSHARED"
 #: killed half-way leaves a file that is recognisably ours and unfinished.
 MAGIC_INIT = b"GKSHINIT"
 #: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges;
-#: 5: the queues' lines (waiters, lines)
-VERSION = 5
+#: 5: the queues' lines (waiters, lines); 6: the key generation at 104
+VERSION = 6
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF
@@ -186,6 +189,13 @@ H_CHECK = 72
 #: ever used, lines in use; journaled as one block
 H_WAITING = 80
 H_LINES_END = 100
+#: the key generation (u64): raised before any key leaves its node
+H_KEYGEN = 104
+KEYGEN = struct.Struct("<Q")
+#: at H_LIVE, what every admission and release reads first: the lease counters (live,
+#: first free, bump mark, heap entries, last serial), the waiters at H_WAITING and the
+#: key generation at H_KEYGEN, in one read
+HOT_HEADER = struct.Struct("<5I36xI20xQ")
 LINES_HEAD = struct.Struct("<5I")  # at H_WAITING
 H_BOOT = 256
 H_GEOMETRY = 272

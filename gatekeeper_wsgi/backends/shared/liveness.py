@@ -145,6 +145,12 @@ class Processes(Structure):
         PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
         self._mine = free
 
+    @property
+    def slot_at(self) -> int:
+        """The offset of this process's slot once :meth:`register` gave it one, else -1
+        (whether it still holds this pid is for the caller to read, under the lock)."""
+        return -1 if self._mine < 0 else self._base + self._mine * PROC_SIZE
+
     def high(self) -> int:
         """Process slots ever used (the bump mark); :class:`Damaged` if out of range."""
         high: int = U32.unpack_from(self._mm, H_PROCS_HIGH)[0]

@@ -61,6 +61,7 @@ from gatekeeper_wsgi.backends.shared.liveness import (
     is_dead,
     proc_stat,
 )
+from gatekeeper_wsgi.backends.shared.plans import Plans
 from gatekeeper_wsgi.backends.shared.tickets import Bell, Lines
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.config import Config
@@ -167,6 +168,8 @@ class Table(Backend):
         self._pid = os.getpid()
         self._fd = -1
         self._mm: mmap.mmap | None = None
+        #: the plans of the map (:mod:`.plans`), None while there is none
+        self._plans: Plans | None = None
         self._closed = False
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
@@ -208,6 +211,7 @@ class Table(Backend):
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+        self._plans = None
         self._layout = None
         self._epoch = 0
 
@@ -216,6 +220,7 @@ class Table(Backend):
         lock the parent may hold. Close it now; the child opens its own on first use."""
         mm, fd = self._mm, self._fd
         self._mm = None
+        self._plans = None
         self._fd = -1
         self._tlock = threading.Lock()
         self._pid = os.getpid()
@@ -239,6 +244,13 @@ class Table(Backend):
         try:
             if self._fd < 0:
                 self._open()
+            # Touching the map of a file cut shorter than it is SIGBUS: check the size
+            # first (one lseek, ~0.3 µs), before the file lock, which other processes
+            # then do not wait for (a process re-creating the table cuts the file and
+            # grows it back under that lock, never below its old size). This catches a
+            # truncation between two updates; a writer ignoring the lock can still cut
+            # the file inside one.
+            short = file_size(self._fd) < self._total
             lock_file(self._fd)
         except (OSError, ConfigError) as exc:
             self._tlock.release()
@@ -246,10 +258,7 @@ class Table(Backend):
         try:
             try:
                 mm = self._mm
-                # Touching the map of a file cut shorter than it is SIGBUS: check the size
-                # first (one lseek, ~0.3 µs). This catches a truncation between two updates;
-                # a writer ignoring the lock can still cut the file inside one.
-                if mm is None or file_size(self._fd) < self._total:
+                if mm is None or short:
                     self._attach()
                 else:
                     magic, version, jlen, epoch = STATE.unpack_from(mm, 0)
@@ -415,6 +424,7 @@ class Table(Backend):
         self._nodes_off = layout.nodes_off
         self._node_size = layout.node_size
         self._lines = Lines(mm, layout, journal, self._bell.ring)
+        self._plans = Plans(mm, layout, journal, windows)
 
     def _initialise(self, layout: Layout, size: int) -> None:
         """Write an empty table of ``layout`` into the file (``size`` bytes now). Under the
