@@ -32,7 +32,7 @@ DEADLINE = 20.0
 def _hold_lock(path: str, conn: Connection) -> None:
     """In a child process: take the lock, write a mark under it, hold it until told."""
     fd = os.open(path, os.O_RDWR)
-    filelock.lock_file(fd)
+    filelock.sized_lock(fd)
     os.pwrite(fd, b"child", 0)
     conn.send("held")
     conn.recv()
@@ -49,7 +49,7 @@ def _blocked_on(inode: int) -> bool:
 
 
 def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
-    """While another process holds the lock, lock_file() waits, and returns once that
+    """While another process holds the lock, sized_lock() waits, and returns once that
     process unlocks, seeing what it wrote under the lock."""
     path = tmp_path / "lock"
     path.write_bytes(bytes(16))
@@ -64,7 +64,7 @@ def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
         seen: list[bytes] = []
 
         def take() -> None:
-            filelock.lock_file(fd)
+            filelock.sized_lock(fd)
             seen.append(os.pread(fd, 5, 0))
             taken.set()
 
@@ -88,14 +88,15 @@ def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
     assert child.exitcode == 0
 
 
-def test_file_size_past_4_gib(tmp_path: Path) -> None:
-    """file_size reads a sparse file's size past 32 bits (the table's geometry can ask
+def test_sized_lock_reads_a_size_past_4_gib(tmp_path: Path) -> None:
+    """sized_lock reads a sparse file's size past 32 bits (the table's geometry can ask
     for that much), as fstat does."""
     path = tmp_path / "big"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, (5 << 30) + 12345)
-        assert filelock.file_size(fd) == os.fstat(fd).st_size == (5 << 30) + 12345
+        assert filelock.sized_lock(fd) == os.fstat(fd).st_size == (5 << 30) + 12345
+        filelock.unlock_file(fd)
     finally:
         os.close(fd)
 
@@ -106,7 +107,7 @@ def test_unlock_of_a_closed_descriptor_raises(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     os.close(fd)
     with pytest.raises(OSError):
-        filelock.lock_file(fd)
+        filelock.sized_lock(fd)
     with pytest.raises(OSError):
         filelock.unlock_file(fd)
 

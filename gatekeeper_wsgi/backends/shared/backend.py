@@ -228,15 +228,17 @@ class SharedBackend(Table):
         planned = None
         if plan is not None:
             # Made before the lock is taken, under which only its lease is filled in.
-            stamps = [None if check[4] is None else now for check in plan.checks]
+            stamps: list[float | None] = [*plan.blank]
+            for index in plan.stamped:
+                stamps[index] = now
             planned = _SharedGrant(slots, (), 0, self._pid, 0, 0, plan.nodes, stamps)
             planned.plan = plan
         try:
-            result, owners = self._locked(slots, now, keep=True, turn=turn, planned=planned)
+            result, owners = self._locked(slots, now, True, turn, planned)
         except Recreated:  # decided again on the new table
-            result, owners = self._locked(slots, now, keep=True)
+            result, owners = self._locked(slots, now, True)
         if owners and isinstance(result, Denial) and self._reap(owners):
-            result, _ = self._locked(slots, now, keep=True, turn=turn)
+            result, _ = self._locked(slots, now, True, turn)
         return result
 
     def waiting_line(self) -> SharedLine:
@@ -260,18 +262,17 @@ class SharedBackend(Table):
         """Whether ``acquire`` would admit now, read atomically: the admission is worked
         out under the lock and rolled back."""
         try:
-            result, owners = self._locked(slots, now, keep=False)
+            result, owners = self._locked(slots, now, False)
         except Recreated:
-            result, owners = self._locked(slots, now, keep=False)
+            result, owners = self._locked(slots, now, False)
         if owners and isinstance(result, Denial) and self._reap(owners):
-            result, _ = self._locked(slots, now, keep=False)
+            result, _ = self._locked(slots, now, False)
         return result if isinstance(result, Denial) else None
 
     def _locked(
         self,
         slots: Sequence[Slot],
         now: float,
-        *,
         keep: bool,
         turn: Place | None = None,
         planned: _SharedGrant | None = None,
@@ -327,29 +328,32 @@ class SharedBackend(Table):
         assert isinstance(grant, _SharedGrant)
         if not grant.claim():
             return
-        try:  # noqa: SIM105 - contextlib.suppress costs 0.4 µs on every release
-            self._release_locked(grant, status, delay, now)
+        plan = grant.plan
+        if plan is not None and (not plan.plain or delay > 0 or grant.sample is not None):
+            plan = None  # a window entry to give back, a delay, a sample: the general way
+        try:
+            with self._transaction as mm:
+                if grant.epoch == self._epoch:
+                    if plan is not None:
+                        # The same epoch is the same table and layout: the plan's offsets
+                        # hold. It answers whether delays or waiters are pending.
+                        plans = self._plans
+                        assert plans is not None
+                        pending = plans.release(plan, grant.lease, grant.pid, grant.serial)
+                    else:
+                        self._release(grant, status, delay, now)
+                        self._journal.commit()
+                        pending = True
+                    if self._held:
+                        self._held -= 1
+                else:
+                    pending = True
+                if pending:
+                    self._mature(mm, now)
+                    if U32.unpack_from(mm, H_WAITING)[0]:
+                        self._lines.announce(grant.slots)
         except Recreated:
             pass  # the new table does not hold the grant
-
-    def _release_locked(
-        self, grant: _SharedGrant, status: int | None, delay: float, now: float
-    ) -> None:
-        with self._transaction as mm:
-            if grant.epoch == self._epoch:
-                plan = grant.plan
-                if plan is not None and plan.plain and delay <= 0 and grant.sample is None:
-                    # The same epoch is the same table and layout: the plan's offsets hold.
-                    plans = self._plans
-                    assert plans is not None
-                    plans.release(plan, grant.lease, grant.pid, grant.serial)
-                else:
-                    self._release(grant, status, delay, now)
-                    self._journal.commit()
-                self._held = max(0, self._held - 1)
-            self._mature(mm, now)
-            if U32.unpack_from(mm, H_WAITING)[0]:
-                self._lines.announce(grant.slots)
 
     def inflight(self, now: float) -> dict[str, int]:
         return self._observed(now, lambda: read_inflight(self._keys))

@@ -1,10 +1,11 @@
 """The table file's lock and size, the system calls every update of the table makes.
 
-Every update happens between :func:`lock_file` and :func:`unlock_file` of an exclusive
+Every update happens between :func:`sized_lock` and :func:`unlock_file` of an exclusive
 open-file-description lock on byte 0 (``F_OFD_SETLKW``): the kernel drops it when the last
 descriptor of its open file description closes, so a killed process cannot leave it held.
-:func:`file_size` is the check made under it before the map is touched (a file cut
-shorter than the map is SIGBUS).
+:func:`sized_lock` reads the file's size first, the check made before the map is touched
+(a file cut shorter than the map is SIGBUS), in the same call: the per-request path takes
+the lock twice.
 
 Plain ``fcntl.fcntl`` and ``os.lseek``, which let go of the GIL around the call. Measured
 and dropped (issue 18, ``benchmarks/shared.py``): the same calls through ``ctypes.PyDLL``,
@@ -21,7 +22,7 @@ import fcntl
 import os
 import struct
 
-__all__ = ["file_size", "lock_file", "unlock_file"]
+__all__ = ["sized_lock", "unlock_file"]
 
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
 FLOCK = struct.Struct("hhxxxxqqixxxx")
@@ -29,17 +30,16 @@ LOCK = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
 UNLOCK = FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
 
 
-def lock_file(fd: int) -> None:
+def sized_lock(fd: int) -> int:
     """Take the exclusive lock of the table open on ``fd``, waiting while another process
-    holds it. OSError if the descriptor cannot be locked."""
+    holds it, and return the file's size (its end, by ``lseek``) read just before: the
+    check every update makes before it touches the map, in the same call. OSError if the
+    descriptor cannot be locked."""
+    size = os.lseek(fd, 0, os.SEEK_END)
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, LOCK)
+    return size
 
 
 def unlock_file(fd: int) -> None:
-    """Drop the lock :func:`lock_file` took."""
+    """Drop the lock :func:`sized_lock` took."""
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, UNLOCK)
-
-
-def file_size(fd: int) -> int:
-    """The size of the file open on ``fd`` (its end, by ``lseek``)."""
-    return os.lseek(fd, 0, os.SEEK_END)

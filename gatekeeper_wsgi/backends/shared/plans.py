@@ -24,7 +24,6 @@ it can be driven alone.
 from __future__ import annotations
 
 import mmap
-import struct
 from collections.abc import Sequence
 
 from gatekeeper_wsgi.backends.shared.faults import NoRoom
@@ -32,23 +31,20 @@ from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Struc
 from gatekeeper_wsgi.backends.shared.layout import (
     CHUNK_SIZE,
     CHUNK_STAMPS,
-    F64,
+    H_HEAP_LEN,
     H_KEYGEN,
     H_LIVE,
+    H_WAITING,
     HOT_HEADER,
     JENTRY,
     KEYGEN,
-    L_REFS,
     LEASE,
     LEASE_COUNTERS,
-    LEASE_HEAD,
     LEASE_SIZE,
     MAX_REFS,
-    N_IDLE,
-    N_LEN,
+    N_OFFSET,
     N_REG,
     NIL,
-    NODE,
     NODE_HEAD,
     U32,
     Layout,
@@ -58,11 +54,19 @@ from gatekeeper_wsgi.values import Slot
 
 __all__ = ["Plan", "Plans"]
 
-#: at H_LIVE: live leases, first free lease
-_LIVE_FREE = struct.Struct("<II")
 #: how many plans a map keeps (one per tuple of slots: a route and caller)
 PLANS_CAP = 4096
-
+#: the u32 fields of a node, as indexes from its first u32 (offsets N_FIRST ... N_NEXT / 4)
+_FIRST, _LAST, _LEN, _REG, _NEXT = 2, 3, 4, 5, 7
+#: f64s per window chunk
+CHUNK_F64 = CHUNK_SIZE // 8
+#: the f64 of a node when its window is empty, from its first f64 (N_IDLE / 8)
+_IDLE = 4
+#: the u32 fields of a lease (pid, serial, the first node or next free lease)
+_PID, _SERIAL, _REFS = 0, 1, 5
+#: header fields as u32 indexes: live leases, first free lease, delay heap entries,
+#: queue waiters
+_LIVE, _FREE, _HEAP, _WAITING = H_LIVE // 4, (H_LIVE + 4) // 4, H_HEAP_LEN // 4, H_WAITING // 4
 
 #: per slot of a plan: node, its offset, the concurrency limit (None: none), the registry
 #: entry + 1 its wildcard key must still be the newest key of (0: not wildcard), the
@@ -71,21 +75,27 @@ Check = tuple[int, int, int | None, int, float | None, int]
 
 
 class Plan:
-    """What an admission of one tuple of slots counts on (:data:`Check` per slot), the
-    journal entries of its node heads, and the key generation its nodes were found
-    under."""
+    """What an admission of one tuple of slots counts on (:data:`Check` per slot, and
+    the same sorted by what is checked), the journal entries of its node heads, and the
+    key generation its nodes were found under."""
 
     __slots__ = (
+        "blank",
         "checks",
+        "counts",
         "gen",
         "heads",
+        "limited",
+        "listed",
         "mm",
         "nodes",
         "offsets",
         "plain",
+        "rated",
         "refs",
         "saved",
         "slots",
+        "stamped",
     )
 
     def __init__(
@@ -98,6 +108,25 @@ class Plan:
         self.checks = checks
         self.nodes = [check[0] for check in checks]
         self.offsets = tuple(check[1] for check in checks)
+        #: the u32 index of each node's count (its first field)
+        self.counts = tuple(offset >> 2 for offset in self.offsets)
+        #: (count's index, concurrency limit) of the slots with one
+        self.limited = tuple(
+            (offset >> 2, limit) for _, offset, limit, _, _, _ in checks if limit is not None
+        )
+        #: (node's u32 index, registry entry + 1) of the wildcard slots
+        self.listed = tuple(
+            (offset >> 2, registry) for _, offset, _, registry, _, _ in checks if registry
+        )
+        #: (node, its u32 index, window seconds, rate limit) of the slots with a rate
+        self.rated = tuple(
+            (node, offset >> 2, seconds, most)
+            for node, offset, _, _, seconds, most in checks
+            if seconds is not None
+        )
+        #: a grant's window stamps: None but at the rated slots' indexes (``now`` there)
+        self.blank: tuple[None, ...] = (None,) * len(checks)
+        self.stamped = tuple(index for index, check in enumerate(checks) if check[4] is not None)
         #: the packed (offset, length) of the node heads' journal entries
         self.heads = tuple(JENTRY.pack(offset, NODE_HEAD) for offset in self.offsets)
         #: what those entries and the header's block save (the journal's bookkeeping)
@@ -109,19 +138,44 @@ class Plan:
 
 
 class Plans(Structure):
-    """The plans of one mapped table, and the admissions and releases made by them."""
+    """The plans of one mapped table, and the admissions and releases made by them. It
+    reads and writes single fields through u32 and f64 views of the map (a quarter of
+    what ``struct`` calls cost): :meth:`close` lets them go before the map is closed."""
 
-    __slots__ = ("_by_slots", "_capacity", "_chunks_off", "_heap_off", "_leases_off", "_windows")
+    __slots__ = (
+        "_by_slots",
+        "_capacity",
+        "_chunk_base",
+        "_f64",
+        "_heap_at",
+        "_leases_off",
+        "_u32",
+        "_whole",
+        "_windows",
+    )
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal, windows: Windows) -> None:
         super().__init__(mm, layout, journal)
         self._windows = windows
         self._leases_off = layout.leases_off
-        self._heap_off = layout.heap_off
+        #: f64 index of the delay heap's first expiry, of the first chunk's first entry
+        self._heap_at = layout.heap_off >> 3
+        self._chunk_base = (layout.chunks_off + 8) >> 3
         self._capacity = layout.leases
-        self._chunks_off = layout.chunks_off
+        #: whether every node's fields fall on whole u32s and f64s of the views: the
+        #: regions start at multiples of 64 and this version sizes keys by 8 bytes, but
+        #: the key size comes from the file's header (a file made otherwise gets no plan)
+        self._whole = layout.node_size % 8 == 0
+        self._u32 = memoryview(mm).cast("I")
+        self._f64 = memoryview(mm).cast("d")
         #: id(slots) -> its plan (which keeps the slots alive, so the id is not reused)
         self._by_slots: dict[int, Plan] = {}
+
+    def close(self) -> None:
+        """Let the views of the map go (the map cannot be closed while they are held)."""
+        self._u32.release()
+        self._f64.release()
+        self._by_slots = {}
 
     def find(self, slots: Sequence[Slot]) -> Plan | None:
         """The plan of ``slots`` (this very tuple), None if there is none. No lock needed:
@@ -132,7 +186,9 @@ class Plans(Structure):
     def remember(self, slots: Sequence[Slot], nodes: Sequence[int]) -> Plan | None:
         """Keep the plan of ``slots``, just admitted by the general path on ``nodes``
         (under the lock, before anything else changes them); None (and no plan) when one
-        of its limits is adaptive."""
+        of its limits is adaptive, or the nodes are not aligned for the views."""
+        if not self._whole:
+            return None
         mm = self._mm
         nodes_off, node_size = self._nodes_off, self._node_size
         checks: list[Check] = []
@@ -157,61 +213,60 @@ class Plans(Structure):
         slot at ``slot_at``, -1: not yet): (lease, serial), committed; None, with nothing
         written, when the general path must decide. Under the lock."""
         mm = self._mm
-        if plan.mm is not mm or slot_at < 0 or U32.unpack_from(mm, slot_at)[0] != pid:
+        u32 = self._u32
+        if plan.mm is not mm or slot_at < 0 or u32[slot_at >> 2] != pid:
             return None  # made on another map, or this process must register (again)
         live, free, high, heap, serial, waiting, gen = HOT_HEADER.unpack_from(mm, H_LIVE)
         if gen != plan.gen or waiting or high > self._capacity:
             return None
-        if heap and F64.unpack_from(mm, self._heap_off)[0] <= now:
+        f64 = self._f64
+        if heap and f64[self._heap_at] <= now:
             return None  # a delayed release is due: the general path matures it first
-        chunks_off = self._chunks_off
-        appends = []
-        for node, offset, concurrency, registry, seconds, most in plan.checks:
-            inflight, _, start, first, last, length, reg, _, newer, empty_at = NODE.unpack_from(
-                mm, offset
-            )
-            if concurrency is not None and inflight >= concurrency:
+        for index, most in plan.limited:
+            if u32[index] >= most:
                 return None
-            if registry and (reg != registry or newer != NIL):
+        for index, registry in plan.listed:
+            if u32[index + _REG] != registry or u32[index + _NEXT] != NIL:
                 return None  # not the newest key of its limit's LRU list: moved there first
-            if seconds is not None:
-                if length:
-                    if length >= most:
-                        return None
-                    oldest = chunks_off + first * CHUNK_SIZE + 8 + 8 * start
-                    if F64.unpack_from(mm, oldest)[0] <= now - seconds:
-                        return None  # entries to expire first
-                appends.append((node, offset, start, last, length, empty_at, seconds))
-        leases_off = self._leases_off
+        chunk_base = self._chunk_base
+        appends = []
+        for node, index, seconds, most in plan.rated:
+            length = u32[index + _LEN]
+            position = 0
+            if length:
+                if length >= most:
+                    return None
+                start = mm[(index << 2) + N_OFFSET]
+                if f64[chunk_base + u32[index + _FIRST] * CHUNK_F64 + start] <= now - seconds:
+                    return None  # entries to expire first
+                position = (start + length) % CHUNK_STAMPS
+            appends.append((node, index, length, position, seconds))
         if free != NIL:
             if free >= high:
                 return None  # out of range: the general path finds the damage
             lease = free
-            at = leases_off + lease * LEASE_SIZE
-            if LEASE_HEAD.unpack_from(mm, at)[1]:
-                return None  # a lease in use on the free list: damage too
-            after = U32.unpack_from(mm, at + L_REFS)[0]
             mark = high
         elif high < self._capacity:
             lease = high
-            at = leases_off + lease * LEASE_SIZE
-            if LEASE_HEAD.unpack_from(mm, at)[1]:
-                return None  # a lease past the mark in use: damage
-            after = NIL
             mark = high + 1
         else:
             return None  # every lease held: the general path refuses
+        at = self._leases_off + lease * LEASE_SIZE
+        if u32[(at >> 2) + _SERIAL]:
+            return None  # a free lease in use: damage, which the general path names
+        after = NIL if mark > high else u32[(at >> 2) + _REFS]
         journal = self._journal
         journal.save_first(plan.heads, plan.offsets, NODE_HEAD, plan.saved, at, LEASE_SIZE)
-        for offset in plan.offsets:
-            U32.pack_into(mm, offset, U32.unpack_from(mm, offset)[0] + 1)
-        for node, offset, start, last, length, empty_at, seconds in appends:
-            position = (start + length) % CHUNK_STAMPS
-            if length and position:
+        for index in plan.counts:
+            u32[index] += 1
+        for node, index, length, position, seconds in appends:
+            if position:
                 # The slot past the last entry is free space: no journal entry needed.
-                F64.pack_into(mm, chunks_off + last * CHUNK_SIZE + 8 + 8 * position, now)
-                U32.pack_into(mm, offset + N_LEN, length + 1)
-                F64.pack_into(mm, offset + N_IDLE, max(empty_at, now + seconds))
+                f64[chunk_base + u32[index + _LAST] * CHUNK_F64 + position] = now
+                u32[index + _LEN] = length + 1
+                idle = (index >> 1) + _IDLE
+                if f64[idle] < now + seconds:
+                    f64[idle] = now + seconds
                 continue
             try:  # the window's first chunk, or a new one: the windows' own append
                 self._windows.append(node, now, seconds)
@@ -224,21 +279,27 @@ class Plans(Structure):
         journal.commit()
         return lease, serial
 
-    def release(self, plan: Plan, lease: int, pid: int, serial: int) -> None:
+    def release(self, plan: Plan, lease: int, pid: int, serial: int) -> bool:
         """Give back the slots of ``lease``, admitted by ``plan`` as (``pid``, ``serial``),
-        and commit; nothing if the lease was reclaimed meanwhile. Under the lock."""
-        mm = self._mm
+        and commit; nothing if the lease was reclaimed meanwhile. Whether delayed
+        releases or queue waiters are pending (for the caller to see to). Under the lock."""
+        u32 = self._u32
+        pending = bool(u32[_HEAP] or u32[_WAITING])
         at = self._leases_off + lease * LEASE_SIZE
-        if LEASE_HEAD.unpack_from(mm, at) != (pid, serial):
-            return  # reclaimed meanwhile (its owner was taken for dead)
-        offsets = plan.offsets
+        index = at >> 2
+        if u32[index + _SERIAL] != serial or u32[index + _PID] != pid:
+            return pending  # reclaimed meanwhile (its owner was taken for dead)
         journal = self._journal
-        journal.save_first(plan.heads, offsets, NODE_HEAD, plan.saved, at, LEASE_SIZE)
-        for offset in offsets:
-            inflight = U32.unpack_from(mm, offset)[0]
-            U32.pack_into(mm, offset, inflight - 1 if inflight else 0)
-        live, free = _LIVE_FREE.unpack_from(mm, H_LIVE)
-        LEASE_HEAD.pack_into(mm, at, 0, 0)
-        U32.pack_into(mm, at + L_REFS, free)
-        _LIVE_FREE.pack_into(mm, H_LIVE, live - 1 if live else 0, lease)
+        journal.save_first(plan.heads, plan.offsets, NODE_HEAD, plan.saved, at, LEASE_SIZE)
+        for count in plan.counts:
+            inflight = u32[count]
+            if inflight:
+                u32[count] = inflight - 1
+        u32[index + _PID] = u32[index + _SERIAL] = 0
+        u32[index + _REFS] = u32[_FREE]
+        u32[_FREE] = lease
+        live = u32[_LIVE]
+        if live:
+            u32[_LIVE] = live - 1
         journal.commit()
+        return pending

@@ -27,7 +27,7 @@ from typing import NoReturn
 
 from gatekeeper_wsgi.backends.base import PASSING, Backend
 from gatekeeper_wsgi.backends.shared.faults import Damaged
-from gatekeeper_wsgi.backends.shared.filelock import file_size, lock_file, unlock_file
+from gatekeeper_wsgi.backends.shared.filelock import sized_lock, unlock_file
 from gatekeeper_wsgi.backends.shared.files import check_mode, open_private
 from gatekeeper_wsgi.backends.shared.gauges import Gauges
 from gatekeeper_wsgi.backends.shared.journal import Journal, Transaction
@@ -209,6 +209,8 @@ class Table(Backend):
 
     def _unmap(self) -> None:
         if self._mm is not None:
+            if self._plans is not None:
+                self._plans.close()  # its views of the map first: they keep it open
             self._mm.close()
             self._mm = None
         self._plans = None
@@ -218,7 +220,7 @@ class Table(Backend):
     def _drop_inherited(self) -> None:
         """In a forked child: the descriptor is the parent's open file description, whose
         lock the parent may hold. Close it now; the child opens its own on first use."""
-        mm, fd = self._mm, self._fd
+        mm, fd, plans = self._mm, self._fd, self._plans
         self._mm = None
         self._plans = None
         self._fd = -1
@@ -227,6 +229,8 @@ class Table(Backend):
         self._reset_state()
         if mm is not None:
             with contextlib.suppress(BufferError, ValueError):
+                if plans is not None:
+                    plans.close()
                 mm.close()
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -250,8 +254,7 @@ class Table(Backend):
             # grows it back under that lock, never below its old size). This catches a
             # truncation between two updates; a writer ignoring the lock can still cut
             # the file inside one.
-            short = file_size(self._fd) < self._total
-            lock_file(self._fd)
+            short = sized_lock(self._fd) < self._total
         except (OSError, ConfigError) as exc:
             self._tlock.release()
             raise self.backend_error(exc) from exc
@@ -463,10 +466,13 @@ class Table(Backend):
         with self._tlock:
             self._closed = True
             _INSTANCES.discard(self)
-            mm, fd = self._mm, self._fd
+            mm, fd, plans = self._mm, self._fd, self._plans
             self._mm = None
+            self._plans = None
             self._fd = -1
             if mm is not None:
+                if plans is not None:
+                    plans.close()
                 mm.close()
             if fd >= 0:
                 os.close(fd)
