@@ -4,6 +4,7 @@ node is never used for another key."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import multiprocessing
 import os
@@ -97,6 +98,21 @@ def test_sized_lock_reads_a_size_past_4_gib(tmp_path: Path) -> None:
         os.ftruncate(fd, (5 << 30) + 12345)
         assert filelock.sized_lock(fd) == os.fstat(fd).st_size == (5 << 30) + 12345
         filelock.unlock_file(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_refused_for_another_reason_than_a_holder_raises(tmp_path: Path) -> None:
+    """Only "another process holds it" is tried again: a descriptor the lock cannot be
+    taken on (opened read-only, so no write lock) raises OSError at once instead of
+    spinning and waiting."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(16))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as refused:
+            filelock.sized_lock(fd)
+        assert refused.value.errno == errno.EBADF
     finally:
         os.close(fd)
 
