@@ -280,6 +280,7 @@ class SharedBackend(Table):
         """Admit (``keep``) or peek under the lock: (the grant or the denial, the other
         registered processes after a denial, for :meth:`_reap`). ``planned``: the grant
         of an admission by its plan (:mod:`.plans`), tried first, its lease to fill in."""
+        found = plans = None
         with self._transaction as mm:
             if planned is not None:
                 plans = self._plans
@@ -316,13 +317,17 @@ class SharedBackend(Table):
                 self._journal.commit()
                 if isinstance(result, _SharedGrant):
                     self._held += 1
-                    # The next admission of these very slots may go by plan.
+                    # The next admission of these very slots may go by plan: what it
+                    # counts on is read now, the plan is made once the lock is let go.
                     plans = self._plans
                     assert plans is not None
-                    result.plan = plans.remember(slots, result.nodes)
+                    found = plans.look(slots, result.nodes)
             else:
                 self._rollback()
-            return result, owners
+        if found is not None:
+            assert isinstance(result, _SharedGrant) and plans is not None
+            result.plan = plans.remember(slots, found)
+        return result, owners
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         assert isinstance(grant, _SharedGrant)

@@ -4,7 +4,8 @@ bytes they change, at offsets worked out before.
 Every process of a host queues for the one file lock, so what happens under it caps the
 host's admissions per second (``benchmarks/shared.py``). A general admission looks each
 key up, walks its LRU list and window, and saves what it may change as it goes. Once one
-has admitted a tuple of slots, :meth:`Plans.remember` keeps its :class:`Plan`: the nodes
+has admitted a tuple of slots, :meth:`Plans.look` reads and :meth:`Plans.remember` keeps
+(once the lock is let go) its :class:`Plan`: the nodes
 it counted on, their offsets, what each limit checks, the journal entries an admission of
 it saves. While the table's key generation (``H_KEYGEN``, raised before any key leaves its
 node) is unchanged the nodes still hold those keys, so the next admission of that tuple
@@ -52,7 +53,7 @@ from gatekeeper_wsgi.backends.shared.layout import (
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.values import Slot
 
-__all__ = ["Plan", "Plans"]
+__all__ = ["Check", "Found", "Plan", "Plans"]
 
 #: how many plans a map keeps (one per tuple of slots: a route and caller)
 PLANS_CAP = 4096
@@ -72,6 +73,8 @@ _LIVE, _FREE, _HEAP, _WAITING = H_LIVE // 4, (H_LIVE + 4) // 4, H_HEAP_LEN // 4,
 #: entry + 1 its wildcard key must still be the newest key of (0: not wildcard), the
 #: rate window's seconds (None: no rate), the rate limit
 Check = tuple[int, int, int | None, int, float | None, int]
+#: what a plan is made of: the key generation its nodes were found under, the checks
+Found = tuple[int, tuple[Check, ...]]
 
 
 class Plan:
@@ -183,10 +186,12 @@ class Plans(Structure):
         plan = self._by_slots.get(id(slots))
         return plan if plan is not None and plan.slots is slots else None
 
-    def remember(self, slots: Sequence[Slot], nodes: Sequence[int]) -> Plan | None:
-        """Keep the plan of ``slots``, just admitted by the general path on ``nodes``
-        (under the lock, before anything else changes them); None (and no plan) when one
-        of its limits is adaptive, or the nodes are not aligned for the views."""
+    def look(self, slots: Sequence[Slot], nodes: Sequence[int]) -> Found | None:
+        """What a plan of ``slots``, just admitted by the general path on ``nodes``, counts
+        on, read under the lock before anything else changes it: the key generation and
+        the checks (:meth:`remember` makes the plan of them once the lock is let go).
+        None (no plan) when one of its limits is adaptive, or the nodes are not aligned
+        for the views."""
         if not self._whole:
             return None
         mm = self._mm
@@ -202,7 +207,12 @@ class Plans(Structure):
                 checks.append((node, offset, limit.concurrency, registry, None, 0))
             else:
                 checks.append((node, offset, limit.concurrency, registry, rate.seconds, rate.limit))
-        plan = Plan(mm, slots, KEYGEN.unpack_from(mm, H_KEYGEN)[0], tuple(checks))
+        return KEYGEN.unpack_from(mm, H_KEYGEN)[0], tuple(checks)
+
+    def remember(self, slots: Sequence[Slot], found: Found) -> Plan:
+        """Keep the plan of ``slots`` made of what :meth:`look` found (no lock needed:
+        :meth:`admit` checks the plan against the table)."""
+        plan = Plan(self._mm, slots, *found)
         if len(self._by_slots) >= PLANS_CAP:
             self._by_slots = {}
         self._by_slots[id(slots)] = plan
