@@ -15,7 +15,9 @@ the request's thread waits for, and those sent in the background (gatekeeper-wsg
 sender); commands per request (``INFO commandstats`` deltas, including those scripts ran),
 in all and as a table per command; and median µs per request, split into the part the client
 waits for (until the body is returned) and ``close()`` after the response is sent, then the
-whole (call + iterate + close) over bare Flask and as a share of Flask-Limiter's.
+whole (call + iterate + close) over bare Flask and as a share of Flask-Limiter's. The ways
+take turns in every round in a freshly shuffled order, and the cost over bare Flask is the
+median of the per-round differences (many short rounds: see :func:`paired_cost`).
 
 ``--json FILE`` also writes the commands per request of each way; ``--before FILE`` (one
 written so by an earlier version) adds the columns that changed, as "<way> before":
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -118,11 +121,23 @@ def command_table(columns: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def paired_cost(samples: dict[str, list[tuple[float, float]]], name: str) -> float:
+    """The whole cost of ``name`` over bare Flask: the median over rounds of its whole time
+    less bare Flask's in the same round. A client and a redis-server sharing two cores
+    make a round's round trips several tens of percent faster or slower than the next
+    one's (which core each runs on, who wakes whom), so a difference of two medians taken
+    over different rounds can move by more than the cost compared."""
+    bare = samples["bare Flask"]
+    return statistics.median(
+        sum(value) - sum(base) for value, base in zip(samples[name], bare, strict=True)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="an existing Redis nobody else uses (default: start one)")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--requests", type=int, default=1000, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--requests", type=int, default=300, help="requests per round")
     parser.add_argument(
         "--adaptive",
         action="store_true",
@@ -145,11 +160,14 @@ def main() -> None:
             for name, app in apps.items()
         }
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in apps}
+        order = list(apps)
+        shuffle = random.Random(0).shuffle
         gc.disable()
         try:
             for _ in range(args.rounds):
-                for name, app in apps.items():
-                    samples[name].append(run(app, args.requests))
+                shuffle(order)  # no way always runs right after another (see _common)
+                for name in order:
+                    samples[name].append(run(apps[name], args.requests))
         finally:
             gc.enable()
     print(f"{args.rounds} rounds x {args.requests} requests, medians, direct WSGI calls, {url}")
@@ -180,11 +198,10 @@ def main() -> None:
         columns = {**changed, **columns}
     print()
     print("\n".join(command_table(columns)))
-    base = sum(median["bare Flask"])
-    ours = sum(median["gatekeeper-wsgi"]) - base
-    theirs = sum(median["Flask-Limiter"]) - base
+    ours, theirs = (paired_cost(samples, name) for name in ("gatekeeper-wsgi", "Flask-Limiter"))
     print(
-        f"\nwhole cost per request (call + iterate + close) over bare Flask: gatekeeper-wsgi "
+        f"\nwhole cost per request (call + iterate + close) over bare Flask, the median of its "
+        f"per-round differences from bare Flask's: gatekeeper-wsgi "
         f"(3 concurrency levels + 1 rate) {ours:.1f} µs, Flask-Limiter (1 moving-window "
         f"limit) {theirs:.1f} µs: ratio {ours / theirs:.2f}. Round trips the request's "
         f"thread waits for: gatekeeper-wsgi {counts['gatekeeper-wsgi'][0][0]:.2f}, "
