@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -301,24 +301,19 @@ def run_threads(app: WSGIApp, n: int, threads: int) -> float:
     return seconds / (share * threads) * 1e6
 
 
-def interleaved(
-    apps: dict[str, WSGIApp],
-    rounds: int,
-    measure: Callable[[WSGIApp], float],
-    *,
-    paired: str | None = None,
-) -> dict[str, float]:
-    """Median of ``measure(app)`` per app over ``rounds`` rounds, with the collector off.
+T = TypeVar("T")
+
+
+def take_turns(
+    apps: dict[str, WSGIApp], rounds: int, measure: Callable[[WSGIApp], T]
+) -> dict[str, list[T]]:
+    """``measure(app)`` of every app in each of ``rounds`` rounds, with the collector off.
 
     The apps take turns in every round, in an order shuffled afresh each round (seeded:
     runs repeat), so neither machine noise nor a fixed position (whose predecessor warmed
-    or cooled the caches) favours one of them. With ``paired`` (the name of the bare app),
-    every other app's figure is the bare median plus the median of its per-round
-    differences from the bare app's measurement of the same round: ``figure - bare`` is
-    then the paired cost, which a machine whose speed drifts between rounds moves far less
-    than a difference of two medians.
+    or cooled the caches) favours one of them.
     """
-    samples: dict[str, list[float]] = {name: [] for name in apps}
+    samples: dict[str, list[T]] = {name: [] for name in apps}
     order = list(apps)
     shuffle = random.Random(0).shuffle
     gc.collect()
@@ -330,13 +325,33 @@ def interleaved(
                 samples[name].append(measure(apps[name]))
     finally:
         gc.enable()
+    return samples
+
+
+def paired_median(values: list[float], base: list[float]) -> float:
+    """The median of ``values`` less ``base`` round by round: a cost over the bare app that
+    a machine whose speed drifts between rounds moves far less than a difference of two
+    medians taken over different rounds."""
+    return statistics.median(value - bare for value, bare in zip(values, base, strict=True))
+
+
+def interleaved(
+    apps: dict[str, WSGIApp],
+    rounds: int,
+    measure: Callable[[WSGIApp], float],
+    *,
+    paired: str | None = None,
+) -> dict[str, float]:
+    """Median of ``measure(app)`` per app over ``rounds`` rounds taken by :func:`take_turns`.
+    With ``paired`` (the name of the bare app), every other app's figure is the bare median
+    plus its :func:`paired_median` over the bare app: ``figure - bare`` is the paired cost.
+    """
+    samples = take_turns(apps, rounds, measure)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     if paired is None:
         return medians
-    base = samples[paired]
     return {
-        name: medians[paired]
-        + statistics.median(value - bare for value, bare in zip(values, base, strict=True))
+        name: medians[paired] + paired_median(values, samples[paired])
         for name, values in samples.items()
     }
 

@@ -17,7 +17,7 @@ in all and as a table per command; and median µs per request, split into the pa
 waits for (until the body is returned) and ``close()`` after the response is sent, then the
 whole (call + iterate + close) over bare Flask and as a share of Flask-Limiter's. The ways
 take turns in every round in a freshly shuffled order, and the cost over bare Flask is the
-median of the per-round differences (many short rounds: see :func:`paired_cost`).
+median of the per-round differences (many short rounds: see ``_common.paired_median``).
 
 ``--json FILE`` also writes the commands per request of each way; ``--before FILE`` (one
 written so by an earlier version) adds the columns that changed, as "<way> before":
@@ -32,9 +32,7 @@ whole per-request times side by side.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -121,18 +119,6 @@ def command_table(columns: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
-def paired_cost(samples: dict[str, list[tuple[float, float]]], name: str) -> float:
-    """The whole cost of ``name`` over bare Flask: the median over rounds of its whole time
-    less bare Flask's in the same round. A client and a redis-server sharing two cores
-    make a round's round trips several tens of percent faster or slower than the next
-    one's (which core each runs on, who wakes whom), so a difference of two medians taken
-    over different rounds can move by more than the cost compared."""
-    bare = samples["bare Flask"]
-    return statistics.median(
-        sum(value) - sum(base) for value, base in zip(samples[name], bare, strict=True)
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="an existing Redis nobody else uses (default: start one)")
@@ -159,17 +145,7 @@ def main() -> None:
             name: (round_trips(server, app, 200), *commands(server, app, 1000))
             for name, app in apps.items()
         }
-        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in apps}
-        order = list(apps)
-        shuffle = random.Random(0).shuffle
-        gc.disable()
-        try:
-            for _ in range(args.rounds):
-                shuffle(order)  # no way always runs right after another (see _common)
-                for name in order:
-                    samples[name].append(run(apps[name], args.requests))
-        finally:
-            gc.enable()
+        samples = _common.take_turns(apps, args.rounds, lambda app: run(app, args.requests))
     print(f"{args.rounds} rounds x {args.requests} requests, medians, direct WSGI calls, {url}")
     print(
         f"{'':17}{'round trips':>12}{'background':>11}{'commands':>10}{'waited µs':>11}"
@@ -198,7 +174,14 @@ def main() -> None:
         columns = {**changed, **columns}
     print()
     print("\n".join(command_table(columns)))
-    ours, theirs = (paired_cost(samples, name) for name in ("gatekeeper-wsgi", "Flask-Limiter"))
+    # A client and a redis-server sharing two cores make one round's round trips tens of
+    # percent faster or slower than the next one's (which core each runs on, who wakes
+    # whom): the costs are paired round by round.
+    whole = {name: [sum(value) for value in values] for name, values in samples.items()}
+    ours, theirs = (
+        _common.paired_median(whole[name], whole["bare Flask"])
+        for name in ("gatekeeper-wsgi", "Flask-Limiter")
+    )
     print(
         f"\nwhole cost per request (call + iterate + close) over bare Flask, the median of its "
         f"per-round differences from bare Flask's: gatekeeper-wsgi "
