@@ -15,10 +15,13 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
-from gatekeeper_wsgi.backends.redis import _RedisGrant, _Release  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
 from tests.test_redis import keeper  # noqa: E402
-from tests.test_redis_tidy import assert_late_admission_takes_nothing, redis_backend  # noqa: E402
+from tests.test_redis_tidy import (  # noqa: E402
+    assert_late_admission_takes_nothing,
+    plain_releases,
+    redis_backend,
+)
 from tests.test_redis_totals import commands_run  # noqa: E402
 from tests.test_totals_backends import full_count  # noqa: E402
 
@@ -196,9 +199,8 @@ def test_a_release_sent_again_costs_one_look(own_redis: ControlledRedis) -> None
     try:
         backend = redis_backend(gk)
         admission = gk.admit("shop", "orders", "c")
-        grant = admission._held[0]
-        assert isinstance(grant, _RedisGrant)
-        copy = _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0, again=True)
+        (release,) = plain_releases(admission)
+        copy = release._replace(again=True)
         backend._send([copy])
         assert gk.inflight() == {}
         backend.client.config_resetstat()

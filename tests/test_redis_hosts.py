@@ -19,11 +19,11 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper  # noqa: E402
-from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release  # noqa: E402
+from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
 from tests.apps.redis_load_host import LoadHosts  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
 from tests.servers import ClusterRedis, ControlledRedis, wait_until  # noqa: E402
-from tests.test_redis_tidy import assert_admits_exactly  # noqa: E402
+from tests.test_redis_tidy import assert_admits_exactly, plain_releases  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -151,12 +151,7 @@ def test_a_cluster_admission_carries_only_its_own_projects_releases(tmp_path: Pa
         backend = gk.backend
         assert isinstance(backend, RedisBackend)
         held = [gk.admit("shop", "work", "c"), gk.admit("blog", "work", "c")]
-        grants = [admission._held[0] for admission in held]
-        out = [
-            _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0)
-            for grant in grants
-            if isinstance(grant, _RedisGrant)
-        ]
+        out = plain_releases(*held)
         backend._outbox._sending = out  # as if the sender's call with both were out
         again = gk.admit("shop", "work", "c")
         assert gk.stats()["counters"]["backend_errors"] == 0

@@ -14,7 +14,7 @@ import pytest
 
 redis = pytest.importorskip("redis")
 
-from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
+from gatekeeper_wsgi import Admission, GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release, _text  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
@@ -27,6 +27,17 @@ def redis_backend(gk: GateKeeper) -> RedisBackend:
     backend = gk.backend
     assert isinstance(backend, RedisBackend)
     return backend
+
+
+def plain_releases(*admissions: Admission) -> list[_Release]:
+    """The plain releases the sender would send for ``admissions``, made by hand: a test
+    sends them again, or pretends they are out."""
+    grants = [admission._held[0] for admission in admissions]
+    return [
+        _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0)
+        for grant in grants
+        if isinstance(grant, _RedisGrant)
+    ]
 
 
 def life_left(gk: GateKeeper, path: str) -> int:
@@ -204,12 +215,7 @@ def test_a_rate_key_keeps_its_life_for_a_request_in_flight(prefixed: str, ends_f
     try:
         backend = redis_backend(gk)
         both = [gk.admit("shop", "work", "c"), gk.admit("shop", "work", "c")]
-        grants = [admission._held[0] for admission in both]
-        replays = [
-            _Release(grant.lease, grant.input, grant.input.codes, 0.0, 0.0)
-            for grant in grants
-            if isinstance(grant, _RedisGrant)
-        ]
+        replays = plain_releases(*both)
         both[ends_first].release(200)
         backend._send([replays[ends_first]])
         assert life_left(gk, "shop/work/c") > 290_000
