@@ -302,11 +302,11 @@ def run_threads(app: WSGIApp, n: int, threads: int) -> float:
 
 
 T = TypeVar("T")
+#: what take turns: apps, or the servers serving them
+A = TypeVar("A")
 
 
-def take_turns(
-    apps: dict[str, WSGIApp], rounds: int, measure: Callable[[WSGIApp], T]
-) -> dict[str, list[T]]:
+def take_turns(apps: dict[str, A], rounds: int, measure: Callable[[A], T]) -> dict[str, list[T]]:
     """``measure(app)`` of every app in each of ``rounds`` rounds, with the collector off.
 
     The apps take turns in every round, in an order shuffled afresh each round (seeded:

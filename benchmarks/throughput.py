@@ -250,20 +250,28 @@ def load_python(port: int | list[int], seconds: float, connections: int) -> dict
     }
 
 
+def load(servers: Servers, generator: str, seconds: float, connections: int) -> dict[str, float]:
+    """One round of load on ``servers`` (``generator``: "wrk" or "python"), each worker
+    with its share of ``connections``, and its workers' CPU µs per request."""
+    before = servers.cpu_seconds()
+    if generator == "wrk":
+        sample = load_wrk(servers.ports, seconds, connections, 2)
+    else:
+        sample = load_python(servers.ports, seconds, connections)
+    requests = max(1.0, sample["requests"])
+    sample["worker_cpu_us"] = (servers.cpu_seconds() - before) / requests * 1e6
+    return sample
+
+
 def measure(
     servers: Servers, redis_url: str, generator: str, args: argparse.Namespace
 ) -> dict[str, float]:
     """One round of load on ``servers``, with the CPU it cost per request: the workers',
     and the Redis server's (the other apps sit idle meanwhile), and Redis commands."""
-    workers_before = servers.cpu_seconds()
     redis_before = redis_counters(redis_url)
-    if generator == "wrk":
-        sample = load_wrk(servers.ports, args.seconds, args.connections, 2)
-    else:
-        sample = load_python(servers.ports, args.seconds, args.connections)
+    sample = load(servers, generator, args.seconds, args.connections)
     redis_after = redis_counters(redis_url)
     requests = max(1.0, sample["requests"])
-    sample["worker_cpu_us"] = (servers.cpu_seconds() - workers_before) / requests * 1e6
     sample["redis_cpu_us"] = (redis_after[0] - redis_before[0]) / requests * 1e6
     sample["redis_commands"] = (redis_after[1] - redis_before[1]) / requests
     return sample
