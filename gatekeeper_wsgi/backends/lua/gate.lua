@@ -72,17 +72,23 @@
 -- {2, answer, claim, ...}, each claim {hash, claim id, latency us, in flight, faulty,
 -- now us, s, n, sum, drops, peak} (the window's values before that sample).
 
+-- Globals and library functions read once per call into locals: each use of a global is a
+-- table lookup, and the Lua of Redis runs a bytecode in tens of machine instructions.
+local call, KEYS, ARGV, tonumber = redis.call, KEYS, ARGV, tonumber
+local byte, sub, find, match, gmatch = string.byte, string.sub, string.find, string.match, string.gmatch
+local format, floor = string.format, math.floor
+
 -- The concrete path of a path's sorted set "<prefix>:{<project>}:z:<path>" (no path
 -- segment holds a '}').
 local function path_of(key)
-  return string.sub(key, string.find(key, '}:z:', 1, true) + 4)
+  return sub(key, find(key, '}:z:', 1, true) + 4)
 end
 
 -- Ended members of a totals set are dropped on one admission in 16 (the lease id's last
 -- hex digit) rather than on each: readers skip them anyway, and what accumulates between
 -- two prunes is what 16 admissions leave.
 local function prune_due(lease)
-  return string.byte(lease, -1) == 48 -- '0'
+  return byte(lease, -1) == 48 -- '0'
 end
 
 -- The band above every time: tombstones and marks score in it, counts read below it.
@@ -94,7 +100,7 @@ local BAND_S, BELOW, ABOVE = '4503599627370496', '(4503599627370496', '(45035996
 -- the command then does with it (callgrind: an eighth of the server's instructions per
 -- request). %d prints every whole number below 2^53 exactly.
 local function int(n)
-  return string.format('%d', n)
+  return format('%d', n)
 end
 local MARK, MARK2 = '~', '~~'
 
@@ -110,20 +116,20 @@ local MARK, MARK2 = '~', '~~'
 -- (until it matures), its window, or its latest tombstone, and not longer; while anything is
 -- live it stays marked, so the next release looks again.
 local function settle(key, window_ms, t)
-  local top = redis.call('ZRANGE', key, '-1', '-1', 'WITHSCORES')
+  local top = call('ZRANGE', key, '-1', '-1', 'WITHSCORES')
   if not top[2] then
     return -- emptied: gone
   end
   local tomb = 0
   if tonumber(top[2]) >= BAND then -- a tombstone or a mark: the latest below the band
     tomb = tonumber(top[2]) - BAND - t
-    top = redis.call('ZRANGE', key, BELOW, '-inf', 'BYSCORE', 'REV', 'LIMIT', '0', '1', 'WITHSCORES')
+    top = call('ZRANGE', key, BELOW, '-inf', 'BYSCORE', 'REV', 'LIMIT', '0', '1', 'WITHSCORES')
   end
   local left = -1
   if top[2] then
     left = tonumber(top[2]) - t
-    if left > 0 and string.sub(top[1], -2) ~= ':d' then
-      redis.call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+    if left > 0 and sub(top[1], -2) ~= ':d' then
+      call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
       return
     end
   end
@@ -132,12 +138,12 @@ local function settle(key, window_ms, t)
   end
   local ttl = window_ms
   if left > 0 then
-    redis.call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+    call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
     if left / 1000 > ttl then
-      ttl = math.floor(left / 1000)
+      ttl = floor(left / 1000)
     end
   end
-  redis.call('PEXPIRE', key, int(ttl + 1))
+  call('PEXPIRE', key, int(ttl + 1))
 end
 
 -- A wildcard limit's totals set, once a delayed release took a lease out of it: it lives
@@ -145,19 +151,19 @@ end
 -- score, the latest window's end minus the lowest), so a matured delayed release leaves it
 -- behind no longer than its delay, not 1.125 x max_hold after the last admission.
 local function settle_totals(totals, t)
-  local last = redis.call('ZRANGE', totals, '-1', '-1', 'WITHSCORES')
+  local last = call('ZRANGE', totals, '-1', '-1', 'WITHSCORES')
   if not last[2] then
     return -- emptied: gone
   end
   local ends = tonumber(last[2])
-  local first = tonumber(redis.call('ZRANGE', totals, '0', '0', 'WITHSCORES')[2])
+  local first = tonumber(call('ZRANGE', totals, '0', '0', 'WITHSCORES')[2])
   if -first > ends then
     ends = -first
   end
   if ends <= t then
-    redis.call('DEL', totals) -- nothing of it is live: readers would skip it all
+    call('DEL', totals) -- nothing of it is live: readers would skip it all
   else
-    redis.call('PEXPIRE', totals, int(math.floor((ends - t) / 1000) + 1))
+    call('PEXPIRE', totals, int(floor((ends - t) / 1000) + 1))
   end
 end
 
@@ -169,7 +175,7 @@ local CLAIM_LIFE = 1
 local now
 local function clock()
   if not now then
-    local time = redis.call('TIME')
+    local time = call('TIME')
     now = tonumber(time[1]) * 1000000 + tonumber(time[2])
   end
   return now
@@ -182,7 +188,7 @@ local claims = {}
 local function add(hash, field, command, amount)
   local result = redis.pcall(command, hash, field, amount)
   if type(result) == 'table' and result.err then
-    redis.call('HSET', hash, field, amount)
+    call('HSET', hash, field, amount)
   end
 end
 
@@ -190,15 +196,15 @@ end
 -- window is due and unclaimed, claimed for the releasing process to compute.
 local function sample(hash, key, latency, faulty, claim, extra)
   local t = clock()
-  local inflight = redis.call('ZCOUNT', key, int(t + 1), BELOW) + extra -- itself included
+  local inflight = call('ZCOUNT', key, int(t + 1), BELOW) + extra -- itself included
   local now_s = t / 1000000
-  local f = redis.call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
+  local f = call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
   local due = tonumber(f[1])
   if (not due or now_s >= due) and (not f[2] or (tonumber(f[3]) or 0) < now_s) then
-    local w = redis.call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
-    redis.call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
+    local w = call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
+    call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
       'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
-    redis.call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
+    call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
     claims[#claims + 1] = {hash, claim, latency, inflight, faulty, t,
       w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
     return
@@ -215,10 +221,10 @@ local function sample(hash, key, latency, faulty, claim, extra)
     add(hash, 'sum', 'HINCRBYFLOAT', seconds)
   end
   if inflight > (tonumber(f[4]) or 0) then
-    redis.call('HSET', hash, 'peak', inflight)
+    call('HSET', hash, 'peak', inflight)
   end
   if f[2] and inflight > (tonumber(f[5]) or 0) then
-    redis.call('HSET', hash, 'cpeak', inflight)
+    call('HSET', hash, 'cpeak', inflight)
   end
 end
 
@@ -226,8 +232,8 @@ end
 -- claim is still its own; what was sampled since the claim is added to the new window.
 local function write_state(hash, spec)
   local claim, due, limit, n, sum, drops, peak, cap, state =
-    string.match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
-  local f = redis.call('HMGET', hash, 'claim', 'n', 'sum', 'drops', 'n0', 'sum0', 'drops0', 'cpeak')
+    match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+  local f = call('HMGET', hash, 'claim', 'n', 'sum', 'drops', 'n0', 'sum0', 'drops0', 'cpeak')
   if f[1] ~= claim then
     return
   end
@@ -236,13 +242,13 @@ local function write_state(hash, spec)
   if cpeak > peak then
     peak = cpeak
   end
-  redis.call('HSET', hash, 's', state, 'due', due, 'limit', limit,
+  call('HSET', hash, 's', state, 'due', due, 'limit', limit,
     'n', tonumber(n) + (tonumber(f[2]) or 0) - (tonumber(f[5]) or 0),
     'sum', tonumber(sum) + (tonumber(f[3]) or 0) - (tonumber(f[6]) or 0),
     'drops', tonumber(drops) + (tonumber(f[4]) or 0) - (tonumber(f[7]) or 0),
     'peak', peak, 'cap', cap)
-  redis.call('HDEL', hash, 'claim', 'until', 'n0', 'sum0', 'drops0', 'cpeak')
-  redis.call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
+  call('HDEL', hash, 'claim', 'until', 'n0', 'sum0', 'drops0', 'cpeak')
+  call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
 end
 
 -- The answer, with the claims made (if any).
@@ -262,37 +268,37 @@ local releases = tonumber(ARGV[1])
 local k = 1
 for r = 2, releases + 1 do
   local spec = ARGV[r]
-  if string.byte(spec, 1) == 61 then -- '=': a claimed adaptive state
+  if byte(spec, 1) == 61 then -- '=': a claimed adaptive state
     write_state(KEYS[k], spec)
     k = k + 1
   else
-  local lease, delay, codes = string.match(spec, '^(%S+) (%d+)(.*)$')
+  local lease, delay, codes = match(spec, '^(%S+) (%d+)(.*)$')
   delay = tonumber(delay)
   local first = KEYS[k]
   local tombstone = 0
-  if string.byte(lease, 1) == 33 then
+  if byte(lease, 1) == 33 then
     -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It is
     -- freed now like any release; it may also not have run yet (queued in a frozen Redis
     -- behind this release): its tombstone, below, makes it take nothing if it runs later.
-    lease = string.sub(lease, 2)
+    lease = sub(lease, 2)
     tombstone = delay
     delay = 0
   end
   local skip = false
-  if string.byte(lease, 1) == 63 then
+  if byte(lease, 1) == 63 then
     -- '?<lease>': sent again because the sender's call with it was still out. That call
     -- mostly ran first; one look at the route's first set tells (an applied release took
     -- the lease out of every set, in one go).
-    lease = string.sub(lease, 2)
-    local score = redis.call('ZSCORE', first, lease)
+    lease = sub(lease, 2)
+    local score = call('ZSCORE', first, lease)
     skip = not score or tonumber(score) >= BAND
   end
-  for word in string.gmatch(codes, '%S+') do
+  for word in gmatch(codes, '%S+') do
     -- A plain code is a number; only an adaptive slot's has more to it.
     local code = tonumber(word)
     local adaptive, latency, faulty
     if not code then
-      code, adaptive, latency, faulty = string.match(word, '^(%d+)(:)(%d*):?(%d*)$')
+      code, adaptive, latency, faulty = match(word, '^(%d+)(:)(%d*):?(%d*)$')
       code = tonumber(code)
     end
     local key = KEYS[k]
@@ -313,21 +319,21 @@ for r = 2, releases + 1 do
     if not skip then
     local path = tracked and path_of(key) -- only a totals set names it
     if code % 2 == 1 then
-      redis.call('ZREM', key, lease .. ':w')
+      call('ZREM', key, lease .. ':w')
       if tracked then
         -- The key's window now ends with the newest entry left (the lowest score), if any.
-        local newest = redis.call('ZRANGE', key, '0', '0', 'WITHSCORES')
+        local newest = call('ZRANGE', key, '0', '0', 'WITHSCORES')
         if newest[2] and tonumber(newest[2]) < 0 then
-          redis.call('ZADD', totals, int(tonumber(newest[2]) - window_ms * 1000), path)
+          call('ZADD', totals, int(tonumber(newest[2]) - window_ms * 1000), path)
         else
-          redis.call('ZREM', totals, path)
+          call('ZREM', totals, path)
         end
       end
     end
     if delay > 0 then
       -- Taken out first: its answer says whether the lease is still held (a release
       -- applied twice, or after max_hold, does nothing).
-      if redis.call('ZREM', key, lease) == 1 then
+      if call('ZREM', key, lease) == 1 then
         local t = clock()
         if hash then
           sample(hash, key, latency, faulty, lease, 1) -- itself, just taken out, included
@@ -335,19 +341,19 @@ for r = 2, releases + 1 do
         -- Matured delays and ended leases go first, so a busy key holds only the
         -- delayed releases still pending.
         local matures = int(t + delay)
-        redis.call('ZREMRANGEBYSCORE', key, '(0', int(t))
-        redis.call('ZADD', key, matures, lease .. ':d')
+        call('ZREMRANGEBYSCORE', key, '(0', int(t))
+        call('ZADD', key, matures, lease .. ':d')
         if tracked then
           -- From the totals set to the delayed set, which lives as long as its latest
           -- member: once it matured, nothing of it is left.
           local member = lease .. '|' .. path
-          redis.call('ZREM', totals, member)
+          call('ZREM', totals, member)
           settle_totals(totals, t)
-          redis.call('ZREMRANGEBYSCORE', delayed, '-inf', int(t))
-          redis.call('ZADD', delayed, matures, member)
-          local life_ms = math.floor(delay / 1000) + 1
-          if redis.call('PTTL', delayed) < life_ms then
-            redis.call('PEXPIRE', delayed, int(life_ms))
+          call('ZREMRANGEBYSCORE', delayed, '-inf', int(t))
+          call('ZADD', delayed, matures, member)
+          local life_ms = floor(delay / 1000) + 1
+          if call('PTTL', delayed) < life_ms then
+            call('PEXPIRE', delayed, int(life_ms))
           end
         end
         -- The key lives as long as its latest member and not longer: when this was its last
@@ -355,13 +361,13 @@ for r = 2, releases + 1 do
         settle(key, window_ms, t)
       end
     else
-      local taken = redis.call('ZREM', key, lease, MARK, MARK2)
+      local taken = call('ZREM', key, lease, MARK, MARK2)
       -- A release applied twice (sent again after a lost answer) samples once.
       if taken % 2 == 1 and hash then
         sample(hash, key, latency, faulty, lease, 1)
       end
       if tracked then
-        redis.call('ZREM', totals, lease .. '|' .. path)
+        call('ZREM', totals, lease .. '|' .. path)
       end
       -- A key lives max_hold after an admission, for its lease. Once no request is in
       -- flight on it, it lives only as long as what is left needs. Unmarked, nothing else
@@ -370,9 +376,9 @@ for r = 2, releases + 1 do
         settle(key, window_ms, clock())
       elseif taken == 2 then
         -- Applied before (a release sent again): nothing changed but the marks it took.
-        redis.call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+        call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
       elseif taken == 1 and window_ms > 0 then
-        redis.call('PEXPIRE', key, int(window_ms + 1))
+        call('PEXPIRE', key, int(window_ms + 1))
       end
     end
     end
@@ -381,11 +387,11 @@ for r = 2, releases + 1 do
     -- In the route's first set, where the admission's first write finds it, for as long
     -- as its lease would live; ended ones go first. Marked: releases keep the set for it.
     local t = clock()
-    redis.call('ZREMRANGEBYSCORE', first, ABOVE, int(BAND + t))
-    redis.call('ZADD', first, int(BAND + t + tombstone), lease, BAND_S, MARK, BAND_S, MARK2)
-    local life_ms = math.floor(tombstone / 1000) + 1
-    if redis.call('PTTL', first) < life_ms then
-      redis.call('PEXPIRE', first, int(life_ms))
+    call('ZREMRANGEBYSCORE', first, ABOVE, int(BAND + t))
+    call('ZADD', first, int(BAND + t + tombstone), lease, BAND_S, MARK, BAND_S, MARK2)
+    local life_ms = floor(tombstone / 1000) + 1
+    if call('PTTL', first) < life_ms then
+      call('PEXPIRE', first, int(life_ms))
     end
   end
   end
@@ -400,7 +406,7 @@ end
 local t = clock()
 local lease = ARGV[a]
 local hold = tonumber(ARGV[a + 1])
-local hold_ms = math.floor(hold / 1000) + 1
+local hold_ms = floor(hold / 1000) + 1
 -- The scores and bounds every slot uses, as text once (see int).
 local now_s, after = int(t), int(t + 1) -- a lease scored after now is live
 local slots = #ARGV - a - 1
@@ -413,11 +419,11 @@ local full = {}
 local at = {}
 local kk = k
 for i = 1, slots do
-  local concurrency, quota, window, enforce = string.match(ARGV[a + 1 + i], '^(%S+) (%d+) (%d+) (%d)$')
+  local concurrency, quota, window, enforce = match(ARGV[a + 1 + i], '^(%S+) (%d+) (%d+) (%d)$')
   at[i] = kk
-  if string.byte(concurrency, 1) == 97 then
+  if byte(concurrency, 1) == 97 then
     -- 'a<initial>': adaptive; the limit in force is the one its hash holds
-    concurrency = tonumber(redis.call('HGET', KEYS[kk + 3], 'limit')) or tonumber(string.sub(concurrency, 2))
+    concurrency = tonumber(call('HGET', KEYS[kk + 3], 'limit')) or tonumber(sub(concurrency, 2))
     kk = kk + 4
   else
     concurrency = tonumber(concurrency)
@@ -430,13 +436,13 @@ for i = 1, slots do
   local held
   local entries = 0
   if quota > 0 then
-    redis.call('ZREMRANGEBYSCORE', key, int(window - t), now_s)
-    held = redis.call('ZCOUNT', key, '(0', BELOW)
-    entries = redis.call('ZCOUNT', key, '-inf', '(0')
+    call('ZREMRANGEBYSCORE', key, int(window - t), now_s)
+    held = call('ZCOUNT', key, '(0', BELOW)
+    entries = call('ZCOUNT', key, '-inf', '(0')
   else
     -- Ended leases are not dropped here (the count skips them); a delayed release drops
     -- them, and the key's expiry ends them all once it is idle.
-    held = redis.call('ZCOUNT', key, after, BELOW)
+    held = call('ZCOUNT', key, after, BELOW)
   end
   busy[i] = held
   if concurrency >= 0 and held >= concurrency then
@@ -444,8 +450,8 @@ for i = 1, slots do
       -- The soonest delayed release tells when a slot frees for sure; a running request
       -- may finish any moment.
       local retry = 0
-      local soonest = redis.call('ZRANGEBYSCORE', key, after, BELOW, 'WITHSCORES', 'LIMIT', '0', '1')
-      if soonest[1] and string.sub(soonest[1], -2) == ':d' then
+      local soonest = call('ZRANGEBYSCORE', key, after, BELOW, 'WITHSCORES', 'LIMIT', '0', '1')
+      if soonest[1] and sub(soonest[1], -2) == ':d' then
         retry = tonumber(soonest[2]) - t
       end
       return answer({0, i - 1, 1, retry, concurrency})
@@ -454,7 +460,7 @@ for i = 1, slots do
   end
   if quota > 0 and entries >= quota then
     if enforce == '1' then
-      local oldest = redis.call('ZREVRANGEBYSCORE', key, '(0', '-inf', 'WITHSCORES', 'LIMIT', '0', '1')
+      local oldest = call('ZREVRANGEBYSCORE', key, '(0', '-inf', 'WITHSCORES', 'LIMIT', '0', '1')
       return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
     end
     over[i] = true
@@ -478,7 +484,7 @@ for i = 1, slots do
   local quota, window = quotas[i], windows[i]
   local ttl = hold_ms
   if prune and tracked then
-    redis.call('ZREMRANGEBYSCORE', totals, since, now_s)
+    call('ZREMRANGEBYSCORE', totals, since, now_s)
   end
   -- A shadow slot over its concurrency still counts in its window; a full window is not
   -- extended (enforce mode would not have admitted).
@@ -487,15 +493,15 @@ for i = 1, slots do
   if quota == 0 then
     -- A concurrency slot: its lease alone (no table to build and unpack).
     if i > 1 then
-      redis.call('ZADD', key, ends, lease)
+      call('ZADD', key, ends, lease)
     else
-      there = redis.call('ZADD', key, 'NX', ends, lease) == 0
+      there = call('ZADD', key, 'NX', ends, lease) == 0
     end
   else
     local members = {ends, lease}
     if windowed then
       members[3], members[4] = since, lease .. ':w'
-      local window_ms = math.floor(window / 1000) + 1
+      local window_ms = floor(window / 1000) + 1
       if window_ms > ttl then
         ttl = window_ms
       end
@@ -507,19 +513,19 @@ for i = 1, slots do
       members[#members + 1], members[#members + 2] = BAND_S, MARK2
     end
     if i > 1 then
-      redis.call('ZADD', key, unpack(members))
+      call('ZADD', key, unpack(members))
     else
-      there = redis.call('ZADD', key, 'NX', unpack(members)) < #members / 2
+      there = call('ZADD', key, 'NX', unpack(members)) < #members / 2
     end
   end
   if there then
     -- Something was there already: the marks, this admission's own first try (sent
     -- again after a connection broke), or its give-back's tombstone, which ran first
     -- (queued in a frozen Redis): then it takes nothing, and nobody waits for its answer.
-    local score = redis.call('ZSCORE', key, lease)
+    local score = call('ZSCORE', key, lease)
     if score and tonumber(score) > BAND then
       if windowed then
-        redis.call('ZREM', key, lease .. ':w')
+        call('ZREM', key, lease .. ':w')
       end
       return answer({0, 0, 1, 0, 0})
     end
@@ -527,9 +533,9 @@ for i = 1, slots do
   if tracked then
     local path = path_of(key)
     if windowed then
-      redis.call('ZADD', totals, ends, lease .. '|' .. path, int(-t - window), path)
+      call('ZADD', totals, ends, lease .. '|' .. path, int(-t - window), path)
     else
-      redis.call('ZADD', totals, ends, lease .. '|' .. path)
+      call('ZADD', totals, ends, lease .. '|' .. path)
     end
   end
   -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
@@ -537,15 +543,15 @@ for i = 1, slots do
   -- window, another host's longer max_hold).
   local ttl_s = ttl == hold_ms and hold_s or int(ttl)
   if busy[i] == 0 then
-    redis.call('PEXPIRE', key, ttl_s)
+    call('PEXPIRE', key, ttl_s)
   else
-    redis.call('PEXPIRE', key, ttl_s, 'GT')
+    call('PEXPIRE', key, ttl_s, 'GT')
   end
   -- The totals set must outlive its latest member. Its expiry is pushed an eighth
   -- further than needed, so most admissions find it long enough and only read it (a first
   -- admission finds none: -1).
-  if tracked and redis.call('PTTL', totals) < ttl then
-    redis.call('PEXPIRE', totals, int(ttl + math.floor(ttl / 8)))
+  if tracked and call('PTTL', totals) < ttl then
+    call('PEXPIRE', totals, int(ttl + floor(ttl / 8)))
   end
   if over[i] then
     shadowed[#shadowed + 1] = i - 1
