@@ -170,6 +170,34 @@ def test_a_release_in_flight_is_held_never_double_counted(own_redis: ControlledR
     assert [gk.admit("shop", "work", "c") for _ in range(4)]  # the full capacity is back
 
 
+def test_a_lingering_sender_is_woken_once_and_still_sends_a_lone_release(
+    prefixed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under steady traffic no response wakes the sender (it looks once per flush interval
+    while it lingers): over 100 requests it is woken once, by the first release, and a last
+    release that no admission takes along still reaches Redis."""
+    monkeypatch.setattr(redis_backend, "_LINGER", 3600.0)  # it lingers for the whole test
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 200}})
+    outbox = backend_of(gk)._outbox
+    wakes: list[None] = []
+    arm = outbox._arm
+
+    def counted() -> None:
+        wakes.append(None)
+        arm()
+
+    monkeypatch.setattr(outbox, "_arm", counted)
+    for _ in range(100):
+        gk.admit("shop", "work", "c").release(200)
+    assert len(wakes) == 1
+    wait_until(lambda: len(outbox) == 0, what="the last release to be sent")
+    probe = backend_from_url(prefixed)
+    assert probe.inflight(0.0) == {}
+    assert len(wakes) == 1
+    probe.close()
+    gk.close()
+
+
 def test_close_sends_the_releases_still_waiting(prefixed: str) -> None:
     """A process that closes its gatekeeper right after its last responses leaves nothing
     held: close() sends what is waiting."""

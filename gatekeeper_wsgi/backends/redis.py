@@ -89,6 +89,9 @@ MAX_FLUSH_INTERVAL = 0.005
 _CONTENDED_FOR = 1.0
 #: A release sender with nothing to send for this long ends (a new one starts on demand).
 _SENDER_IDLE = 10.0
+#: A sender whose releases the admissions took along keeps looking, once per flush
+#: interval, for this long before it waits to be woken again (see _Outbox._run).
+_LINGER = 0.005
 #: Releases waiting to be sent (or sent again, after an outage); past this the oldest are
 #: dropped and end by lease expiry.
 _PENDING_RELEASES = 10_000
@@ -456,6 +459,7 @@ class _Outbox:
         generation = _generation
         stop = self._stop
         interval = backend.flush_interval
+        lingering = round(_LINGER / interval) if interval else 0
         while generation == _generation:
             if not self._wake.wait(_SENDER_IDLE):
                 with self._lock:
@@ -466,15 +470,29 @@ class _Outbox:
                         return
                 continue
             self._wake.clear()
+            idle = 0
             while not stop.is_set():
                 with self._lock:
                     waiting = self._waiting
-                    if not waiting:
+                    if waiting:
+                        oldest = waiting[0].placed
+                    elif idle < lingering:
+                        oldest = None
+                    else:
                         # Checked and disarmed in one step: a release put after this
                         # finds the sender disarmed and wakes it.
                         self._armed = False
                         break
-                    oldest = waiting[0].placed
+                if oldest is None:
+                    # The admissions took everything along. Still armed, so the releases
+                    # of the next responses cost their threads an append and no wake-up
+                    # (a wake-up per release, and the GIL handed back and forth with it,
+                    # cost each direct request ~50 µs); looked at once per interval, so
+                    # none waits longer than the interval.
+                    idle += 1
+                    stop.wait(interval)
+                    continue
+                idle = 0
                 # A release waits the interval first, leaving the GIL to the request
                 # threads: most ride along with an admission of the process meanwhile,
                 # and only those left are sent (sent now, they would be sent again by
