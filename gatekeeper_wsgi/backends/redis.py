@@ -819,7 +819,12 @@ class RedisBackend(Backend):
                 concurrency = f"a{limit.adaptive.initial}"
                 keys.append(self.adaptive_key(slot.key))
                 self._adaptive[keys[-1]] = (limit.adaptive, slot.key)
-            specs.append(f"{concurrency} {quota} {window_us} {int(slot.enforce)}")
+            if quota or not slot.enforce or limit.adaptive is not None:
+                specs.append(f"{concurrency} {quota} {window_us} {int(slot.enforce)}")
+            else:
+                # An enforced concurrency slot without a rate, the commonest: its limit
+                # alone, which the script reads without matching a pattern.
+                specs.append(concurrency)
             values.append(-(-window_us // 1000) * 2)
             if limit.count is not None and rate is not None:
                 reserved.append((index, limit.count))

@@ -57,7 +57,8 @@
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
---   (0: none)> <rate window in us> <enforce (1/0)>"
+--   (0: none)> <rate window in us> <enforce (1/0)>", or for an enforced concurrency slot
+--   without a rate its concurrency alone (one tonumber, no pattern to match)
 -- (Specs in words keep the command short: the client packs each argument anew.)
 -- KEYS: the keys of the releases in order, then those of the admission: three per slot, its
 -- path's sorted set, its limit's totals set and delayed set (the sorted set again for a
@@ -419,18 +420,25 @@ local full = {}
 local at = {}
 local kk = k
 for i = 1, slots do
-  local concurrency, quota, window, enforce = match(ARGV[a + 1 + i], '^(%S+) (%d+) (%d+) (%d)$')
+  local spec = ARGV[a + 1 + i]
+  local concurrency = tonumber(spec)
+  local quota, window, enforce = 0, 0, '1'
   at[i] = kk
-  if byte(concurrency, 1) == 97 then
-    -- 'a<initial>': adaptive; the limit in force is the one its hash holds
-    concurrency = tonumber(call('HGET', KEYS[kk + 3], 'limit')) or tonumber(sub(concurrency, 2))
-    kk = kk + 4
+  if concurrency then
+    kk = kk + 3 -- an enforced concurrency slot without a rate: its limit alone
   else
-    concurrency = tonumber(concurrency)
-    kk = kk + 3
+    concurrency, quota, window, enforce = match(spec, '^(%S+) (%d+) (%d+) (%d)$')
+    if byte(concurrency, 1) == 97 then
+      -- 'a<initial>': adaptive; the limit in force is the one its hash holds
+      concurrency = tonumber(call('HGET', KEYS[kk + 3], 'limit')) or tonumber(sub(concurrency, 2))
+      kk = kk + 4
+    else
+      concurrency = tonumber(concurrency)
+      kk = kk + 3
+    end
+    quota = tonumber(quota)
+    window = tonumber(window)
   end
-  quota = tonumber(quota)
-  window = tonumber(window)
   quotas[i], windows[i] = quota, window
   local key = KEYS[at[i]]
   local held
