@@ -260,12 +260,11 @@ def lock_share(iterations: int) -> tuple[float, float]:
     held = [0]
     clock = time.perf_counter_ns
     taken = [0]
-    sized_lock, unlock_file = module.sized_lock, module.unlock_file
+    lock_file, unlock_file = module.lock_file, module.unlock_file
 
-    def timed_lock(fd: int) -> int:
-        size = sized_lock(fd)
+    def timed_lock(fd: int) -> None:
+        lock_file(fd)
         taken[0] = clock()
-        return size
 
     def timed_unlock(fd: int) -> None:
         held[0] += clock() - taken[0]
@@ -276,14 +275,14 @@ def lock_share(iterations: int) -> tuple[float, float]:
         admit = gk.admit
         for _ in range(200):
             admit("shop", "orders", "crm").release(200)
-        module.sized_lock, module.unlock_file = timed_lock, timed_unlock
+        module.lock_file, module.unlock_file = timed_lock, timed_unlock
         try:
             started = clock()
             for _ in range(iterations):
                 admit("shop", "orders", "crm").release(200)
             elapsed = clock() - started
         finally:
-            module.sized_lock, module.unlock_file = sized_lock, unlock_file
+            module.lock_file, module.unlock_file = lock_file, unlock_file
             gk.close()
     return elapsed / iterations / 1000, held[0] / iterations / 1000
 

@@ -63,10 +63,17 @@ WRITERS = tuple(
 )
 
 
-def _admitted(path: Path, clock: FakeClock, warm: int) -> tuple[GateKeeper, Admission]:
+def _limits(rate: str) -> dict[str, Any]:
+    """:data:`PLANNED` with the caller-level key's rate ``rate``."""
+    return {**PLANNED, "shop/orders/*": {**PLANNED["shop/orders/*"], "rate": rate}}
+
+
+def _admitted(
+    path: Path, clock: FakeClock, warm: int, rate: str = "100/minute"
+) -> tuple[GateKeeper, Admission]:
     """A table that admitted and released ``warm`` requests (one a second: a window of
-    ``warm`` entries), the next one admitted and held: its plan is made."""
-    gk = GateKeeper(settings_for(path, PLANNED), clock=clock)
+    ``warm`` entries, up to a minute's), the next one admitted and held: its plan is made."""
+    gk = GateKeeper(settings_for(path, _limits(rate)), clock=clock)
     for _ in range(warm):
         gk.admit("shop", "orders", "crm").release(200)
         clock.advance(1.0)
@@ -100,11 +107,13 @@ def _state(path: Path) -> tuple[object, ...]:
         backend.close()
 
 
-def _step_then_die(path: Path, warm: int, stage: str, kill_at: int, report: Connection) -> None:
+def _step_then_die(
+    path: Path, warm: int, rate: str, stage: str, kill_at: int, report: Connection
+) -> None:
     """In a forked child: make the table, then SIGKILL this process at line ``kill_at``
     run in the writing modules during the step (or tell how many lines there were and
     die after it)."""
-    gk, held = _admitted(path, FakeClock(), warm)
+    gk, held = _admitted(path, FakeClock(), warm, rate)
     lines = 0
 
     def tracer(frame: FrameType, event: str, arg: object) -> object:
@@ -124,13 +133,13 @@ def _step_then_die(path: Path, warm: int, stage: str, kill_at: int, report: Conn
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run_child(path: Path, warm: int, stage: str, kill_at: int) -> int | None:
+def _run_child(path: Path, warm: int, rate: str, stage: str, kill_at: int) -> int | None:
     """Fork :func:`_step_then_die`; the lines it counted if it lived through the step."""
     ours, theirs = multiprocessing.Pipe(duplex=False)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns
         try:
-            _step_then_die(path, warm, stage, kill_at, theirs)
+            _step_then_die(path, warm, rate, stage, kill_at, theirs)
         finally:
             os._exit(1)
     theirs.close()
@@ -144,10 +153,25 @@ def _run_child(path: Path, warm: int, stage: str, kill_at: int) -> int | None:
     return lines
 
 
-@pytest.mark.parametrize("stage", ["admit", "release"])
-@pytest.mark.parametrize("warm", [1, 5], ids=["window-entry", "new-window-chunk"])
+#: (stage, warm-up requests, rate) of the kill test: a window entry added, a new window
+#: chunk taken, and (admissions only: a release gives no entry back here) once the first
+#: window has passed at one request a second, an entry expired by the admission (warm 61),
+#: an expiry that frees the window's first chunk (warm 65), and a full window (60/minute)
+#: whose oldest entry expires
+KILLED = [
+    pytest.param("admit", 1, "100/minute", id="admit-window-entry"),
+    pytest.param("admit", 5, "100/minute", id="admit-new-window-chunk"),
+    pytest.param("release", 1, "100/minute", id="release-window-entry"),
+    pytest.param("release", 5, "100/minute", id="release-new-window-chunk"),
+    pytest.param("admit", 61, "100/minute", id="admit-expired-entry"),
+    pytest.param("admit", 65, "100/minute", id="admit-expired-chunk"),
+    pytest.param("admit", 62, "60/minute", id="admit-full-window-expired-entry"),
+]
+
+
+@pytest.mark.parametrize(("stage", "warm", "rate"), KILLED)
 def test_a_kill_at_any_line_of_a_planned_update_leaves_before_or_after(
-    tmp_path: Path, stage: str, warm: int, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, stage: str, warm: int, rate: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A worker SIGKILLed at any line the planned admission or release runs in the
     modules that write the table leaves it, once the next process rolls the journal
@@ -156,24 +180,24 @@ def test_a_kill_at_any_line_of_a_planned_update_leaves_before_or_after(
     exactly its capacity again."""
     clock = FakeClock()
     reference = tmp_path / "reference.shm"
-    gk, held = _admitted(reference, clock, warm)
+    gk, held = _admitted(reference, clock, warm, rate)
     before = _state(reference)
     _step(gk, held, stage)
     after = _state(reference)
     gk.close()
     assert before != after
-    total = _run_child(tmp_path / "count.shm", warm, stage, 0)
+    total = _run_child(tmp_path / "count.shm", warm, rate, stage, 0)
     assert total is not None and total > 20
     seen = set()
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
         for kill_at in range(1, total + 1):
             path = tmp_path / f"kill-{kill_at}.shm"
-            assert _run_child(path, warm, stage, kill_at) is None
+            assert _run_child(path, warm, rate, stage, kill_at) is None
             state = _state(path)
             assert state in (before, after), f"killed at line {kill_at}"
             seen.add(state == after)
             if kill_at % 16 == 1:  # reclaim and capacity, on some of the tables
-                survivor = GateKeeper(settings_for(path, PLANNED), clock=FakeClock(2000.0))
+                survivor = GateKeeper(settings_for(path, _limits(rate)), clock=FakeClock(2000.0))
                 assert busy(survivor) == {}
                 admitted = [survivor.admit("shop", "orders", "crm") for _ in range(3)]
                 with pytest.raises(Rejected):
@@ -184,3 +208,50 @@ def test_a_kill_at_any_line_of_a_planned_update_leaves_before_or_after(
             path.unlink()
     assert seen == {False, True}  # killed both before and after the commit point
     assert not [record for record in caplog.records if "damaged" in record.getMessage()]
+
+
+# --- steady traffic: past the first window, admissions by plan expire entries ---------------
+
+
+def test_steady_traffic_past_the_first_window_goes_by_plan_and_decides_as_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller sending two requests a second against 100/minute: once its first window
+    has passed, nearly every admission has an entry to expire. Each one still goes by its
+    plan (the general path is no longer taken on every request), and every decision, over
+    five windows, is the one the memory backend makes on the same clock."""
+    planned = [0]
+    admit = plans.Plans.admit
+
+    def counting(self: plans.Plans, *args: Any) -> tuple[int, int] | None:
+        taken = admit(self, *args)
+        planned[0] += taken is not None
+        return taken
+
+    monkeypatch.setattr(plans.Plans, "admit", counting)
+    clock = FakeClock()
+    shared = GateKeeper(settings_for(tmp_path / "t.shm", PLANNED), clock=clock)
+    memory = GateKeeper(
+        {**settings_for(tmp_path / "unused", PLANNED), "backend": "memory"}, clock=clock
+    )
+    decisions: list[tuple[bool, bool]] = []
+    for _ in range(600):  # 300 s at two a second
+        verdicts = []
+        for keeper in (shared, memory):
+            try:
+                keeper.admit("shop", "orders", "crm").release(200)
+            except Rejected:
+                verdicts.append(False)
+            else:
+                verdicts.append(True)
+        decisions.append((verdicts[0], verdicts[1]))
+        clock.advance(0.5)
+    assert all(ours == model for ours, model in decisions)
+    admitted = sum(ours for ours, _ in decisions)
+    # 100 in the first minute, then as many as slide out: 100 + 4 minutes' worth.
+    assert admitted == 100 + 4 * 100
+    # Every admission but the first (which made the plan) went by plan, the refusals of a
+    # full window with nothing to expire by the general path.
+    assert planned[0] == admitted - 1
+    shared.close()
+    memory.close()

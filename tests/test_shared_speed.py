@@ -33,7 +33,7 @@ DEADLINE = 20.0
 def _hold_lock(path: str, conn: Connection) -> None:
     """In a child process: take the lock, write a mark under it, hold it until told."""
     fd = os.open(path, os.O_RDWR)
-    filelock.sized_lock(fd)
+    filelock.lock_file(fd)
     os.pwrite(fd, b"child", 0)
     conn.send("held")
     conn.recv()
@@ -50,7 +50,7 @@ def _blocked_on(inode: int) -> bool:
 
 
 def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
-    """While another process holds the lock, sized_lock() waits, and returns once that
+    """While another process holds the lock, lock_file() waits, and returns once that
     process unlocks, seeing what it wrote under the lock."""
     path = tmp_path / "lock"
     path.write_bytes(bytes(16))
@@ -65,7 +65,7 @@ def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
         seen: list[bytes] = []
 
         def take() -> None:
-            filelock.sized_lock(fd)
+            filelock.lock_file(fd)
             seen.append(os.pread(fd, 5, 0))
             taken.set()
 
@@ -89,15 +89,14 @@ def test_lock_excludes_another_process_until_it_unlocks(tmp_path: Path) -> None:
     assert child.exitcode == 0
 
 
-def test_sized_lock_reads_a_size_past_4_gib(tmp_path: Path) -> None:
-    """sized_lock reads a sparse file's size past 32 bits (the table's geometry can ask
+def test_file_size_reads_a_size_past_4_gib(tmp_path: Path) -> None:
+    """file_size reads a sparse file's size past 32 bits (the table's geometry can ask
     for that much), as fstat does."""
     path = tmp_path / "big"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, (5 << 30) + 12345)
-        assert filelock.sized_lock(fd) == os.fstat(fd).st_size == (5 << 30) + 12345
-        filelock.unlock_file(fd)
+        assert filelock.file_size(fd) == os.fstat(fd).st_size == (5 << 30) + 12345
     finally:
         os.close(fd)
 
@@ -111,7 +110,7 @@ def test_a_lock_refused_for_another_reason_than_a_holder_raises(tmp_path: Path) 
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError) as refused:
-            filelock.sized_lock(fd)
+            filelock.lock_file(fd)
         assert refused.value.errno == errno.EBADF
     finally:
         os.close(fd)
@@ -123,7 +122,9 @@ def test_unlock_of_a_closed_descriptor_raises(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     os.close(fd)
     with pytest.raises(OSError):
-        filelock.sized_lock(fd)
+        filelock.file_size(fd)
+    with pytest.raises(OSError):
+        filelock.lock_file(fd)
     with pytest.raises(OSError):
         filelock.unlock_file(fd)
 

@@ -1,11 +1,13 @@
 """The table file's lock and size, the system calls every update of the table makes.
 
-Every update happens between :func:`sized_lock` and :func:`unlock_file` of an exclusive
+Every update happens between :func:`lock_file` and :func:`unlock_file` of an exclusive
 open-file-description lock on byte 0 (``F_OFD_SETLKW``): the kernel drops it when the last
 descriptor of its open file description closes, so a killed process cannot leave it held.
-:func:`sized_lock` reads the file's size first, the check made before the map is touched
-(a file cut shorter than the map is SIGBUS), in the same call: the per-request path takes
-the lock twice.
+:func:`file_size` is the check made before the map is touched (a file cut shorter than
+the map is SIGBUS); the table reads it before it takes its thread lock, so that one fewer
+system call lets go of the GIL while a thread holds that lock (every thread that runs
+meanwhile would run up to the lock and sleep there). The per-request path takes the lock
+twice.
 
 Plain ``fcntl.fcntl`` and ``os.lseek``, which let go of the GIL around the call. A lock
 another process holds is tried again ``SPINS`` times before waiting in the kernel: the
@@ -26,7 +28,7 @@ import fcntl
 import os
 import struct
 
-__all__ = ["sized_lock", "unlock_file"]
+__all__ = ["file_size", "lock_file", "unlock_file"]
 
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
 FLOCK = struct.Struct("hhxxxxqqixxxx")
@@ -39,19 +41,21 @@ _HELD = (errno.EAGAIN, errno.EACCES)
 SPINS = 20
 
 
-def sized_lock(fd: int) -> int:
+def file_size(fd: int) -> int:
+    """The size of the file open on ``fd`` (its end, by ``lseek``, cheaper than
+    ``fstat``). OSError if the descriptor is not open."""
+    return os.lseek(fd, 0, os.SEEK_END)
+
+
+def lock_file(fd: int) -> None:
     """Take the exclusive lock of the table open on ``fd``, waiting while another process
-    holds it, and return the file's size (its end, by ``lseek``) read just before: the
-    check every update makes before it touches the map, in the same call. OSError if the
-    descriptor cannot be locked."""
-    size = os.lseek(fd, 0, os.SEEK_END)
+    holds it. OSError if the descriptor cannot be locked."""
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, LOCK)
     except OSError as exc:
         if exc.errno not in _HELD:
             raise
         _wait(fd)
-    return size
 
 
 def _wait(fd: int) -> None:
@@ -69,5 +73,5 @@ def _wait(fd: int) -> None:
 
 
 def unlock_file(fd: int) -> None:
-    """Drop the lock :func:`sized_lock` took."""
+    """Drop the lock :func:`lock_file` took."""
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, UNLOCK)

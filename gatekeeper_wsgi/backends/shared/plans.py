@@ -12,10 +12,13 @@ node) is unchanged the nodes still hold those keys, so the next admission of tha
 (:meth:`Plans.admit`) is one read of the header, one of each node, one journal write of
 the node heads, the header's lease counters and the lease, and the writes themselves.
 
-Whatever is not that plain case (a limit full or shadowed, a window to purge or a new
-window chunk to take, a key to move in its LRU list, a delayed release due, a queue with
-waiters, an adaptive limit, a lease table that looks damaged) answers None before
-anything is written, and the general path decides, under the same lock. A plan is never
+A window with entries to expire is purged and appended to by the windows' own methods in
+the same update, as the general path does (a key with steady traffic has one to expire on
+nearly every admission once its first window has passed), a new window chunk taken
+likewise. Whatever is not that plain case (a limit full or shadowed, a key to move in its
+LRU list, a delayed release due, a queue with waiters, an adaptive limit, a lease table
+that looks damaged) answers None before anything is written, and the general path
+decides, under the same lock. A plan is never
 trusted past its map: a re-created table is a new map with new plans.
 
 :class:`Plans` works on the map, the layout and the journal it is given, nothing else:
@@ -243,14 +246,19 @@ class Plans(Structure):
         for node, index, seconds, most in plan.rated:
             length = u32[index + _LEN]
             position = 0
+            expired = False
             if length:
-                if length >= most:
-                    return None
                 start = mm[(index << 2) + N_OFFSET]
                 if f64[chunk_base + u32[index + _FIRST] * CHUNK_F64 + start] <= now - seconds:
-                    return None  # entries to expire first
-                position = (start + length) % CHUNK_STAMPS
-            appends.append((node, index, length, position, seconds))
+                    # Entries to expire first: the windows' own purge, in this update. A
+                    # key with steady traffic has one on nearly every admission once its
+                    # first window has passed (and, at its limit, a full window).
+                    expired = True
+                elif length >= most:
+                    return None  # full: the general path refuses
+                else:
+                    position = (start + length) % CHUNK_STAMPS
+            appends.append((node, index, position, seconds, most, expired))
         if free != NIL:
             if free >= high:
                 return None  # out of range: the general path finds the damage
@@ -269,16 +277,19 @@ class Plans(Structure):
         journal.save_first(plan.heads, plan.offsets, NODE_HEAD, plan.saved, at, LEASE_SIZE)
         for index in plan.counts:
             u32[index] += 1
-        for node, index, length, position, seconds in appends:
+        for node, index, position, seconds, most, expired in appends:
             if position:
                 # The slot past the last entry is free space: no journal entry needed.
                 f64[chunk_base + u32[index + _LAST] * CHUNK_F64 + position] = now
-                u32[index + _LEN] = length + 1
+                u32[index + _LEN] += 1
                 idle = (index >> 1) + _IDLE
                 if f64[idle] < now + seconds:
                     f64[idle] = now + seconds
                 continue
             try:  # the window's first chunk, or a new one: the windows' own append
+                if expired and self._windows.purge(node, now - seconds)[0] >= most:
+                    journal.rollback()
+                    return None  # still full: the general path refuses
                 self._windows.append(node, now, seconds)
             except NoRoom:
                 journal.rollback()

@@ -27,7 +27,7 @@ from typing import NoReturn
 
 from gatekeeper_wsgi.backends.base import PASSING, Backend
 from gatekeeper_wsgi.backends.shared.faults import Damaged
-from gatekeeper_wsgi.backends.shared.filelock import sized_lock, unlock_file
+from gatekeeper_wsgi.backends.shared.filelock import file_size, lock_file, unlock_file
 from gatekeeper_wsgi.backends.shared.files import check_mode, open_private
 from gatekeeper_wsgi.backends.shared.gauges import Gauges
 from gatekeeper_wsgi.backends.shared.journal import Journal, Transaction
@@ -82,6 +82,8 @@ class Recreated(BackendError):
 
 
 _INSTANCES: weakref.WeakSet[Table] = weakref.WeakSet()
+#: the bytes of the table's first fields (:data:`STATE`), compared on every entry
+_STATE_END = STATE.size
 #: serialises noticing a fork that bypassed the at-fork hook (threads race to notice)
 _FORK_LOCK = threading.Lock()
 
@@ -197,6 +199,9 @@ class Table(Backend):
     def _reset_state(self) -> None:
         self._layout: Layout | None = None
         self._epoch = 0
+        #: the table's first bytes (:data:`STATE`) as :meth:`_enter` expects them: the
+        #: magic, this version, an empty journal, the epoch attached (0: none, no table's)
+        self._state = STATE.pack(MAGIC, VERSION, 0, 0)
         #: leases this process holds (admitted, not yet released) in the table of epoch
         #: ``_held_epoch``: while it holds any, no other layout version re-creates it
         self._held = 0
@@ -244,31 +249,36 @@ class Table(Backend):
             with _FORK_LOCK:
                 if os.getpid() != self._pid:
                     self._drop_inherited()
+        # Touching the map of a file cut shorter than it is SIGBUS: the size is checked
+        # first (one lseek, ~0.3 µs). Read before the thread lock: a system call lets go
+        # of the GIL, and one made holding the thread lock lets every other thread run up
+        # to that lock and sleep there. Before the file lock too, which other processes
+        # then do not wait for (a process re-creating the table cuts the file and grows
+        # it back under that lock, never below its old size). This catches a truncation
+        # between two updates; a writer ignoring the lock can still cut the file inside
+        # one. (filelock.file_size inlined: a call less on every update.)
+        fd = self._fd
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END) if fd >= 0 else 0
+        except OSError:
+            size = 0  # closed meanwhile (a fork, close()): read again below
         self._tlock.acquire()
         try:
-            if self._fd < 0:
-                self._open()
-            # Touching the map of a file cut shorter than it is SIGBUS: check the size
-            # first (one lseek, ~0.3 µs), before the file lock, which other processes
-            # then do not wait for (a process re-creating the table cuts the file and
-            # grows it back under that lock, never below its old size). This catches a
-            # truncation between two updates; a writer ignoring the lock can still cut
-            # the file inside one.
-            short = sized_lock(self._fd) < self._total
+            if fd < 0 or self._fd != fd:
+                if self._fd < 0:
+                    self._open()
+                size = file_size(self._fd)
+            lock_file(self._fd)
         except (OSError, ConfigError) as exc:
             self._tlock.release()
             raise self.backend_error(exc) from exc
         try:
             try:
                 mm = self._mm
-                if mm is None or short:
-                    self._attach()
-                else:
-                    magic, version, jlen, epoch = STATE.unpack_from(mm, 0)
-                    if epoch != self._epoch or magic != MAGIC or version != VERSION:
-                        self._attach()
-                    elif jlen:
-                        self._recover(jlen)
+                # One comparison on the common path: the map is this process's table of
+                # the epoch it attached, of this layout version, no journal left behind.
+                if mm is None or size < self._total or mm[:_STATE_END] != self._state:
+                    self._check(mm, size < self._total)
             except Damaged as exc:
                 self._recreate(str(exc))
             mm = self._mm
@@ -279,6 +289,20 @@ class Table(Backend):
             if isinstance(exc, Exception) and not isinstance(exc, PASSING):
                 raise self.backend_error(exc) from exc
             raise
+
+    def _check(self, mm: mmap.mmap | None, short: bool) -> None:
+        """What :meth:`_enter` does when the table is not as it left it: attach the file
+        (not mapped yet, cut shorter, another epoch, magic or version) or roll back the
+        journal a killed process left. Under both locks."""
+        if mm is None or short:
+            self._attach()
+        else:
+            magic, version, jlen, epoch = STATE.unpack_from(mm, 0)
+            if epoch != self._epoch or magic != MAGIC or version != VERSION:
+                self._attach()
+            elif jlen:
+                self._recover(jlen)
+        self._state = STATE.pack(MAGIC, VERSION, 0, self._epoch)
 
     def _leave(self) -> None:
         try:
