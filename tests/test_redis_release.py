@@ -198,6 +198,26 @@ def test_a_lingering_sender_is_woken_once_and_still_sends_a_lone_release(
     gk.close()
 
 
+def test_a_sender_of_a_sub_millisecond_interval_waits_to_be_woken_instead_of_polling(
+    prefixed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a flush interval under 1 ms the sender does not linger (it would look more often
+    than the responses it spares a wake-up arrive): once its releases are sent it waits to
+    be woken, and the next release wakes it and is sent."""
+    monkeypatch.setattr(redis_backend, "_LINGER", 3600.0)
+    gk = keeper(f"{prefixed}&flush_interval=0.0002", {"shop/work": {"concurrency": 200}})
+    outbox = backend_of(gk)._outbox
+    for _ in range(20):
+        gk.admit("shop", "work", "c").release(200)
+    wait_until(lambda: len(outbox) == 0 and not outbox._armed, what="the sender to stop looking")
+    gk.admit("shop", "work", "c").release(200)
+    wait_until(lambda: len(outbox) == 0, what="the next release to be sent")
+    probe = backend_from_url(prefixed)
+    assert probe.inflight(0.0) == {}
+    probe.close()
+    gk.close()
+
+
 def test_close_sends_the_releases_still_waiting(prefixed: str) -> None:
     """A process that closes its gatekeeper right after its last responses leaves nothing
     held: close() sends what is waiting."""

@@ -90,8 +90,11 @@ _CONTENDED_FOR = 1.0
 #: A release sender with nothing to send for this long ends (a new one starts on demand).
 _SENDER_IDLE = 10.0
 #: A sender whose releases the admissions took along keeps looking, once per flush
-#: interval, for this long before it waits to be woken again (see _Outbox._run).
+#: interval, for this long before it waits to be woken again (see _Outbox._run)...
 _LINGER = 0.005
+#: ... with an interval of at least this: one shorter would look more often than the
+#: responses it spares a wake-up arrive.
+_LINGER_FROM = 0.001
 #: Releases waiting to be sent (or sent again, after an outage); past this the oldest are
 #: dropped and end by lease expiry.
 _PENDING_RELEASES = 10_000
@@ -459,7 +462,7 @@ class _Outbox:
         generation = _generation
         stop = self._stop
         interval = backend.flush_interval
-        lingering = round(_LINGER / interval) if interval else 0
+        lingering = round(_LINGER / interval) if interval >= _LINGER_FROM else 0
         while generation == _generation:
             if not self._wake.wait(_SENDER_IDLE):
                 with self._lock:
