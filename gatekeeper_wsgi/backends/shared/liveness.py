@@ -76,7 +76,17 @@ class Processes(Structure):
     messages; ``forget(pid)`` is called for a dead process before its leases are
     reclaimed (the queues' lines drop its waiters)."""
 
-    __slots__ = ("_base", "_capacity", "_forget", "_leases", "_mine", "_name", "_pid", "_start")
+    __slots__ = (
+        "_base",
+        "_capacity",
+        "_forget",
+        "_leases",
+        "_mine",
+        "_name",
+        "_pid",
+        "_start",
+        "slot_at",
+    )
 
     def __init__(
         self,
@@ -100,6 +110,10 @@ class Processes(Structure):
         self._forget = forget
         #: this process's slot, -1 until registered
         self._mine = -1
+        #: the offset of that slot once :meth:`register` gave it one, else -1 (whether it
+        #: still holds this pid is for the caller to read, under the lock): an attribute,
+        #: read on every admission by plan
+        self.slot_at = -1
 
     def register(self) -> None:
         """Make sure this process has a slot in the process table, so that its leases are
@@ -121,7 +135,7 @@ class Processes(Structure):
                     self._leases.reclaim(pid)
                     self._journal.save(base + index * PROC_SIZE, PROC_SIZE)
                     PROC.pack_into(mm, base + index * PROC_SIZE, pid, 0, start)
-                self._mine = index
+                self._own(index)
                 return
             if not entry_pid and free < 0:
                 free = index
@@ -143,13 +157,12 @@ class Processes(Structure):
             U32.pack_into(mm, H_PROCS_HIGH, high + 1)
         self._journal.save(base + free * PROC_SIZE, PROC_SIZE)
         PROC.pack_into(mm, base + free * PROC_SIZE, pid, 0, start)
-        self._mine = free
+        self._own(free)
 
-    @property
-    def slot_at(self) -> int:
-        """The offset of this process's slot once :meth:`register` gave it one, else -1
-        (whether it still holds this pid is for the caller to read, under the lock)."""
-        return -1 if self._mine < 0 else self._base + self._mine * PROC_SIZE
+    def _own(self, index: int) -> None:
+        """Take slot ``index`` for this process (written already)."""
+        self._mine = index
+        self.slot_at = self._base + index * PROC_SIZE
 
     def high(self) -> int:
         """Process slots ever used (the bump mark); :class:`Damaged` if out of range."""

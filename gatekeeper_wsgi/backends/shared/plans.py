@@ -31,7 +31,7 @@ import mmap
 from collections.abc import Sequence
 
 from gatekeeper_wsgi.backends.shared.faults import NoRoom
-from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Structure
+from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Saving, Structure
 from gatekeeper_wsgi.backends.shared.layout import (
     CHUNK_SIZE,
     CHUNK_STAMPS,
@@ -40,7 +40,6 @@ from gatekeeper_wsgi.backends.shared.layout import (
     H_LIVE,
     H_WAITING,
     HOT_HEADER,
-    JENTRY,
     KEYGEN,
     LEASE,
     LEASE_COUNTERS,
@@ -90,7 +89,6 @@ class Plan:
         "checks",
         "counts",
         "gen",
-        "heads",
         "limited",
         "listed",
         "mm",
@@ -99,7 +97,7 @@ class Plan:
         "plain",
         "rated",
         "refs",
-        "saved",
+        "saving",
         "slots",
         "stamped",
     )
@@ -133,10 +131,9 @@ class Plan:
         #: a grant's window stamps: None but at the rated slots' indexes (``now`` there)
         self.blank: tuple[None, ...] = (None,) * len(checks)
         self.stamped = tuple(index for index, check in enumerate(checks) if check[4] is not None)
-        #: the packed (offset, length) of the node heads' journal entries
-        self.heads = tuple(JENTRY.pack(offset, NODE_HEAD) for offset in self.offsets)
-        #: what those entries and the header's block save (the journal's bookkeeping)
-        self.saved = {**dict.fromkeys(self.offsets, NODE_HEAD), HEADER_BLOCK[0]: HEADER_BLOCK[1]}
+        #: what an admission or release of it saves first: the node heads, the header's
+        #: mutable block (and the lease, whichever it is)
+        self.saving = Saving([*((offset, NODE_HEAD) for offset in self.offsets), HEADER_BLOCK])
         #: the lease's node fields, padded
         self.refs = (*self.nodes, *(0,) * (MAX_REFS - len(self.nodes)))
         #: whether a release never gives a window entry back (no ``count`` statuses)
@@ -274,7 +271,7 @@ class Plans(Structure):
             return None  # a free lease in use: damage, which the general path names
         after = NIL if mark > high else u32[(at >> 2) + _REFS]
         journal = self._journal
-        journal.save_first(plan.heads, plan.offsets, NODE_HEAD, plan.saved, at, LEASE_SIZE)
+        journal.save_first(plan.saving, at, LEASE_SIZE)
         for index in plan.counts:
             u32[index] += 1
         for node, index, position, seconds, most, expired in appends:
@@ -311,7 +308,7 @@ class Plans(Structure):
         if u32[index + _SERIAL] != serial or u32[index + _PID] != pid:
             return pending  # reclaimed meanwhile (its owner was taken for dead)
         journal = self._journal
-        journal.save_first(plan.heads, plan.offsets, NODE_HEAD, plan.saved, at, LEASE_SIZE)
+        journal.save_first(plan.saving, at, LEASE_SIZE)
         for count in plan.counts:
             inflight = u32[count]
             if inflight:
