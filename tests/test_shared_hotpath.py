@@ -155,9 +155,10 @@ def _run_child(path: Path, warm: int, rate: str, stage: str, kill_at: int) -> in
 
 #: (stage, warm-up requests, rate) of the kill test: a window entry added, a new window
 #: chunk taken, and (admissions only: a release gives no entry back here) once the first
-#: window has passed at one request a second, an entry expired by the admission (warm 61),
-#: an expiry that frees the window's first chunk (warm 65), and a full window (60/minute)
-#: whose oldest entry expires
+#: window has passed at one request a second (60 entries in the window), an entry expired
+#: within the first chunk (warm 61), an expiry that frees the window's first chunk (warm
+#: 65), and a full window (60/minute) whose oldest entry expires, the append then taking a
+#: new chunk (warm 62)
 KILLED = [
     pytest.param("admit", 1, "100/minute", id="admit-window-entry"),
     pytest.param("admit", 5, "100/minute", id="admit-new-window-chunk"),

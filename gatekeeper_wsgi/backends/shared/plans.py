@@ -244,18 +244,33 @@ class Plans(Structure):
             length = u32[index + _LEN]
             position = 0
             expired = False
+            start = -1  # the window's new first entry, when some expire within its chunk
             if length:
-                start = mm[(index << 2) + N_OFFSET]
-                if f64[chunk_base + u32[index + _FIRST] * CHUNK_F64 + start] <= now - seconds:
-                    # Entries to expire first: the windows' own purge, in this update. A
-                    # key with steady traffic has one on nearly every admission once its
-                    # first window has passed (and, at its limit, a full window).
-                    expired = True
+                oldest = chunk_base + u32[index + _FIRST] * CHUNK_F64
+                first = mm[(index << 2) + N_OFFSET]
+                cutoff = now - seconds
+                if f64[oldest + first] <= cutoff:
+                    # Entries to expire first, which a key with steady traffic has on
+                    # nearly every admission once its first window has passed. Those of
+                    # the first chunk that leave it holding one or more are dropped here;
+                    # the rest (a chunk to free, the window emptied) are the windows' own
+                    # purge, in this update.
+                    start = first + 1
+                    while start < CHUNK_STAMPS and f64[oldest + start] <= cutoff:
+                        start += 1
+                    length -= start - first
+                    if start == CHUNK_STAMPS or length <= 0:
+                        expired = True
+                        start = -1
+                    elif length >= most:
+                        return None  # still full: the general path refuses
+                    else:
+                        position = (start + length) % CHUNK_STAMPS
                 elif length >= most:
                     return None  # full: the general path refuses
                 else:
-                    position = (start + length) % CHUNK_STAMPS
-            appends.append((node, index, position, seconds, most, expired))
+                    position = (first + length) % CHUNK_STAMPS
+            appends.append((node, index, position, seconds, most, expired, start, length))
         if free != NIL:
             if free >= high:
                 return None  # out of range: the general path finds the damage
@@ -274,11 +289,14 @@ class Plans(Structure):
         journal.save_first(plan.saving, at, LEASE_SIZE)
         for index in plan.counts:
             u32[index] += 1
-        for node, index, position, seconds, most, expired in appends:
+        for node, index, position, seconds, most, expired, start, length in appends:
+            if start >= 0:  # entries expired within the first chunk (its head is saved)
+                mm[(index << 2) + N_OFFSET] = start
+                u32[index + _LEN] = length
             if position:
                 # The slot past the last entry is free space: no journal entry needed.
                 f64[chunk_base + u32[index + _LAST] * CHUNK_F64 + position] = now
-                u32[index + _LEN] += 1
+                u32[index + _LEN] = length + 1
                 idle = (index >> 1) + _IDLE
                 if f64[idle] < now + seconds:
                     f64[idle] = now + seconds
