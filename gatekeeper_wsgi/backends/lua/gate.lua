@@ -409,7 +409,8 @@ local lease = ARGV[a]
 local hold = tonumber(ARGV[a + 1])
 local hold_ms = floor(hold / 1000) + 1
 -- The scores and bounds every slot uses, as text once (see int).
-local now_s, after = int(t), int(t + 1) -- a lease scored after now is live
+local now_s = int(t)
+local after = '(' .. now_s -- a lease scored after now is live (scores are whole us)
 local slots = #ARGV - a - 1
 
 local quotas = {}
@@ -484,7 +485,7 @@ end
 local shadowed = {}
 local unrecorded = {}
 local prune = prune_due(lease)
-local ends, since, hold_s = int(t + hold), int(-t), int(hold_ms)
+local ends, since, hold_s = int(t + hold), '-' .. now_s, int(hold_ms)
 for i = 1, slots do
   local key = KEYS[at[i]]
   local totals = KEYS[at[i] + 1]
