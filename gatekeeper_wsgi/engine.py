@@ -25,6 +25,7 @@ from gatekeeper_wsgi.backends.base import (
     Grant,
     LimitTotals,
     WaitingLine,
+    unguarded,
 )
 from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
 from gatekeeper_wsgi.errors import (
@@ -105,7 +106,7 @@ class Admission:
             return ()
         return () if grant is None else tuple(grant.slots)
 
-    def release(self, status: int | None = None, *, faulty: bool = False) -> None:
+    def release(self, status: int | None = None, faulty: bool = False) -> None:
         """Give the slots back: now, or after ``delay`` when the response was faulty.
 
         ``status`` confirms or returns the rate reservations of limits that count only
@@ -181,6 +182,10 @@ class GateKeeper:
         self._check_adaptive(self.config)
         stages = self.monitor.stages
         self.backend.delay_stage = stages["delay_process"]
+        # The hot path's two calls, past the guards: admit and _settle wrap what they
+        # raise as the guards would (_failure).
+        self._acquire = unguarded(self.backend, "acquire")
+        self._release = unguarded(self.backend, "release")
         self._response_stage = stages["response"]
         self._error_stage = stages["service_error"]
         self._routes: dict[tuple[str, str], Route] = {}
@@ -413,9 +418,11 @@ class GateKeeper:
                     grant = self._wait(slots, queued, now)
                 else:
                     try:
-                        result = self.backend.acquire(slots, now)
+                        result = self._acquire(slots, now)
                     except CapacityError as exc:
                         result = self._untracked(slots, exc, now)
+                    except Exception as exc:
+                        raise self._failure(exc)  # noqa: B904 - its cause is set
                     if isinstance(result, Denial):
                         queueing = True
                         grant = self._refused(slots, result, now)
@@ -538,6 +545,11 @@ class GateKeeper:
             routes = self._routes = {}
         route = routes[(project, service)] = Route(config, project, service)
         return route
+
+    def _failure(self, exc: Exception) -> BackendError:
+        """What the backend's unguarded ``acquire`` or ``release`` raised, as its guard
+        would have raised it (see ``backends.base.unguarded``)."""
+        return exc if isinstance(exc, BackendError) else self.backend.backend_error(exc)
 
     def _refused(self, slots: tuple[Slot, ...], denial: Denial, now: float) -> Grant:
         slot = slots[denial.at]
@@ -766,19 +778,18 @@ class GateKeeper:
         time it as the ``response`` stage (``service_error`` when faulty)."""
         started = time.perf_counter()
         if grant is not None:
-            backend = self.backend
             try:
                 now = started if self._perf_clock else self._clock()
                 try:
                     if grant.adaptive:
-                        backend.observe(grant, faulty, now)
+                        self.backend.observe(grant, faulty, now)
                 finally:
                     # Whatever a sample does, the slots come back.
-                    backend.release(grant, status, delay, now)
-            except BackendError as exc:
+                    self._release(grant, status, delay, now)
+            except Exception as exc:
                 # The backend's own expiry (lease) gives these slots back; never fail a
                 # response.
-                self._log_backend_error(exc)
+                self._log_backend_error(self._failure(exc))
             if self._waiting:
                 self._line.wake()
         elapsed = time.perf_counter() - started

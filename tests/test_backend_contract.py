@@ -197,3 +197,52 @@ def test_a_closed_shared_table_answers_by_on_backend_error(
         if status == 503:
             assert json.loads(response.data)["code"] == "GK-BACKEND-UNAVAILABLE"
     assert app.gatekeeper.monitor.backend_errors == 3
+
+
+class _Failing(MemoryBackend):
+    """A memory backend whose acquire (before taking anything) or release (after giving
+    back) raises a library's error quoting a password, while ``failing`` names it."""
+
+    failing = ""
+
+    def acquire(self, slots: Any, now: float) -> Any:
+        if self.failing == "acquire":
+            raise RuntimeError("redis://:hunter2@db:6379/0 went away")
+        return super().acquire(slots, now)
+
+    def release(self, grant: Any, status: int | None, delay: float, now: float) -> None:
+        super().release(grant, status, delay, now)
+        if self.failing == "release":  # applied, but its answer was lost
+            raise RuntimeError("redis://:hunter2@db:6379/0 went away")
+
+
+@pytest.mark.parametrize(("policy", "status"), [("allow", 200), ("reject", 503)])
+def test_the_engine_wraps_what_the_backends_own_acquire_and_release_raise(
+    policy: str, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hot path calls acquire and release past their guards: an unexpected error of
+    either still ends as the guard's BackendError (on_backend_error for an admission; a
+    counted failure for a release, the response unharmed), the password masked in the log,
+    and the backend admits and releases normally once it recovers."""
+    backend = _Failing()
+    keeper = GateKeeper(
+        {"project": "shop", "on_backend_error": policy, "limits": {"shop": {"concurrency": 1}}},
+        backend=backend,
+    )
+    client = Client(GateKeeperMiddleware(_hello, keeper))
+    backend.failing = "acquire"
+    with caplog.at_level("WARNING", logger="gatekeeper"):
+        response = client.get("/work")
+    assert response.status_code == status
+    assert keeper.monitor.backend_errors == 1
+    assert "RuntimeError" in caplog.text and "hunter2" not in caplog.text
+    assert "_Failing: RuntimeError: redis://:***@db" in caplog.text
+    backend.failing = "release"
+    response = client.get("/work")
+    assert response.status_code == 200 and response.data == b"hello"
+    # Counted (the log says a backend failed at most every 10 s).
+    assert keeper.monitor.backend_errors == 2
+    backend.failing = ""
+    assert keeper.inflight() == {"shop": 0}
+    assert client.get("/work").status_code == 200
+    assert keeper.inflight() == {"shop": 0}
