@@ -66,12 +66,16 @@ class ResponseWatch:
     Finishing twice does nothing.
     """
 
-    __slots__ = ("_scanned", "_tail", "admission", "faulty", "status")
+    __slots__ = ("_scanned", "_tail", "admission", "done", "faulty", "status")
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
         self.status: int | None = None
         self.faulty = False
+        #: whether this watch released its admission: its later finishes (``close()``
+        #: after the body, then ``__del__``) skip the call. Only a shortcut - the
+        #: admission's own release is what frees the slots exactly once, whatever races.
+        self.done = False
         # Only a route with a body marker scans; chunk() returns before reading these
         # otherwise, and most requests are spared setting them.
         if admission.route.timeout_body is not None:
@@ -116,21 +120,22 @@ class ResponseWatch:
 
     def finish(self) -> None:
         """Release the admission (after its delay when the response was faulty)."""
-        self.admission.release(self.status, faulty=self.faulty)
+        self.done = True
+        self.admission.release(self.status, self.faulty)
 
     def __del__(self) -> None:
         # The safety net: nothing closed the response. An exception here could only be
         # printed as "Exception ignored", and the backend's own expiry still frees the
         # slots, so none escapes.
-        # A second release does nothing: called as is, not after asking `released` (a
-        # property, whose call from C costs more than release's own first test).
+        if self.done:  # the usual case: one attribute read, not a call
+            return
         try:  # noqa: SIM105 - contextlib.suppress costs ~0.4 µs on every response
-            self.admission.release(self.status, faulty=self.faulty)
+            self.admission.release(self.status, self.faulty)
         except Exception:
             pass
 
     def stream(
-        self, content: Iterable[bytes], *, finish_on_error: bool, length: int | None = None
+        self, content: Iterable[bytes], finish_on_error: bool, length: int | None = None
     ) -> Iterator[bytes]:
         """``content`` passed through, scanned for a body marker; finished when exhausted,
         or - when the body's ``length`` is known - as soon as that many bytes were handed
@@ -155,7 +160,8 @@ class ResponseWatch:
                     if left <= 0:
                         left = _FINISHED
                         # finish(), inlined: a frame less on every sized body
-                        self.admission.release(self.status, faulty=self.faulty)
+                        self.done = True
+                        self.admission.release(self.status, self.faulty)
                 yield chunk
         except GeneratorExit:  # closed early: the client went away
             raise
@@ -211,11 +217,11 @@ class Gate:
         environ: WSGIEnvironment,
         project: str,
         service: str,
-        user: str | None = None,
-        *,
+        user: str | None,
         started: float,
     ) -> Admission:
-        """Admit the request (raises :class:`Rejected`) and mark it counted in ``environ``."""
+        """Admit the request (raises :class:`Rejected`) and mark it counted in ``environ``;
+        ``started`` is its ``time.perf_counter()`` reading from when naming it began."""
         keeper = self.keeper
         if self._first_request:
             self._first_request = False

@@ -86,11 +86,21 @@ class _WatchedResponse(ResponseWatch):
 
     def __iter__(self) -> Iterator[bytes]:
         inner = self._inner
+        length: int | None = None
         if type(inner) is list:
-            length: int | None = sum(map(len, inner))
+            length = sum(map(len, inner))
         else:
-            length = _declared_length(self._headers)
-        return self.stream(inner, finish_on_error=False, length=length)
+            # The Content-Length the app declared, if a plain number (read here, not by a
+            # helper: a call costs more than this loop over a few headers). Another
+            # spelling only means the slots come back when the body is exhausted rather
+            # than when its last byte is handed out.
+            for name, value in self._headers:
+                if name in _CONTENT_LENGTH:
+                    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
+                    if value.isascii() and value.isdigit() and len(value) <= 18:
+                        length = int(value)
+                    break
+        return self.stream(inner, False, length)
 
     def close(self) -> None:
         try:
@@ -98,7 +108,9 @@ class _WatchedResponse(ResponseWatch):
             if close is not None:
                 close()
         finally:
-            self.admission.release(self.status, faulty=self.faulty)
+            if not self.done:  # else released already, as the body's end was handed out
+                self.done = True
+                self.admission.release(self.status, self.faulty)
 
 
 class _SizedWatchedResponse(_WatchedResponse):
@@ -111,20 +123,8 @@ class _SizedWatchedResponse(_WatchedResponse):
         return len(self._inner)  # type: ignore[arg-type]
 
 
-# Content-Length as apps spell it; another spelling only means the slots come back when
-# the body is exhausted rather than when its last byte is handed out.
+# Content-Length as apps spell it (see _WatchedResponse.__iter__).
 _CONTENT_LENGTH = frozenset(("Content-Length", "content-length", "Content-length"))
-
-
-def _declared_length(headers: Iterable[tuple[str, str]]) -> int | None:
-    """The Content-Length an app declared, or None (none, or not a plain number)."""
-    for name, value in headers:
-        if name in _CONTENT_LENGTH:
-            # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
-            if value.isascii() and value.isdigit() and len(value) <= 18:
-                return int(value)
-            return None
-    return None
 
 
 # Status line -> code: a few distinct lines, parsed once (int() on each one is measurable).
@@ -187,7 +187,7 @@ class GateKeeperMiddleware:
         else:
             project, service = identifier.config.project, identifier.service(environ)
         try:
-            admission = gate.admit(identifier, environ, project, service, started=started)
+            admission = gate.admit(identifier, environ, project, service, None, started)
         except Rejected as rejected:
             status, headers, body = gate.fault(identifier, environ, rejected)
             start_response(status, headers)
@@ -213,7 +213,7 @@ class GateKeeperMiddleware:
         try:
             result = response._inner = self.app(environ, response.start_response)
         except BaseException:
-            admission.release(response.status, faulty=True)
+            admission.release(response.status, True)
             raise
         if file_wrapper is not None and admission.route.timeout_body is None:
             if made is None:

@@ -203,7 +203,7 @@ class GateKeeperMiddleware:
         project, service = names
         user = _username(request) if identifier.needs_user else None
         try:
-            admission = gate.admit(identifier, meta, project, service, user, started=started)
+            admission = gate.admit(identifier, meta, project, service, user, started)
         except Rejected as rejected:
             return self._reject(request, rejected, gate, identifier)
         watch = ResponseWatch(admission)

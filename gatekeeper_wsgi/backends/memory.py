@@ -111,7 +111,7 @@ class _MemoryGrant(Grant):
     __slots__ = ("counters", "faulty", "reserved", "stamp")
     counters: list[_Counter]
     stamp: float
-    reserved: list[tuple[_Counter, frozenset[int]]]
+    reserved: tuple[tuple[_Counter, frozenset[int]], ...]
     faulty: bool | None
 
 
@@ -178,7 +178,9 @@ class MemoryBackend(Backend):
                 self._mature(now)
             counters: list[_Counter] = []
             recording: list[array[float]] = []
-            reserved: list[tuple[_Counter, frozenset[int]]] = []
+            # A tuple, grown only by the limits with `count` (rare): most admissions
+            # allocate nothing for it.
+            reserved: tuple[tuple[_Counter, frozenset[int]], ...] = ()
             shadowed: tuple[int, ...] = ()
             adaptive = False
             get = self._counters.get
@@ -220,7 +222,7 @@ class MemoryBackend(Backend):
                         if len(window) - head < rate.limit:
                             recording.append(window)
                             if limit.count is not None:
-                                reserved.append((counter, limit.count))
+                                reserved += ((counter, limit.count),)
                         elif enforce:
                             wait = window[head] - cutoff
                             self._undo(counters)
