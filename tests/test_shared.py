@@ -623,7 +623,8 @@ def test_gunicorn_workers_share_the_limit(tmp_path: Path, worker_class: str, pre
         statuses = [status for batch in batches for status in batch]
         assert set(statuses) <= {200, 503}
         assert statuses.count(200) >= 15
-        assert statuses.count(503) > 0  # the limit did bite
+        # Whether 4 sync workers ever ran 4 at once under this load is up to the
+        # scheduler; that the limit bites is checked below, with the limit held.
         current, highest = read_observer(str(observer))
         assert current == 0
         assert 1 <= highest <= limit
