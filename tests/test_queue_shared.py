@@ -11,6 +11,7 @@ killed) can move the line: a lost wake-up shows as a queue timeout, never as a p
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import random
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from gatekeeper_wsgi import GateKeeper, Rejected
-from gatekeeper_wsgi.backends.shared import SharedBackend, tickets
+from gatekeeper_wsgi.backends.shared import SharedBackend, filelock, tickets
 from gatekeeper_wsgi.backends.shared.liveness import proc_stat
 from gatekeeper_wsgi.backends.shared.tickets import path_digest
 from gatekeeper_wsgi.engine import Admission
@@ -353,6 +354,29 @@ class ProjectFull(NamedTuple):
     again: Admission
 
 
+def freeze_outside_the_lock(pid: int, table: Path) -> None:
+    """SIGSTOP ``pid`` at a moment it does not hold the table's file lock (else every
+    update of the table would wait for it forever): stopped, then the lock tried from an
+    open file of its own; if the process held it, it is let go on and stopped again."""
+    fd = os.open(table, os.O_RDWR)
+    try:
+
+        def stopped_without_the_lock() -> bool:
+            os.kill(pid, signal.SIGSTOP)
+            wait_until(lambda: (proc_stat(pid) or ("",))[0] == "T", DEADLINE, "the waiter stopped")
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, filelock.LOCK)
+            except OSError:  # it holds the lock: let it finish, and stop it again
+                os.kill(pid, signal.SIGCONT)
+                return False
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, filelock.UNLOCK)
+            return True
+
+        wait_until(stopped_without_the_lock, DEADLINE, "the waiter stopped outside the lock")
+    finally:
+        os.close(fd)
+
+
 def project_full_at_its_turn(
     table: Path, observer: Observer, workers: list[BaseProcess], shop: dict[str, Any]
 ) -> ProjectFull:
@@ -376,7 +400,7 @@ def project_full_at_its_turn(
     assert process.pid is not None
     wait_until(lambda: process.pid in line_of(backend), DEADLINE, "the waiter in line")
     other = gk.admit("shop", "other", "x")  # shop 2/2
-    os.kill(process.pid, signal.SIGSTOP)
+    freeze_outside_the_lock(process.pid, table)
     api_holder.release(200)  # shop 1/2, shop/api free: its wake-up waits in its socket
     again = gk.admit("shop", "other", "y")  # shop 2/2 before the waiter can look
     os.kill(process.pid, signal.SIGCONT)
