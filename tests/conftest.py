@@ -24,6 +24,19 @@ def busy(source: Any) -> dict[str, int]:
     return {path: count for path, count in counts.items() if count}
 
 
+def admits_exactly(gk: Any, limit: int, project: str, service: str, caller: str) -> None:
+    """``gk`` admits ``limit`` requests of (project, service, caller) at once and refuses the
+    next by a concurrency limit; then the admitted ones are released."""
+    from gatekeeper_wsgi import Rejected
+
+    held = [gk.admit(project, service, caller) for _ in range(limit)]
+    with pytest.raises(Rejected) as refused:
+        gk.admit(project, service, caller)
+    assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+    for admission in held:
+        admission.release(200)
+
+
 class FakeClock:
     """A monotonic clock the test advances explicitly: delays and windows without sleeps."""
 

@@ -25,7 +25,7 @@ from gatekeeper_wsgi.backends import backend_from_url  # noqa: E402
 from gatekeeper_wsgi.backends import redis as redis_backend  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
 from gatekeeper_wsgi.engine import Admission  # noqa: E402
-from tests.conftest import redis_binary  # noqa: E402
+from tests.conftest import admits_exactly, redis_binary  # noqa: E402
 from tests.servers import ControlledRedis, RedisServer, run_together, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -455,9 +455,5 @@ def test_hosts_through_a_freeze_and_a_restart_hold_the_limit_and_leak_nothing(
     hosts.reports()  # never over the limit, only ServiceFaults, bounded, every release sent
     gk = keeper(url, {"shop/work": {"concurrency": limit}}, on_backend_error="reject")
     assert gk.inflight() == {}
-    full = [gk.admit("shop", "work", "c") for _ in range(limit)]
-    with pytest.raises(Rejected):
-        gk.admit("shop", "work", "c")
-    for admission in full:
-        admission.release(200)
+    admits_exactly(gk, limit, "shop", "work", "c")
     gk.close()

@@ -31,7 +31,7 @@ import pytest
 import gatekeeper_wsgi.backends.shared as shared_module
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend
-from tests.conftest import busy
+from tests.conftest import admits_exactly, busy
 
 #: the package's directory: a line in any of its modules is a point to be killed at
 SHARED_DIR = os.path.dirname(shared_module.__file__) + os.sep
@@ -102,12 +102,7 @@ def check_all_given_back(path: Path) -> None:
     assert (usage["leases"], usage["delayed"]) == (0, 0)
     observer.close()
     gk = GateKeeper(settings(path))
-    held = [gk.admit("p", "u", "x") for _ in range(6)]
-    with pytest.raises(Rejected) as info:
-        gk.admit("p", "u", "x")
-    assert info.value.code == "GK-CONCURRENCY-LIMIT"
-    for admission in held:
-        admission.release(200)
+    admits_exactly(gk, 6, "p", "u", "x")
     assert busy(gk) == {}
     gk.close()
 

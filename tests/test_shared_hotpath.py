@@ -19,7 +19,7 @@ from gatekeeper_wsgi import Admission, GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend, journal, plans, windows
 from gatekeeper_wsgi.backends.shared.layout import MUT_END, MUT_START
 from gatekeeper_wsgi.backends.shared.reads import read_inflight
-from tests.conftest import FakeClock, busy
+from tests.conftest import FakeClock, admits_exactly, busy
 
 
 def settings_for(path: Path, limits: dict[str, Any]) -> dict[str, Any]:
@@ -200,11 +200,7 @@ def test_a_kill_at_any_line_of_a_planned_update_leaves_before_or_after(
             if kill_at % 16 == 1:  # reclaim and capacity, on some of the tables
                 survivor = GateKeeper(settings_for(path, _limits(rate)), clock=FakeClock(2000.0))
                 assert busy(survivor) == {}
-                admitted = [survivor.admit("shop", "orders", "crm") for _ in range(3)]
-                with pytest.raises(Rejected):
-                    survivor.admit("shop", "orders", "crm")
-                for admission in admitted:
-                    admission.release(200)
+                admits_exactly(survivor, 3, "shop", "orders", "crm")
                 survivor.close()
             path.unlink()
     assert seen == {False, True}  # killed both before and after the commit point
