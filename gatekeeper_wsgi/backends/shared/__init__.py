@@ -7,7 +7,10 @@ table:
 - :mod:`.layout`: the byte layout (its table is that module's docstring), its constants
   and struct formats, the sizes derived from a configuration, the header checks;
 - :mod:`.files`: opening the file safely (private mode, no symlinks, no planted files);
-- :mod:`.filelock`: the file lock and the size check every update makes;
+- :mod:`.filelock`: the file lock and the size check every update makes, without letting
+  go of the GIL where they cannot block;
+- :mod:`.turns`: the thread lock in front of the file lock, never handed to a thread
+  still waiting for the GIL (no line of threads forms on it);
 - :mod:`.faults`: what the structures raise (no room for a request, a damaged table);
 - :mod:`.journal`: the undo journal (save, commit, rollback, recover) and the one
   transaction context manager every update runs in;

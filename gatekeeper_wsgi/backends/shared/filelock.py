@@ -1,39 +1,51 @@
-"""The table file's lock and size, the system calls every update of the table makes.
+"""The table file's lock and size, the system calls every update of the table makes, made
+without letting go of the GIL where they cannot block.
 
 Every update happens between :func:`lock_file` and :func:`unlock_file` of an exclusive
-open-file-description lock on byte 0 (``F_OFD_SETLKW``): the kernel drops it when the last
+open-file-description lock on byte 0 (``F_OFD_SETLK``): the kernel drops it when the last
 descriptor of its open file description closes, so a killed process cannot leave it held.
-:func:`file_size` is the check made before the map is touched (a file cut shorter than
-the map is SIGBUS); the table reads it before it takes its thread lock, so that one fewer
-system call lets go of the GIL while a thread holds that lock (every thread that runs
-meanwhile would run up to the lock and sleep there). The per-request path takes the lock
-twice.
+:func:`file_size` (and :data:`lseek`, the same call for the table's own use) is the check
+made before the map is touched (a file cut shorter than the map is SIGBUS). The
+per-request path takes the lock twice.
 
-Plain ``fcntl.fcntl`` and ``os.lseek``, which let go of the GIL around the call. A lock
-another process holds is tried again ``SPINS`` times before waiting in the kernel: the
-holder runs on another core and lets go within microseconds, while a wait in the kernel
-costs the waiter a sleep and a wake-up. With 2 processes on this 2-core machine that took
-host admits/s from 0.78 to 1.22 x one process's and the voluntary context switches per
-admission from 1.86 to 0.11 (``benchmarks/shared.py``, issue 18; at load 12-15 earlier
-it could not be shown: there the holder itself waits for a core). Measured and dropped:
-the same calls through ``ctypes.PyDLL``, which keep the GIL so that no other thread runs
-while the locks are held, cost 0.5 µs more per update and left as many voluntary context
-switches per request with 8 threads (0.53 against 0.46).
+**Why not plain** ``fcntl.fcntl`` **and** ``os.lseek``: they let go of the GIL around the
+system call, and with the threads of a busy process waiting for the GIL every let-go hands
+it over. A call made holding the table's thread lock then lets every thread that runs
+meanwhile up to that lock, to sleep there; measured with 8 threads making direct WSGI calls
+(``strace -f -c``, ``benchmarks/shared.py``, issue 18): 4 ``fcntl`` and 2 ``lseek`` per
+request, and 0.5 to 4 voluntary context switches per request depending on whether that
+convoy formed, against the memory backend's 0.2. So the calls that cannot block, a lock
+that is free, the unlock and the size, go through ``ctypes.PyDLL``, which keeps the GIL:
+no thread runs while this one is in the kernel for a microsecond. Only a lock another
+process holds is waited for with the GIL let go, by :func:`_wait`: tried again ``SPINS``
+times (the holder runs on another core and lets go within microseconds, while a wait in
+the kernel costs the waiter a sleep and a wake-up; with 2 processes on a 2-core machine
+that took host admits/s from 0.78 to 1.22 x one process's), then ``F_OFD_SETLKW``. A
+failed GIL-holding call is made again by the plain call, which raises the error with its
+errno. Where ``ctypes`` cannot reach the C library every call is the plain one.
+
+(An earlier try of the same calls, 8add9e8, was reverted for 0.5 µs more per update and
+no fewer switches in a run where the convoy had not formed; see ``benchmarks/RESULTS.md``
+for the interleaved figures that kept this one.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
 import struct
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["file_size", "lock_file", "unlock_file"]
+__all__ = ["file_size", "lock_file", "lseek", "unlock_file"]
 
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
 FLOCK = struct.Struct("hhxxxxqqixxxx")
 LOCK = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
 UNLOCK = FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
+_SETLK = fcntl.F_OFD_SETLK
 #: what a try answers while another process holds the lock
 _HELD = (errno.EAGAIN, errno.EACCES)
 #: tries before waiting in the kernel (each a system call of about 1 µs): a few critical
@@ -41,29 +53,60 @@ _HELD = (errno.EAGAIN, errno.EACCES)
 SPINS = 20
 
 
+def _c_calls() -> tuple[Callable[..., int], Callable[[int, int, int], int]] | None:
+    """``fcntl`` and ``lseek`` of the C library as calls that keep the GIL, or None."""
+    try:
+        libc = ctypes.PyDLL(None)
+        c_fcntl = libc.fcntl
+        c_lseek = libc.lseek64
+    except (AttributeError, OSError):  # pragma: no cover - no C library ctypes can open
+        return None
+    # No argtypes: converting through them costs more than the call (cachegrind, per
+    # call: fcntl.fcntl 1 400 instructions, this fcntl 2 500; os.lseek 900, lseek64 with
+    # argtypes 6 000, without 2 500). Ints go as C ints, which libffi widens to the
+    # register (lseek64's 64-bit offset; the table passes 0), the buffers below by
+    # pointer, as fcntl.fcntl passes LOCK. lseek's result is 64 bits: a table may be
+    # larger than 4 GiB.
+    c_lseek.restype = ctypes.c_int64
+    return c_fcntl, c_lseek
+
+
+_C = _c_calls()
+# The kernel only reads these for F_OFD_SETLK: one buffer each serves every thread.
+_LOCK: Any = ctypes.create_string_buffer(LOCK, len(LOCK))
+_UNLOCK: Any = ctypes.create_string_buffer(UNLOCK, len(UNLOCK))
+_c_fcntl: Callable[..., int] | None = _C[0] if _C else None
+
+#: ``lseek(fd, offset, whence)`` keeping the GIL, for an offset that fits a C int (the
+#: table's is 0): the new offset, or -1 on an error (no exception, no errno:
+#: :func:`file_size` says why); ``os.lseek`` without ``ctypes``
+lseek: Callable[[int, int, int], int] = _C[1] if _C else os.lseek
+
+
 def file_size(fd: int) -> int:
     """The size of the file open on ``fd`` (its end, by ``lseek``, cheaper than
     ``fstat``). OSError if the descriptor is not open."""
-    return os.lseek(fd, 0, os.SEEK_END)
+    size = lseek(fd, 0, os.SEEK_END)
+    if size < 0:
+        return os.lseek(fd, 0, os.SEEK_END)  # raises the error with its errno
+    return size
 
 
 def lock_file(fd: int) -> None:
     """Take the exclusive lock of the table open on ``fd``, waiting while another process
     holds it. OSError if the descriptor cannot be locked."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, LOCK)
-    except OSError as exc:
-        if exc.errno not in _HELD:
-            raise
-        _wait(fd)
+    if _c_fcntl is not None and _c_fcntl(fd, _SETLK, _LOCK) == 0:
+        return
+    _wait(fd)
 
 
 def _wait(fd: int) -> None:
-    """Take the lock another process holds: a few more tries first (the holder runs on
-    another core and lets go within microseconds), then wait in the kernel."""
+    """Take the lock another process holds (or raise why it cannot be taken): a few more
+    tries with the GIL let go (the holder runs on another core and lets go within
+    microseconds), then wait in the kernel."""
     for _ in range(SPINS):
         try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, LOCK)
+            fcntl.fcntl(fd, _SETLK, LOCK)
         except OSError as exc:
             if exc.errno not in _HELD:
                 raise
@@ -74,4 +117,5 @@ def _wait(fd: int) -> None:
 
 def unlock_file(fd: int) -> None:
     """Drop the lock :func:`lock_file` took."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, UNLOCK)
+    if _c_fcntl is None or _c_fcntl(fd, _SETLK, _UNLOCK) != 0:
+        fcntl.fcntl(fd, _SETLK, UNLOCK)  # raises the error with its errno

@@ -23,11 +23,12 @@ import struct
 import threading
 import time
 import weakref
+from os import SEEK_END
 from typing import NoReturn
 
 from gatekeeper_wsgi.backends.base import PASSING, Backend
 from gatekeeper_wsgi.backends.shared.faults import Damaged
-from gatekeeper_wsgi.backends.shared.filelock import file_size, lock_file, unlock_file
+from gatekeeper_wsgi.backends.shared.filelock import file_size, lock_file, lseek, unlock_file
 from gatekeeper_wsgi.backends.shared.files import check_mode, open_private
 from gatekeeper_wsgi.backends.shared.gauges import Gauges
 from gatekeeper_wsgi.backends.shared.journal import Journal, Transaction
@@ -63,6 +64,7 @@ from gatekeeper_wsgi.backends.shared.liveness import (
 )
 from gatekeeper_wsgi.backends.shared.plans import Plans
 from gatekeeper_wsgi.backends.shared.tickets import Bell, Lines
+from gatekeeper_wsgi.backends.shared.turns import TurnLock
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import BackendError, ConfigError
@@ -109,11 +111,14 @@ class Table(Backend):
     they would be two, several times on every request).
 
     **Locking.** Every read and write of the table happens under one exclusive Linux
-    open-file-description lock (``F_OFD_SETLKW`` on byte 0) plus a ``threading.Lock`` (OFD
-    locks belong to the open file description, which the threads of a process share). The
-    kernel drops an OFD lock when its last descriptor closes, so a killed process cannot
-    leave it held; each process opens the file itself (the descriptor inherited across
-    ``fork`` is closed in the child at once). The system calls are :mod:`.filelock`'s.
+    open-file-description lock (``F_OFD_SETLKW`` on byte 0) plus a thread lock
+    (:class:`~.turns.TurnLock`; OFD locks belong to the open file description, which the
+    threads of a process share). The kernel drops an OFD lock when its last descriptor
+    closes, so a killed process cannot leave it held; each process opens the file itself
+    (the descriptor inherited across ``fork`` is closed in the child at once). The system
+    calls are :mod:`.filelock`'s; none of those made holding the thread lock lets go of
+    the GIL unless another process holds the file lock, so the other threads do not run
+    up to the thread lock meanwhile.
 
     **The file is private.** It is created ``0600`` (``?mode=0660``: group too) with
     ``O_CREAT|O_EXCL|O_NOFOLLOW``; an existing file is used only when ``fstat`` on the opened
@@ -164,7 +169,7 @@ class Table(Backend):
         self._adopt = config is None and (size, leases, procs, windows) == (None,) * 4
         #: rings the waiters a release or a leave wakes (the lines of every map ring it)
         self._bell = bell
-        self._tlock = threading.Lock()
+        self._tlock = TurnLock()
         self._transaction = Transaction(self._enter, self._fail, self._leave)
         self._reading = Transaction.reading(self._enter, self._leave)
         self._pid = os.getpid()
@@ -229,7 +234,7 @@ class Table(Backend):
         self._mm = None
         self._plans = None
         self._fd = -1
-        self._tlock = threading.Lock()
+        self._tlock = TurnLock()
         self._pid = os.getpid()
         self._reset_state()
         if mm is not None:
@@ -250,19 +255,20 @@ class Table(Backend):
                 if os.getpid() != self._pid:
                     self._drop_inherited()
         # Touching the map of a file cut shorter than it is SIGBUS: the size is checked
-        # first (one lseek, ~0.3 µs). Read before the thread lock: a system call lets go
-        # of the GIL, and one made holding the thread lock lets every other thread run up
-        # to that lock and sleep there. Before the file lock too, which other processes
-        # then do not wait for (a process re-creating the table cuts the file and grows
-        # it back under that lock, never below its old size). This catches a truncation
-        # between two updates; a writer ignoring the lock can still cut the file inside
-        # one. (filelock.file_size inlined: a call less on every update.)
+        # first (one lseek, ~0.3 µs, keeping the GIL: see filelock). Read before the
+        # thread and file locks, which other threads and processes then do not wait for
+        # (a process re-creating the table cuts the file and grows it back under the file
+        # lock, never below its old size). This catches a truncation between two updates;
+        # a writer ignoring the lock can still cut the file inside one. (filelock.file_size
+        # inlined: a call less on every update; -1, an error, reads as too short below.)
         fd = self._fd
         try:
-            size = os.lseek(fd, 0, os.SEEK_END) if fd >= 0 else 0
+            size = lseek(fd, 0, SEEK_END) if fd >= 0 else 0
         except OSError:
-            size = 0  # closed meanwhile (a fork, close()): read again below
-        self._tlock.acquire()
+            size = 0  # os.lseek without ctypes: closed meanwhile (a fork, close())
+        turns = self._tlock
+        if not turns.lock.acquire(False):  # TurnLock.acquire inlined
+            turns.wait()
         try:
             if fd < 0 or self._fd != fd:
                 if self._fd < 0:
@@ -270,7 +276,7 @@ class Table(Backend):
                 size = file_size(self._fd)
             lock_file(self._fd)
         except (OSError, ConfigError) as exc:
-            self._tlock.release()
+            turns.release()
             raise self.backend_error(exc) from exc
         try:
             try:
@@ -309,7 +315,10 @@ class Table(Backend):
             if self._fd >= 0:
                 unlock_file(self._fd)
         finally:
-            self._tlock.release()
+            turns = self._tlock
+            turns.lock.release()  # TurnLock.release inlined
+            if turns.waiting:
+                turns.ring()
 
     def _attach(self) -> None:
         """Map the table the file holds, or (re)initialise it. Under the file lock. Reads

@@ -1,0 +1,86 @@
+"""The thread lock of a table: which thread of a process may take the file lock, taken
+only by a thread that holds the GIL, so threads do not queue behind one that waits for it.
+
+Why not a plain ``threading.Lock``: its release hands the lock to a sleeping waiter,
+which owns it from then on but runs only once it also gets the GIL back. The releaser
+keeps the GIL (nothing on the table's path lets go of it, see :mod:`.filelock`), runs the
+rest of its request, comes back to the lock, finds it owned by the thread that waits for
+the GIL and sleeps in turn: one sleep and one wake-up per update, with every thread of the
+process in the line, and the line keeps itself going as long as two threads are in it (a
+lock convoy). With 8 threads making direct WSGI calls that was 0.5 to 4 voluntary context
+switches per request, depending on whether one had formed (``perf record -e
+sched:sched_switch``: three quarters of them asleep in that lock's ``sem_wait``, the rest
+waking from it to wait for the GIL; ``benchmarks/shared.py``, issue 18).
+
+:class:`TurnLock` is taken with a non-blocking try, under the GIL, and that is all it
+costs while no other thread holds it. A thread that finds it held sleeps on a condition
+until a release rings it, and then tries again with the GIL held, as the first time: the
+releaser, meanwhile, takes it again without waiting for anybody, and a line never forms.
+Threads only find it held when the holder lost the GIL inside its update: another process
+held the file lock, or the interpreter's switch interval ended there.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["TurnLock"]
+
+
+class TurnLock:
+    """A mutual exclusion lock for the threads of one process that is never handed over
+    to a sleeping thread: :meth:`acquire` and :meth:`release` (or ``with``)."""
+
+    __slots__ = ("_bell", "lock", "waiting")
+
+    def __init__(self) -> None:
+        #: the exclusion itself, only ever taken by a non-blocking try (the table inlines
+        #: ``lock.acquire(False) or wait()`` and ``lock.release()`` then ``ring()`` if
+        #: ``waiting``: a method call less on every update)
+        self.lock = threading.Lock()
+        #: what a waiter sleeps on; its own lock is held only to count and ring waiters
+        self._bell = threading.Condition(threading.Lock())
+        #: threads asleep on the bell, or about to be (read by :meth:`release` without
+        #: the bell's lock: one load, and a waiter counts itself before its last try)
+        self.waiting = 0
+
+    def acquire(self) -> None:
+        """Take the lock, waiting while another thread holds it."""
+        if not self.lock.acquire(False):
+            self.wait()
+
+    def wait(self) -> None:
+        """Take the lock another thread holds: sleep until a release rings, then try
+        again. (The slow part of :meth:`acquire`, which the table inlines.)"""
+        bell = self._bell
+        with bell:
+            # Counted before the try: a release that came before the count let the lock
+            # go before it, so the try takes it; one that comes after it rings.
+            self.waiting += 1
+            try:
+                while not self.lock.acquire(False):
+                    bell.wait()
+            finally:
+                self.waiting -= 1
+
+    def release(self) -> None:
+        """Let the lock go, and ring a waiter if there is one."""
+        self.lock.release()
+        if self.waiting:
+            self.ring()
+
+    def ring(self) -> None:
+        """Wake one waiter, to try again. (The slow part of :meth:`release`.)"""
+        with self._bell:
+            self._bell.notify()
+
+    def locked(self) -> bool:
+        """Whether some thread holds the lock."""
+        return self.lock.locked()
+
+    def __enter__(self) -> TurnLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
