@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No per-example deadline and no too-slow check for any property test: tests assert
+# behaviour, never timing, and on a loaded CI machine one example can take any time.
+settings.register_profile("gatekeeper", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("gatekeeper")
 
 REDIS_BINARY = shutil.which("redis-server")
 #: CI sets this, so a missing redis-server fails instead of skipping.
