@@ -5,9 +5,10 @@ process) and a ring of its most recent 1024 samples, from which ``mean_us``, ``p
 and ``max_us`` describe current behaviour.
 
 The three stages of an admission decision - ``resolve_limits``, ``decide`` and
-``request`` - are not recorded one by one: :meth:`Monitor.decision` writes the decision's
-timestamps once, and the three are read from them when asked for. It runs on every
-request, where three stage records cost a measurable share of the overhead.
+``request`` - are not recorded one by one: :meth:`Monitor.decision` stores the decision's
+clock readings as they are, and the three durations are computed from them when asked
+for. It runs on every request, where three stage records (or only the float arithmetic
+of three durations) cost a measurable share of the overhead.
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ _RING_MASK = _RING - 1
 # Rings are lists, not arrays of doubles: a store into a list is one specialised
 # bytecode, where an array's converts the float through PyArg_Parse (~300 instructions,
 # four stores per request: measured with callgrind).
-_NOT_ADMITTED = -1.0
 
 #: called with a sample, in seconds
 Observer = Callable[[float], None]
@@ -154,9 +154,16 @@ class Monitor:
     def __init__(self) -> None:
         #: every stage; those of DECISION_STAGES only carry their observers
         self.stages = {name: Stage() for name in STAGES}
-        # resolve_limits, decide and request (_NOT_ADMITTED for a refusal) seconds of the
-        # most recent decisions, three numbers per decision
-        self._decisions: list[float] = [0.0] * (3 * _RING)
+        # The most recent decisions, one ring per reading, all at the decision's index:
+        # its perf_counter readings (started, resolved, decided), the seconds it waited in
+        # a queue and whether it admitted. Readings are stored as they come, not as
+        # durations: a subtraction makes a float object, a store of one made already is
+        # a bytecode.
+        self._started: list[float] = [0.0] * _RING
+        self._resolved: list[float] = [0.0] * _RING
+        self._finished: list[float] = [0.0] * _RING
+        self._waited: list[float] = [0.0] * _RING
+        self._admitted: list[bool] = [False] * _RING
         self._decided = 0
         self._observed = False
         self.admitted = 0
@@ -190,11 +197,12 @@ class Monitor:
         included) when admitted.
         """
         count = self._decided
-        at = (count & _RING_MASK) * 3
-        decisions = self._decisions
-        decisions[at] = resolved - started
-        decisions[at + 1] = decided - resolved - waited
-        decisions[at + 2] = decided - started if admitted else _NOT_ADMITTED
+        at = count & _RING_MASK
+        self._started[at] = started
+        self._resolved[at] = resolved
+        self._finished[at] = decided
+        self._waited[at] = waited
+        self._admitted[at] = admitted
         self._decided = count + 1
         if admitted:
             self.admitted += 1
@@ -217,10 +225,20 @@ class Monitor:
         """count, mean_us, p99_us and max_us of every stage."""
         summaries = {name: stage.summary() for name, stage in self.stages.items()}
         decided = self._decided
-        recent = self._decisions[: 3 * min(decided, _RING)]
-        requests = [seconds for seconds in recent[2::3] if seconds != _NOT_ADMITTED]
-        summaries["resolve_limits"] = _summary(decided, recent[0::3])
-        summaries["decide"] = _summary(decided, recent[1::3])
+        kept = min(decided, _RING)
+        recent = list(
+            zip(
+                self._started[:kept],
+                self._resolved[:kept],
+                self._finished[:kept],
+                self._waited[:kept],
+                self._admitted[:kept],
+                strict=True,
+            )
+        )
+        summaries["resolve_limits"] = _summary(decided, [r - s for s, r, _, _, _ in recent])
+        summaries["decide"] = _summary(decided, [d - r - w for _, r, d, w, _ in recent])
+        requests = [d - s for s, _, d, _, admitted in recent if admitted]
         summaries["request"] = _summary(self.admitted, requests)
         return summaries
 
