@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from gatekeeper_wsgi.engine import Admission, ConfigSource, GateKeeper
+from gatekeeper_wsgi.engine import ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.kernel import (
     ADMISSION_KEY,
@@ -60,7 +60,7 @@ class _WatchedResponse(ResponseWatch):
     slots come back even when the inner ``close()`` raises.
     """
 
-    # Set by GateKeeperMiddleware.call_app: the server's start_response, the headers
+    # Set by GateKeeperMiddleware.__call__: the server's start_response, the headers
     # (empty until start_response), then the app's iterable (no __init__ of its own,
     # which would cost a super() call per request).
     __slots__ = ("_headers", "_inner", "_start_response")
@@ -192,13 +192,9 @@ class GateKeeperMiddleware:
             status, headers, body = gate.fault(identifier, environ, rejected)
             start_response(status, headers)
             return [body]
-        return self.call_app(environ, start_response, admission)
-
-    def call_app(
-        self, environ: WSGIEnvironment, start_response: StartResponse, admission: Admission
-    ) -> Iterable[bytes]:
-        """Run the app for an admitted request; the admission is released when the
-        response is exhausted or closed (or, failing both, garbage collected)."""
+        # Admitted: run the app. The admission is released when the response is exhausted
+        # or closed (or, failing both, garbage collected). In this method rather than a
+        # helper of its own: a call per request costs ~600 instructions.
         response = _WatchedResponse(admission)
         response._start_response = start_response
         response._headers = ()
