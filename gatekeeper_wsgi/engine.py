@@ -403,7 +403,21 @@ class GateKeeper:
         if started is None:
             started = perf()
         now = started if self._perf_clock else self._clock()
-        route, slots, delay = self._limits_of(project, service, caller, environ, user, now)
+        # The route, the slots on every level and the delay of the request, found here
+        # rather than by a helper (a frame less per admission). It is one of the requests
+        # that count towards reload.every_requests.
+        if self._file is not None:
+            self._requests_since_check += 1
+            self._reload_if_due(now)
+        try:  # a subscript: a hit costs a bytecode, not a method call
+            route = self._routes[(project, service)]
+        except KeyError:
+            route = self._route(project, service)
+        if route.caller_candidates:
+            slots, caller_delay = route.caller_level(caller, environ, user)
+            delay = route.delay if caller_delay is None else caller_delay
+        else:
+            slots, delay = route.slots, route.delay
         resolved = perf()
         monitor = self.monitor
         grant: Grant | None = None
@@ -473,8 +487,11 @@ class GateKeeper:
             if gk.query("frs", "login", "alice") is not None:
                 ...  # alice is restricted now
         """
+        route = self.route(project, service)
         now = self._clock()
-        _, slots, _ = self._limits_of(project, service, caller, environ, user, now)
+        slots = route.slots
+        if route.caller_candidates:
+            slots = route.caller_level(caller, environ, user)[0]
         while slots:
             try:
                 denial = self.backend.peek(slots, now)
@@ -502,29 +519,6 @@ class GateKeeper:
             self._reload_if_due(self._clock())
         route = self._routes.get((project, service))
         return route if route is not None else self._route(project, service)
-
-    def _limits_of(
-        self,
-        project: str,
-        service: str,
-        caller: str,
-        environ: Mapping[str, Any],
-        user: str | None,
-        now: float,
-    ) -> tuple[Route, tuple[Slot, ...], float]:
-        """The route, the slots on every level and the delay of one request (one of the
-        requests that count towards ``reload.every_requests``)."""
-        if self._file is not None:
-            self._requests_since_check += 1
-            self._reload_if_due(now)
-        try:  # a subscript: a hit costs a bytecode, not a method call
-            route = self._routes[(project, service)]
-        except KeyError:
-            route = self._route(project, service)
-        if not route.caller_candidates:
-            return route, route.slots, route.delay
-        slots, caller_delay = route.caller_level(caller, environ, user)
-        return route, slots, route.delay if caller_delay is None else caller_delay
 
     def _reload_if_due(self, now: float) -> None:
         if (
