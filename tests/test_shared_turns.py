@@ -109,8 +109,8 @@ class CountedTurnLock(TurnLock):
 def test_turn_lock_excludes_with_a_switch_at_every_bytecode() -> None:
     """16 threads each make 1 500 read-modify-writes of one counter under the lock while
     the interpreter switches threads as often as it can and every fifth holder yields
-    the GIL inside: none is lost, threads did find it held, and afterwards nobody holds
-    the lock or waits for it."""
+    the GIL inside: none is lost, threads did find it held, every thread finished (no
+    wake-up lost), and afterwards nobody holds the lock or waits for it."""
     turns = CountedTurnLock()
     counter = [0]
     start = threading.Barrier(16)
@@ -130,9 +130,10 @@ def test_turn_lock_excludes_with_a_switch_at_every_bytecode() -> None:
             thread.start()
         for thread in threads:
             thread.join(DEADLINE * 3)
+    assert not any(thread.is_alive() for thread in threads)  # no waiter left asleep
     assert counter[0] == 16 * 1500
     assert turns.waits > 0
-    assert not turns.locked() and turns.waiting == 0
+    assert not turns.locked() and not turns.sleepers
 
 
 def test_a_release_never_hands_the_lock_to_a_thread_still_waiting_for_the_gil() -> None:
@@ -151,7 +152,7 @@ def test_a_release_never_hands_the_lock_to_a_thread_still_waiting_for_the_gil() 
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    wait_until(lambda: turns.waiting == 1, what="the waiter asleep on the lock")
+    wait_until(lambda: len(turns.sleepers) == 1, what="the waiter asleep on the lock")
     keep_gil = ctypes.PyDLL(None).usleep
     with switch_interval(1000.0):  # the waiter, once woken, cannot ask for the GIL back
         turns.release()
@@ -166,7 +167,7 @@ def test_a_release_never_hands_the_lock_to_a_thread_still_waiting_for_the_gil() 
     assert not waiter_had_it
     assert got.wait(DEADLINE)
     thread.join(DEADLINE)
-    assert not turns.locked() and turns.waiting == 0
+    assert not turns.locked() and not turns.sleepers
 
 
 def test_eight_threads_on_one_table_count_exactly(tmp_path: Path) -> None:

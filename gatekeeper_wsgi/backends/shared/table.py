@@ -317,7 +317,7 @@ class Table(Backend):
         finally:
             turns = self._tlock
             turns.lock.release()  # TurnLock.release inlined
-            if turns.waiting:
+            if turns.sleepers:
                 turns.ring()
 
     def _attach(self) -> None:

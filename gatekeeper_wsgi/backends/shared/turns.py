@@ -13,8 +13,8 @@ sched:sched_switch``: three quarters of them asleep in that lock's ``sem_wait``,
 waking from it to wait for the GIL; ``benchmarks/shared.py``, issue 18).
 
 :class:`TurnLock` is taken with a non-blocking try, under the GIL, and that is all it
-costs while no other thread holds it. A thread that finds it held sleeps on a condition
-until a release rings it, and then tries again with the GIL held, as the first time: the
+costs while no other thread holds it. A thread that finds it held sleeps on a bell until
+a release rings it, and then tries again with the GIL held, as the first time: the
 releaser, meanwhile, takes it again without waiting for anybody, and a line never forms.
 Threads only find it held when the holder lost the GIL inside its update: another process
 held the file lock, or the interpreter's switch interval ended there.
@@ -22,6 +22,7 @@ held the file lock, or the interpreter's switch interval ended there.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 __all__ = ["TurnLock"]
@@ -31,18 +32,24 @@ class TurnLock:
     """A mutual exclusion lock for the threads of one process that is never handed over
     to a sleeping thread: :meth:`acquire` and :meth:`release` (or ``with``)."""
 
-    __slots__ = ("_bell", "lock", "waiting")
+    __slots__ = ("_bell", "lock", "sleepers")
 
     def __init__(self) -> None:
         #: the exclusion itself, only ever taken by a non-blocking try (the table inlines
         #: ``lock.acquire(False) or wait()`` and ``lock.release()`` then ``ring()`` if
-        #: ``waiting``: a method call less on every update)
+        #: ``sleepers``: a method call less on every update)
         self.lock = threading.Lock()
-        #: what a waiter sleeps on; its own lock is held only to count and ring waiters
-        self._bell = threading.Condition(threading.Lock())
-        #: threads asleep on the bell, or about to be (read by :meth:`release` without
-        #: the bell's lock: one load, and a waiter counts itself before its last try)
-        self.waiting = 0
+        #: what waiters sleep on: held (armed) while nobody rang; a ring lets it go, which
+        #: wakes one sleeper (who holds it again: armed) or, with none asleep yet, lets
+        #: the next one through at once to try again. A plain lock, not a Condition: a
+        #: wait and a ring are one C call each (a Condition is tens of bytecodes and a
+        #: lock made per wait, which the threads of gunicorn's workers paid whenever the
+        #: other worker held the file lock).
+        self._bell = threading.Lock()
+        self._bell.acquire()
+        #: one entry per thread asleep on the bell or about to be (append and pop are one
+        #: C call each, safe against a thread switch; a counter's ``+= 1`` is not)
+        self.sleepers: list[None] = []
 
     def acquire(self) -> None:
         """Take the lock, waiting while another thread holds it."""
@@ -52,27 +59,31 @@ class TurnLock:
     def wait(self) -> None:
         """Take the lock another thread holds: sleep until a release rings, then try
         again. (The slow part of :meth:`acquire`, which the table inlines.)"""
+        lock = self.lock
         bell = self._bell
-        with bell:
-            # Counted before the try: a release that came before the count let the lock
-            # go before it, so the try takes it; one that comes after it rings.
-            self.waiting += 1
-            try:
-                while not self.lock.acquire(False):
-                    bell.wait()
-            finally:
-                self.waiting -= 1
+        sleepers = self.sleepers
+        # Counted before the try: a release that came before the count let the lock go
+        # before it, so the try takes it; one that comes after it rings. A ring that finds
+        # the bell already let go (rung and not yet heard, or heard by a waiter still
+        # waking) adds nothing: that waiter tries again, and whoever holds the lock then
+        # rings when it lets go, as long as anybody sleeps.
+        sleepers.append(None)
+        try:
+            while not lock.acquire(False):
+                bell.acquire()
+        finally:
+            sleepers.pop()
 
     def release(self) -> None:
         """Let the lock go, and ring a waiter if there is one."""
         self.lock.release()
-        if self.waiting:
+        if self.sleepers:
             self.ring()
 
     def ring(self) -> None:
         """Wake one waiter, to try again. (The slow part of :meth:`release`.)"""
-        with self._bell:
-            self._bell.notify()
+        with contextlib.suppress(RuntimeError):  # already rung: one ring is enough
+            self._bell.release()
 
     def locked(self) -> bool:
         """Whether some thread holds the lock."""
