@@ -32,6 +32,18 @@ def switch_interval(seconds: float) -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
+def all_finished(work: Callable[[], None], count: int, interval: float) -> bool:
+    """Run ``work`` in ``count`` threads with the switch interval at ``interval`` (short:
+    thread switches land inside every critical section); whether all of them ended."""
+    with switch_interval(interval):
+        threads = [threading.Thread(target=work) for _ in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(DEADLINE * 3)
+    return not any(thread.is_alive() for thread in threads)
+
+
 def _runs_while(calls: Callable[[], object], rounds: int) -> bool:
     """Whether a thread that wants the GIL gets it while this one makes ``calls``
     ``rounds`` times (stopping as soon as it did). The switch interval is made so long
@@ -124,13 +136,7 @@ def test_turn_lock_excludes_with_a_switch_at_every_bytecode() -> None:
                     os.sched_yield()  # lets go of the GIL holding the lock
                 counter[0] = seen + 1
 
-    with switch_interval(1e-6):
-        threads = [threading.Thread(target=work) for _ in range(16)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(DEADLINE * 3)
-    assert not any(thread.is_alive() for thread in threads)  # no waiter left asleep
+    assert all_finished(work, 16, 1e-6)  # no waiter left asleep
     assert counter[0] == 16 * 1500
     assert turns.waits > 0
     assert not turns.locked() and not turns.sleepers
@@ -202,12 +208,7 @@ def test_eight_threads_on_one_table_count_exactly(tmp_path: Path) -> None:
                 inside[0] -= 1
             admission.release(200)
 
-    with switch_interval(1e-5):
-        threads = [threading.Thread(target=work) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(DEADLINE * 3)
+    assert all_finished(work, 8, 1e-5)
     assert peak[0] <= 3 and admitted[0] > 0
     assert busy(gk) == {}
     admits_exactly(gk, 3, "shop", "orders", "crm")
