@@ -96,9 +96,10 @@ class _WatchedResponse(ResponseWatch):
             # than when its last byte is handed out.
             for name, value in self._headers:
                 if name in _CONTENT_LENGTH:
-                    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
-                    if value.isascii() and value.isdigit() and len(value) <= 18:
-                        length = int(value)
+                    try:  # a subscript: most responses repeat a few lengths
+                        length = _LENGTHS[value]
+                    except KeyError:
+                        length = _length(value)
                     break
         return self.stream(inner, False, length)
 
@@ -129,6 +130,14 @@ _CONTENT_LENGTH = frozenset(("Content-Length", "content-length", "Content-length
 
 # Status line -> code: a few distinct lines, parsed once (int() on each one is measurable).
 _STATUS_CODES: dict[str, int] = {}
+# Content-Length value -> its length, or None when not a plain number.
+_LENGTHS: dict[str, int | None] = {}
+
+
+def _length(value: str) -> int | None:
+    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
+    length = int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+    return remember(_LENGTHS, value, length, len(value))
 
 
 def _status_code(status: str) -> int:
