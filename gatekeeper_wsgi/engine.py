@@ -73,16 +73,13 @@ def _stamp(status: os.stat_result) -> tuple[int, int, int]:
     return (status.st_mtime_ns, status.st_size, status.st_ino)
 
 
-_new_admission = object.__new__
-
-
 class Admission:
     """An admitted request's hold on its slots. Call :meth:`release` when the response is
     finished; further calls, from any thread at any moment, do nothing."""
 
     __slots__ = ("_held", "_keeper", "delay", "route")
-    # Made by GateKeeper.admit only, field by field: no __init__, whose
-    # call costs ~600 instructions per request (callgrind).
+    # Made by GateKeeper.admit only, field by field: no __init__, whose call costs ~600
+    # instructions per request (callgrind); Admission() is then C code alone.
     _keeper: GateKeeper
     #: the grant in a one-item list: release takes it with one pop, which only one thread
     #: can win (see Grant.claim), so no two releases ever both free the slots
@@ -462,7 +459,7 @@ class GateKeeper:
             monitor.decision(started, resolved, perf(), True, self._take_wait())
         else:
             monitor.decision(started, resolved, perf(), True)
-        admission = _new_admission(Admission)
+        admission = Admission()
         admission._keeper = self
         admission._held = [grant]
         admission.route = route
