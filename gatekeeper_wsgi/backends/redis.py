@@ -82,8 +82,8 @@ DEFAULT_READ_TIMEOUT = 0.5
 DEFAULT_BREAKER_COOLDOWN = 1.0
 #: The release sender gathers releases this long before it sends them (those an admission
 #: of the process takes along first never wait for it). The bound itself: a busy sender
-#: looks once per interval, and each look takes the GIL from the request threads; at 1 ms
-#: gunicorn gthread workers on Redis spent ~10 % more CPU per request than at 5 ms.
+#: looks once per interval, and each look takes the GIL from the request threads (at 1 ms
+#: gunicorn gthread workers spent more CPU per request: benchmarks/RESULTS.md).
 DEFAULT_FLUSH_INTERVAL = 0.005
 #: A release must not wait longer than this to be sent.
 MAX_FLUSH_INTERVAL = 0.005
