@@ -29,6 +29,7 @@ LEAVES: dict[str, frozenset[str]] = {
     "gatekeeper_wsgi.values": frozenset({"gatekeeper_wsgi.adaptive", "gatekeeper_wsgi.redact"}),
     "gatekeeper_wsgi.errors": frozenset({"gatekeeper_wsgi.values"}),
     "gatekeeper_wsgi.requestvalues": frozenset({"gatekeeper_wsgi.values"}),
+    "gatekeeper_wsgi.turns": frozenset(),
 }
 FRAMEWORKS = ("django", "flask", "redis")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.backends.shared import SharedBackend, filelock
-from gatekeeper_wsgi.backends.shared.turns import TurnLock
+from gatekeeper_wsgi.turns import TurnLock
 from tests.conftest import admits_exactly, busy
 from tests.servers import wait_until
 

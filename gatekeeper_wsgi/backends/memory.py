@@ -11,7 +11,6 @@ import heapq
 import itertools
 import logging
 import os
-import threading
 import time
 import weakref
 from array import array
@@ -33,6 +32,7 @@ from gatekeeper_wsgi.backends.base import (
     Slot,
 )
 from gatekeeper_wsgi.errors import CapacityError
+from gatekeeper_wsgi.turns import TurnLock
 from gatekeeper_wsgi.values import Limit
 
 __all__ = ["MemoryBackend"]
@@ -49,7 +49,7 @@ def _after_fork_in_child() -> None:
     # A lock held by another thread at fork time would stay held in the child forever.
     # Done by a fork hook rather than a pid check, which would cost a syscall per request.
     for backend in list(_BACKENDS):
-        backend._lock = threading.Lock()
+        backend._lock = TurnLock()
         backend._forked = True
 
 
@@ -143,7 +143,11 @@ class MemoryBackend(Backend):
     adaptive_limits = True
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # A TurnLock, not a threading.Lock: with many threads a plain lock forms a convoy
+        # (its release hands it to a sleeping thread that still waits for the GIL):
+        # 1.6 voluntary switches per request with 8 threads, 4x one thread's admit +
+        # release (benchmarks/engine.py). See gatekeeper_wsgi.turns.
+        self._lock = TurnLock()
         self._counters: dict[str, _Counter] = {}
         # The controllers of adaptive limits' counters, so reports need not scan every key.
         self._gauges: dict[str, Controller] = {}
@@ -171,11 +175,13 @@ class MemoryBackend(Backend):
         if self._forked:
             self._forked = False
             self.multiprocess()
-        # lock.acquire() and try/finally rather than `with`: a with statement looks up two
-        # special methods and makes a bound method of each (~700 instructions, callgrind),
-        # on every admission and release.
-        lock = self._lock
-        lock.acquire()
+        # The TurnLock's try and release inlined, with try/finally rather than `with`: a
+        # with statement looks up two special methods and makes a bound method of each
+        # (~700 instructions, callgrind), on every admission and release.
+        turns = self._lock
+        lock = turns.lock
+        if not lock.acquire(False):  # TurnLock.acquire inlined
+            turns.wait()
         try:
             if now < self._latest:
                 now = self._latest
@@ -259,7 +265,9 @@ class MemoryBackend(Backend):
             self._live[grant] = None
             return grant
         finally:
-            lock.release()
+            lock.release()  # TurnLock.release inlined
+            if turns.sleepers:
+                turns.ring()
 
     @staticmethod
     def _undo(counters: list[_Counter]) -> None:
@@ -395,8 +403,10 @@ class MemoryBackend(Backend):
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         if TYPE_CHECKING:  # checked by mypy only: an assert costs every release
             assert isinstance(grant, _MemoryGrant)
-        lock = self._lock
-        lock.acquire()  # not `with`: see acquire
+        turns = self._lock
+        lock = turns.lock
+        if not lock.acquire(False):  # not `with`: see acquire
+            turns.wait()
         try:
             # Leaving the live set under the lock is the claim: a second release (any
             # thread, any moment) finds it gone and does nothing.
@@ -431,6 +441,8 @@ class MemoryBackend(Backend):
                     self._mature(now)
         finally:
             lock.release()
+            if turns.sleepers:
+                turns.ring()
 
     @staticmethod
     def _feed(grant: _MemoryGrant, now: float) -> None:

@@ -64,10 +64,10 @@ from gatekeeper_wsgi.backends.shared.liveness import (
 )
 from gatekeeper_wsgi.backends.shared.plans import Plans
 from gatekeeper_wsgi.backends.shared.tickets import Bell, Lines
-from gatekeeper_wsgi.backends.shared.turns import TurnLock
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import BackendError, ConfigError
+from gatekeeper_wsgi.turns import TurnLock
 
 __all__ = ["LayoutMismatch", "Recreated", "Table"]
 

@@ -1,5 +1,6 @@
-"""The thread lock of a table: which thread of a process may take the file lock, taken
-only by a thread that holds the GIL, so threads do not queue behind one that waits for it.
+"""The thread lock of the memory backend and of a shared table (which thread of a process
+may take the file lock), taken only by a thread that holds the GIL, so threads do not queue
+behind one that waits for it.
 
 Why not a plain ``threading.Lock``: its release hands the lock to a sleeping waiter,
 which owns it from then on but runs only once it also gets the GIL back. The releaser
@@ -35,9 +36,9 @@ class TurnLock:
     __slots__ = ("_bell", "lock", "sleepers")
 
     def __init__(self) -> None:
-        #: the exclusion itself, only ever taken by a non-blocking try (the table inlines
-        #: ``lock.acquire(False) or wait()`` and ``lock.release()`` then ``ring()`` if
-        #: ``sleepers``: a method call less on every update)
+        #: the exclusion itself, only ever taken by a non-blocking try (the table and the
+        #: memory backend inline ``lock.acquire(False) or wait()`` and ``lock.release()``
+        #: then ``ring()`` if ``sleepers``: a method call less on every update)
         self.lock = threading.Lock()
         #: what waiters sleep on: held (armed) while nobody rang; a ring lets it go, which
         #: wakes one sleeper (who holds it again: armed) or, with none asleep yet, lets
@@ -58,7 +59,7 @@ class TurnLock:
 
     def wait(self) -> None:
         """Take the lock another thread holds: sleep until a release rings, then try
-        again. (The slow part of :meth:`acquire`, which the table inlines.)"""
+        again. (The slow part of :meth:`acquire`, which the table and the memory backend inline.)"""
         lock = self.lock
         bell = self._bell
         sleepers = self.sleepers
