@@ -112,9 +112,10 @@ class Table(Backend):
 
     **Locking.** Every read and write of the table happens under one exclusive Linux
     open-file-description lock (``F_OFD_SETLKW`` on byte 0) plus a thread lock
-    (:class:`~.turns.TurnLock`; OFD locks belong to the open file description, which the
-    threads of a process share). The kernel drops an OFD lock when its last descriptor
-    closes, so a killed process cannot leave it held; each process opens the file itself
+    (:class:`~gatekeeper_wsgi.turns.TurnLock`; OFD locks belong to the open file
+    description, which the threads of a process share). The kernel drops an OFD lock
+    when its last descriptor closes, so a killed process cannot leave it held; each
+    process opens the file itself
     (the descriptor inherited across ``fork`` is closed in the child at once). The system
     calls are :mod:`.filelock`'s; none of those made holding the thread lock lets go of
     the GIL unless another process holds the file lock, so the other threads do not run
