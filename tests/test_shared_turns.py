@@ -56,9 +56,11 @@ def _runs_while(calls: Callable[[], object], rounds: int) -> bool:
         ran.set()
 
     thread = threading.Thread(target=other)
-    thread.start()
+    # The interval is made long before the thread starts: a thread already waiting for the
+    # GIL keeps the timeout it began with (5 ms by default) and then forces a switch. So
+    # the thread runs up to go.wait(), where it lets the GIL go, before this one goes on.
     with switch_interval(1000.0):
-        wait_until(lambda: thread.is_alive(), what="the other thread started")
+        thread.start()
         go.set()  # from here on it runs only when this thread lets the GIL go
         for _ in range(rounds):
             calls()
