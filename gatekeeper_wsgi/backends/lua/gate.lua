@@ -9,9 +9,11 @@
 --   <lease>:w   an entry of the rate window; score = MINUS the admission time
 -- and, in a band above every time (BAND + ...), which no count reads:
 --   <lease>     in a route's first set: a give-back's tombstone; score = BAND + when it ends
---   ~ and ~~    the marks: a release must look at what is left (see settle below); score BAND
+--   ~ and ~~    the marks (a key without a window): a release must look at what is left
+--               (see settle below); score BAND
 -- Window entries score below zero and leases above, so one range tells them apart and one
--- ZREMRANGEBYSCORE [window - now, now] drops both slid-out entries and ended leases. Scores
+-- ZREMRANGEBYSCORE [window - now, now] drops both slid-out entries and ended leases (on one
+-- admission in 16: counts read only the live ranges). Scores
 -- are whole microseconds, passed as numbers (Lua's tostring would round them); BAND + a time
 -- is still below 2^53, so every score is exact.
 --
@@ -112,10 +114,16 @@ local MARK, MARK2 = '~', '~~'
 -- the count a release's ZREM returns says both whether the lease was there (odd) and whether
 -- the set was marked (2 or more), even for a release applied twice.
 --
+-- A rate key (a window) is never marked: its releases always look (settle), one read while
+-- nothing but leases is above its window entries. Under concurrency its set nearly always
+-- holds another request in flight, so marking it cost each admission two members and each
+-- release the marks written again; what the look costs instead is one read when the key
+-- is alone (the PEXPIRE to its window follows either way).
+--
 -- settle: how long a path's set lives once a release changed it, from its latest member: a
 -- request in flight (its admission set the expiry it needs), a pending delayed release
 -- (until it matures), its window, or its latest tombstone, and not longer; while anything is
--- live it stays marked, so the next release looks again.
+-- live a key without a window stays marked, so the next release looks again.
 local function settle(key, window_ms, t)
   local top = call('ZRANGE', key, '-1', '-1', 'WITHSCORES')
   if not top[2] then
@@ -130,7 +138,9 @@ local function settle(key, window_ms, t)
   if top[2] then
     left = tonumber(top[2]) - t
     if left > 0 and sub(top[1], -2) ~= ':d' then
-      call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+      if window_ms == 0 then
+        call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+      end
       return
     end
   end
@@ -139,7 +149,9 @@ local function settle(key, window_ms, t)
   end
   local ttl = window_ms
   if left > 0 then
-    call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+    if window_ms == 0 then
+      call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+    end
     if left / 1000 > ttl then
       ttl = floor(left / 1000)
     end
@@ -371,15 +383,14 @@ for r = 2, releases + 1 do
         call('ZREM', totals, lease .. '|' .. path)
       end
       -- A key lives max_hold after an admission, for its lease. Once no request is in
-      -- flight on it, it lives only as long as what is left needs. Unmarked, nothing else
-      -- is live: an emptied key is gone already, a rate key keeps its window.
-      if taken == 3 then
+      -- flight on it, it lives only as long as what is left needs. A rate key always looks
+      -- (it is never marked). Unmarked, a key without a window has nothing else live: an
+      -- emptied key is gone already.
+      if window_ms > 0 or taken == 3 then
         settle(key, window_ms, clock())
       elseif taken == 2 then
         -- Applied before (a release sent again): nothing changed but the marks it took.
         call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
-      elseif taken == 1 and window_ms > 0 then
-        call('PEXPIRE', key, int(window_ms + 1))
       end
     end
     end
@@ -412,6 +423,7 @@ local hold_ms = floor(hold / 1000) + 1
 local now_s = int(t)
 local after = '(' .. now_s -- a lease scored after now is live (scores are whole us)
 local slots = #ARGV - a - 1
+local prune = prune_due(lease)
 
 local quotas = {}
 local windows = {}
@@ -445,9 +457,15 @@ for i = 1, slots do
   local held
   local entries = 0
   if quota > 0 then
-    call('ZREMRANGEBYSCORE', key, int(window - t), now_s)
-    held = call('ZCOUNT', key, '(0', BELOW)
-    entries = call('ZCOUNT', key, '-inf', '(0')
+    -- Window entries score MINUS when they were taken: live while newer than now - window,
+    -- that is below window - now. Slid-out entries and ended leases are dropped on one
+    -- admission in 16 (as the totals sets' ended members): the counts skip them anyway.
+    local slid = int(window - t)
+    if prune then
+      call('ZREMRANGEBYSCORE', key, slid, now_s)
+    end
+    held = call('ZCOUNT', key, after, BELOW)
+    entries = call('ZCOUNT', key, '-inf', '(' .. slid)
   else
     -- Ended leases are not dropped here (the count skips them); a delayed release drops
     -- them, and the key's expiry ends them all once it is idle.
@@ -469,7 +487,8 @@ for i = 1, slots do
   end
   if quota > 0 and entries >= quota then
     if enforce == '1' then
-      local oldest = call('ZREVRANGEBYSCORE', key, '(0', '-inf', 'WITHSCORES', 'LIMIT', '0', '1')
+      local oldest = call('ZREVRANGEBYSCORE', key, '(' .. int(window - t), '-inf', 'WITHSCORES',
+        'LIMIT', '0', '1')
       return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
     end
     over[i] = true
@@ -478,13 +497,12 @@ for i = 1, slots do
 end
 
 if lease == '' then
-  -- A peek: the answer acquire would give. Expired entries were dropped; nothing added.
+  -- A peek: the answer acquire would give. Nothing added.
   return answer(1)
 end
 
 local shadowed = {}
 local unrecorded = {}
-local prune = prune_due(lease)
 local ends, since, hold_s = int(t + hold), '-' .. now_s, int(hold_ms)
 for i = 1, slots do
   local key = KEYS[at[i]]
@@ -514,12 +532,6 @@ for i = 1, slots do
       if window_ms > ttl then
         ttl = window_ms
       end
-    end
-    if busy[i] > 0 then
-      -- Another request in flight on a rate key: its release, or this one's, must look
-      -- before it shortens the key's life to its window.
-      members[#members + 1], members[#members + 2] = BAND_S, MARK
-      members[#members + 1], members[#members + 2] = BAND_S, MARK2
     end
     if i > 1 then
       call('ZADD', key, unpack(members))
