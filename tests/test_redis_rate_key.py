@@ -1,0 +1,115 @@
+"""A rate-limited key on Redis without marks (issue 19 point 3): its releases always look at
+what is left, so a request still in flight keeps the key alive for its whole max_hold
+whatever the order of the releases before it; and its slid-out window entries and ended
+leases, dropped on one admission in 16 only, are never counted. Against a real
+redis-server; expiries are read with PTTL (Redis's clock), and where Redis time must pass
+the test polls until a deadline."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from gatekeeper_wsgi import Rejected  # noqa: E402
+from gatekeeper_wsgi.backends import redis as redis_module  # noqa: E402
+from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
+from tests.servers import wait_until  # noqa: E402
+from tests.test_redis import admitted, keeper  # noqa: E402
+from tests.test_redis_tidy import life_left, plain_releases, redis_backend  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+RATE_AND_CONCURRENCY = {"shop/work/*": {"concurrency": 5, "rate": "100/second"}}
+
+
+def lease_numbers(pruning: bool) -> Iterator[int]:
+    """Lease numbers whose hex form ends in 0 (every admission cleans up) or never does."""
+    return (n for n in itertools.count(1) if (n % 16 == 0) == pruning)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
+def test_a_rate_key_lives_max_hold_while_any_request_is_in_flight(
+    prefixed: str, order: tuple[int, ...]
+) -> None:
+    """Three requests in flight on one rate-limited key (the first admitted alone), released
+    in every order and each release sent twice: while one is still in flight the key lives
+    its max_hold (300 s), not its 1 s window; after the last, it lives by its window."""
+    gk = keeper(prefixed, RATE_AND_CONCURRENCY)
+    try:
+        backend = redis_backend(gk)
+        held = [gk.admit("shop", "work", "c") for _ in range(3)]
+        replays = plain_releases(*held)
+        for done, index in enumerate(order, start=1):
+            held[index].release(200)
+            backend._send([replays[index]])
+            if done < 3:
+                assert life_left(gk, "shop/work/c") > 290_000
+                assert gk.inflight() == {"shop/work/c": 3 - done}
+        assert 0 < life_left(gk, "shop/work/c") <= 1_001
+        assert gk.inflight() == {}
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("pruning", [False, True], ids=["never cleaned", "always cleaned"])
+def test_a_rate_window_counts_only_live_entries(
+    prefixed: str, pruning: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 5/second window filled, slid out and filled again, with the cleanup never run (lease
+    ids that do not end in 0) or run by every admission: each time exactly 5 are admitted
+    and the sixth is refused with a Retry-After within the window; with no cleanup the
+    slid-out entries stay in the set and are not counted."""
+    monkeypatch.setattr(redis_module, "_sequence", lease_numbers(pruning))
+    gk = keeper(prefixed, {"shop/work/*": {"rate": "5/second"}})
+    try:
+        backend = redis_backend(gk)
+        route = [Slot("shop/work/c", gk.config.limits["shop/work/*"], True)]
+        for round_ in range(3):
+            first = wait_until(lambda: admitted(gk), what="the window to slide out")
+            first.release(200)
+            for _ in range(4):
+                gk.admit("shop", "work", "c").release(200)
+            with pytest.raises(Rejected) as refused:
+                gk.admit("shop", "work", "c")
+            assert refused.value.code == "GK-RATE-LIMIT"
+            # A peek's answer: refused by the rate (kind 2), retry in µs of the oldest live
+            # entry, never of a slid-out one left in the set.
+            answer, _ = backend._run([], backend._input(route), "")
+            assert answer[2] == 2 and 0 < answer[3] <= 1_000_000
+            entries = backend.client.zcard(backend.key_of("shop/work/c"))
+            if pruning:
+                assert entries == 5
+            else:
+                assert entries == 5 * (round_ + 1)
+        assert gk.inflight() == {}
+    finally:
+        gk.close()
+
+
+def test_a_full_concurrency_on_a_rate_key_skips_ended_leases(prefixed: str) -> None:
+    """Leases left unreleased past a short max_hold on a rate-limited key (as a crashed
+    holder's), with no cleanup run: once they ended the key admits its full concurrency
+    again, and refuses one more."""
+    url = f"{prefixed}&max_hold=0.3"
+    gk = keeper(url, RATE_AND_CONCURRENCY)
+    crashed = keeper(url, RATE_AND_CONCURRENCY)
+    try:
+        for _ in range(5):
+            crashed.admit("shop", "work", "c")  # never released
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "c")
+        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+        held = [wait_until(lambda: admitted(gk), what="the crashed leases to end")]
+        held += [gk.admit("shop", "work", "c") for _ in range(4)]
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "c")
+        assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()
+        crashed.close()
