@@ -55,23 +55,36 @@ def test_a_rate_key_lives_max_hold_while_any_request_is_in_flight(
         gk.close()
 
 
+def wait_for_the_window_to_slide_out(client: redis.Redis, key: str) -> None:
+    """Poll Redis's clock until the newest window entry of ``key`` (scored MINUS its
+    admission time, µs) is more than a second old."""
+    newest = -client.zrange(key, 0, 0, withscores=True)[0][1]
+
+    def now_us() -> int:
+        seconds, micros = client.time()
+        return int(seconds) * 1_000_000 + int(micros)
+
+    wait_until(lambda: now_us() > newest + 1_000_000, what="the window to slide out")
+
+
 @pytest.mark.parametrize("pruning", [False, True], ids=["never cleaned", "always cleaned"])
 def test_a_rate_window_counts_only_live_entries(
     prefixed: str, pruning: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 5/second window filled, slid out and filled again, with the cleanup never run (lease
-    ids that do not end in 0) or run by every admission: each time exactly 5 are admitted
-    and the sixth is refused with a Retry-After within the window; with no cleanup the
-    slid-out entries stay in the set and are not counted."""
+    """A 5/second window filled, slid out and filled again while a request in flight keeps the
+    key alive, with the cleanup never run (lease ids that do not end in 0) or run by every
+    admission: each time exactly 5 are admitted and the sixth is refused, retry within the
+    window; with no cleanup the slid-out entries stay in the set and are not counted."""
     monkeypatch.setattr(redis_module, "_sequence", lease_numbers(pruning))
     gk = keeper(prefixed, {"shop/work/*": {"rate": "5/second"}})
     try:
         backend = redis_backend(gk)
+        key = backend.key_of("shop/work/c")
         route = [Slot("shop/work/c", gk.config.limits["shop/work/*"], True)]
+        holder = gk.admit("shop", "work", "c")  # its lease keeps the key for max_hold
+        wait_for_the_window_to_slide_out(backend.client, key)
         for round_ in range(3):
-            first = wait_until(lambda: admitted(gk), what="the window to slide out")
-            first.release(200)
-            for _ in range(4):
+            for _ in range(5):
                 gk.admit("shop", "work", "c").release(200)
             with pytest.raises(Rejected) as refused:
                 gk.admit("shop", "work", "c")
@@ -80,11 +93,11 @@ def test_a_rate_window_counts_only_live_entries(
             # entry, never of a slid-out one left in the set.
             answer, _ = backend._run([], backend._input(route), "")
             assert answer[2] == 2 and 0 < answer[3] <= 1_000_000
-            entries = backend.client.zcard(backend.key_of("shop/work/c"))
-            if pruning:
-                assert entries == 5
-            else:
-                assert entries == 5 * (round_ + 1)
+            # The holder's lease, and with no cleanup its window entry and every round's.
+            assert backend.client.zcard(key) == (1 + 5 if pruning else 2 + 5 * (round_ + 1))
+            wait_for_the_window_to_slide_out(backend.client, key)
+        assert gk.inflight() == {"shop/work/c": 1}
+        holder.release(200)
         assert gk.inflight() == {}
     finally:
         gk.close()
