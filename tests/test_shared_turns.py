@@ -167,7 +167,7 @@ def test_a_release_never_hands_the_lock_to_a_thread_still_waiting_for_the_gil() 
         # Keep the GIL while the kernel wakes the waiter: whatever it does meanwhile it
         # cannot take the lock, which needs the GIL.
         keep_gil(20_000)
-        taken_again = turns.lock.acquire(False)
+        taken_again = turns.try_acquire()
         waiter_had_it = got.is_set()
         if taken_again:
             turns.release()

@@ -179,8 +179,10 @@ class MemoryBackend(Backend):
         # with statement looks up two special methods and makes a bound method of each
         # (~700 instructions, callgrind), on every admission and release.
         turns = self._lock
-        lock = turns.lock
-        if not lock.acquire(False):  # TurnLock.acquire inlined
+        token = turns.token
+        try:  # TurnLock.acquire inlined
+            token.pop()
+        except IndexError:
             turns.wait()
         try:
             if now < self._latest:
@@ -265,7 +267,7 @@ class MemoryBackend(Backend):
             self._live[grant] = None
             return grant
         finally:
-            lock.release()  # TurnLock.release inlined
+            token.append(None)  # TurnLock.release inlined
             if turns.sleepers:
                 turns.ring()
 
@@ -404,8 +406,10 @@ class MemoryBackend(Backend):
         if TYPE_CHECKING:  # checked by mypy only: an assert costs every release
             assert isinstance(grant, _MemoryGrant)
         turns = self._lock
-        lock = turns.lock
-        if not lock.acquire(False):  # not `with`: see acquire
+        token = turns.token
+        try:  # not `with`: see acquire
+            token.pop()
+        except IndexError:
             turns.wait()
         try:
             # Leaving the live set under the lock is the claim: a second release (any
@@ -440,7 +444,7 @@ class MemoryBackend(Backend):
                 if self._delayed and self._delayed[0][0] <= now:
                     self._mature(now)
         finally:
-            lock.release()
+            token.append(None)
             if turns.sleepers:
                 turns.ring()
 

@@ -268,7 +268,9 @@ class Table(Backend):
         except OSError:
             size = 0  # os.lseek without ctypes: closed meanwhile (a fork, close())
         turns = self._tlock
-        if not turns.lock.acquire(False):  # TurnLock.acquire inlined
+        try:  # TurnLock.acquire inlined
+            turns.token.pop()
+        except IndexError:
             turns.wait()
         try:
             if fd < 0 or self._fd != fd:
@@ -317,7 +319,7 @@ class Table(Backend):
                 unlock_file(self._fd)
         finally:
             turns = self._tlock
-            turns.lock.release()  # TurnLock.release inlined
+            turns.token.append(None)  # TurnLock.release inlined
             if turns.sleepers:
                 turns.ring()
 
