@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gatekeeper_wsgi import Admission, GateKeeper, Rejected
-from gatekeeper_wsgi.backends.shared import SharedBackend, filelock, journal, plans, windows
+from gatekeeper_wsgi.backends.shared import SharedBackend, filelock, journal, plans, table, windows
 from gatekeeper_wsgi.backends.shared.layout import MUT_END, MUT_START
 from gatekeeper_wsgi.backends.shared.reads import read_inflight
 from tests.conftest import FakeClock, admits_exactly, busy
@@ -58,10 +58,16 @@ PLANNED = {
     "shop/orders/*": {"concurrency": 3, "rate": "100/minute"},
 }
 #: the modules that write the table on the way of a planned admission and release, and
-#: the file lock's (a kill between taking and dropping it included)
+#: the file lock's and the table's, which takes and drops it (a kill between the two included)
 WRITERS = tuple(
     sys.modules[name].__file__
-    for name in (plans.__name__, journal.__name__, windows.__name__, filelock.__name__)
+    for name in (
+        plans.__name__,
+        journal.__name__,
+        windows.__name__,
+        filelock.__name__,
+        table.__name__,
+    )
 )
 
 

@@ -39,13 +39,22 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["file_size", "lock_file", "lseek", "unlock_file"]
+__all__ = [
+    "C_FCNTL",
+    "C_LOCK",
+    "C_UNLOCK",
+    "SETLK",
+    "file_size",
+    "lock_file",
+    "lseek",
+    "unlock_file",
+]
 
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (Linux, 64-bit off_t)
 FLOCK = struct.Struct("hhxxxxqqixxxx")
 LOCK = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
 UNLOCK = FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
-_SETLK = fcntl.F_OFD_SETLK
+SETLK = _SETLK = fcntl.F_OFD_SETLK
 #: what a try answers while another process holds the lock
 _HELD = (errno.EAGAIN, errno.EACCES)
 #: tries before waiting in the kernel (each a system call of about 1 µs): a few critical
@@ -76,6 +85,13 @@ _C = _c_calls()
 _LOCK: Any = ctypes.create_string_buffer(LOCK, len(LOCK))
 _UNLOCK: Any = ctypes.create_string_buffer(UNLOCK, len(UNLOCK))
 _c_fcntl: Callable[..., int] | None = _C[0] if _C else None
+#: the GIL-holding try itself, for a caller that makes it inline (the table, on every
+#: update: a Python call less each way) and falls back on :func:`lock_file` /
+#: :func:`unlock_file` when it answers non-zero or is None: ``C_FCNTL(fd, SETLK,
+#: C_LOCK)``, ``C_FCNTL(fd, SETLK, C_UNLOCK)``
+C_FCNTL = _c_fcntl
+C_LOCK = _LOCK
+C_UNLOCK = _UNLOCK
 
 #: ``lseek(fd, offset, whence)`` keeping the GIL, for an offset that fits a C int (the
 #: table's is 0): the new offset, or -1 on an error (no exception, no errno:
