@@ -10,6 +10,10 @@ they call). Ways: gatekeeper-wsgi's middleware on Redis (3 concurrency levels + 
 ``redis_backend.py``) and Flask-Limiter on Redis (one moving-window limit). Wall time on a
 shared 2-core machine moves by tens of percent between runs; these counts move by a few.
 
+``--threads N`` makes the calls from N threads at once, so requests overlap on their keys
+as under gunicorn (a rate key then nearly always has another request in flight); each way
+also prints the Redis commands per request (``INFO commandstats`` over the same calls).
+
 Instructions are not time (system calls and cache misses weigh differently), but what a
 change to ``lua/gate.lua`` removes from the server is measured exactly, e.g. the
 ``snprintf("%.17g")`` Redis 7.0 spends on every Lua number passed to ``redis.call``.
@@ -22,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,9 +43,37 @@ WAYS: dict[str, Callable[[str], WSGIApp]] = {
 }
 
 
-def count(way: str, requests: int, toggle: str | None) -> float:
+def serve(app: WSGIApp, requests: int, threads: int) -> None:
+    """``requests`` direct calls of ``app``, made by ``threads`` threads started together."""
+    start = threading.Barrier(threads)
+
+    def run(share: int) -> None:
+        start.wait()
+        for _ in range(share):
+            _common.call(app)
+
+    shares = [requests // threads + (index < requests % threads) for index in range(threads)]
+    workers = [threading.Thread(target=run, args=(share,)) for share in shares]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
+def commands(client: redis.Redis) -> int:
+    """Commands the server ran since its statistics were reset, this INFO's and CONFIG's
+    left out."""
+    stats = client.info("commandstats")
+    return sum(
+        int(each["calls"])
+        for name, each in stats.items()
+        if not name.startswith(("cmdstat_info", "cmdstat_config", "cmdstat_hello"))
+    )
+
+
+def count(way: str, requests: int, toggle: str | None, threads: int = 1) -> tuple[float, float]:
     """Instructions redis-server ran per request of ``way`` (only inside ``toggle``, a
-    function name, when given)."""
+    function name, when given), and Redis commands per request."""
     port = _common.free_port()
     with tempfile.TemporaryDirectory() as workdir:
         out = Path(workdir) / "callgrind.out"
@@ -54,16 +87,19 @@ def count(way: str, requests: int, toggle: str | None) -> float:
         try:
             url = f"redis://127.0.0.1:{port}/0"
             _common.wait_for_port(port, timeout=60.0)
-            redis.Redis.from_url(url, socket_timeout=30).ping()
+            client = redis.Redis.from_url(url, socket_timeout=30)
+            client.ping()
             app = WAYS[way](url)
-            for _ in range(50):
-                _common.call(app)
+            serve(app, 50, threads)
+            time.sleep(0.2)  # the warm-up's last releases, sent by the sender
+            client.config_resetstat()
             control = ["callgrind_control"]
             subprocess.run([*control, "-i", "on", str(server.pid)], check=True, capture_output=True)
-            for _ in range(requests):
-                _common.call(app)
+            serve(app, requests, threads)
             time.sleep(0.2)  # a release the sender sends by itself (none follows the last)
             subprocess.run([*control, "-d", str(server.pid)], check=True, capture_output=True)
+            ran = commands(client)
+            client.close()
         finally:
             server.terminate()
             server.wait()
@@ -72,26 +108,30 @@ def count(way: str, requests: int, toggle: str | None) -> float:
             for line in dump.read_text().splitlines():
                 if line.startswith(("summary:", "totals:")):
                     total = max(total, int(line.split()[1]))
-        return total / requests
+        return total / requests, ran / requests
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1, help="making the calls at once")
     args = parser.parse_args(argv)
     for tool in ("valgrind", "callgrind_control", "redis-server"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} not found")
     rows = []
     for way in WAYS:
-        rows.append(
-            (way, count(way, args.requests, None), count(way, args.requests, "evalShaCommand"))
-        )
-    print(f"redis-server instructions per request, {args.requests} requests, callgrind")
-    print(f"{'':36s} {'whole server':>14s} {'inside EVALSHA':>16s}")
-    for way, whole, scripts in rows:
-        print(f"{way:36s} {whole:14,.0f} {scripts:16,.0f}")
-    (_, gk_whole, gk_scripts), (_, fl_whole, fl_scripts) = rows
+        whole, ran = count(way, args.requests, None, args.threads)
+        scripts, _ = count(way, args.requests, "evalShaCommand", args.threads)
+        rows.append((way, whole, scripts, ran))
+    print(
+        f"redis-server instructions per request, {args.requests} requests from "
+        f"{args.threads} thread{'s' if args.threads > 1 else ''}, callgrind"
+    )
+    print(f"{'':36s} {'whole server':>14s} {'inside EVALSHA':>16s} {'commands':>9s}")
+    for way, whole, scripts, ran in rows:
+        print(f"{way:36s} {whole:14,.0f} {scripts:16,.0f} {ran:9.2f}")
+    (_, gk_whole, gk_scripts, _), (_, fl_whole, fl_scripts, _) = rows
     print(
         f"gatekeeper-wsgi / Flask-Limiter: {gk_whole / fl_whole:.2f}x the whole server's, "
         f"{gk_scripts / fl_scripts:.2f}x inside EVALSHA"
