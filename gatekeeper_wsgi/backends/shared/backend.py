@@ -96,7 +96,7 @@ class _SharedGrant(Grant):
         nodes: list[int],
         stamps: list[float | None],
     ) -> None:
-        super().__init__(slots, shadowed)
+        Grant.__init__(self, slots, shadowed)  # not super(): ~800 instructions less a grant
         self.epoch = epoch
         self.pid = pid
         self.lease = lease
