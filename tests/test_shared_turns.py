@@ -159,10 +159,14 @@ def test_a_release_never_hands_the_lock_to_a_thread_still_waiting_for_the_gil() 
         turns.release()
 
     thread = threading.Thread(target=waiter)
-    thread.start()
-    wait_until(lambda: len(turns.sleepers) == 1, what="the waiter asleep on the lock")
     keep_gil = ctypes.PyDLL(None).usleep
-    with switch_interval(1000.0):  # the waiter, once woken, cannot ask for the GIL back
+    # A switch interval too long to end, from before the waiter starts: it runs until it
+    # sleeps on the lock's bell and only then lets go of the GIL (counted as a sleeper but
+    # not asleep yet, it could lose the GIL to a forced switch and later take the lock
+    # back first), and once woken it cannot ask for the GIL back.
+    with switch_interval(1000.0):
+        thread.start()
+        wait_until(lambda: len(turns.sleepers) == 1, what="the waiter asleep on the lock")
         turns.release()
         # Keep the GIL while the kernel wakes the waiter: whatever it does meanwhile it
         # cannot take the lock, which needs the GIL.
