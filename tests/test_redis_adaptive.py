@@ -182,7 +182,10 @@ def test_two_hosts_share_one_adaptive_limit(prefixed: str, redis_server: str) ->
     try:
         gk.admit("shop", "work", "c").release(200)
         stored = settled(gk)
-        assert int(stored["limit"]) != adaptive["initial"]
+        # Moved: the observer saw the limit in force change during the load (where it
+        # ends may be the initial value again, by chance, on a loaded machine).
+        changes = redis.Redis.from_url(redis_server).zcard(f"{observer_key}:changes")
+        assert changes > 0 or int(stored["limit"]) != adaptive["initial"]
         assert 2 <= int(stored["limit"]) <= 40
         assert gk.inflight() == {}
     finally:
