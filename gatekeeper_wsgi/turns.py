@@ -60,9 +60,7 @@ class TurnLock:
 
     def acquire(self) -> None:
         """Take the lock, waiting while another thread holds it."""
-        try:
-            self.token.pop()
-        except IndexError:
+        if not self.try_acquire():
             self.wait()
 
     def try_acquire(self) -> bool:
@@ -76,7 +74,6 @@ class TurnLock:
     def wait(self) -> None:
         """Take the lock another thread holds: sleep until a release rings, then try
         again. (The slow part of :meth:`acquire`, which the table and the memory backend inline.)"""
-        token = self.token
         bell = self._bell
         sleepers = self.sleepers
         # Counted before the try: a release that came before the count let the lock go
@@ -86,12 +83,8 @@ class TurnLock:
         # rings when it lets go, as long as anybody sleeps.
         sleepers.append(None)
         try:
-            while True:
-                try:
-                    token.pop()
-                    return
-                except IndexError:
-                    bell.acquire()
+            while not self.try_acquire():
+                bell.acquire()
         finally:
             sleepers.pop()
 

@@ -54,7 +54,7 @@ __all__ = [
 FLOCK = struct.Struct("hhxxxxqqixxxx")
 LOCK = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
 UNLOCK = FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
-SETLK = _SETLK = fcntl.F_OFD_SETLK
+SETLK = fcntl.F_OFD_SETLK
 #: what a try answers while another process holds the lock
 _HELD = (errno.EAGAIN, errno.EACCES)
 #: tries before waiting in the kernel (each a system call of about 1 µs): a few critical
@@ -81,17 +81,14 @@ def _c_calls() -> tuple[Callable[..., int], Callable[[int, int, int], int]] | No
 
 
 _C = _c_calls()
-# The kernel only reads these for F_OFD_SETLK: one buffer each serves every thread.
-_LOCK: Any = ctypes.create_string_buffer(LOCK, len(LOCK))
-_UNLOCK: Any = ctypes.create_string_buffer(UNLOCK, len(UNLOCK))
-_c_fcntl: Callable[..., int] | None = _C[0] if _C else None
 #: the GIL-holding try itself, for a caller that makes it inline (the table, on every
 #: update: a Python call less each way) and falls back on :func:`lock_file` /
 #: :func:`unlock_file` when it answers non-zero or is None: ``C_FCNTL(fd, SETLK,
 #: C_LOCK)``, ``C_FCNTL(fd, SETLK, C_UNLOCK)``
-C_FCNTL = _c_fcntl
-C_LOCK = _LOCK
-C_UNLOCK = _UNLOCK
+C_FCNTL: Callable[..., int] | None = _C[0] if _C else None
+# The kernel only reads these for F_OFD_SETLK: one buffer each serves every thread.
+C_LOCK: Any = ctypes.create_string_buffer(LOCK, len(LOCK))
+C_UNLOCK: Any = ctypes.create_string_buffer(UNLOCK, len(UNLOCK))
 
 #: ``lseek(fd, offset, whence)`` keeping the GIL, for an offset that fits a C int (the
 #: table's is 0): the new offset, or -1 on an error (no exception, no errno:
@@ -111,7 +108,7 @@ def file_size(fd: int) -> int:
 def lock_file(fd: int) -> None:
     """Take the exclusive lock of the table open on ``fd``, waiting while another process
     holds it. OSError if the descriptor cannot be locked."""
-    if _c_fcntl is not None and _c_fcntl(fd, _SETLK, _LOCK) == 0:
+    if C_FCNTL is not None and C_FCNTL(fd, SETLK, C_LOCK) == 0:
         return
     _wait(fd)
 
@@ -122,7 +119,7 @@ def _wait(fd: int) -> None:
     microseconds), then wait in the kernel."""
     for _ in range(SPINS):
         try:
-            fcntl.fcntl(fd, _SETLK, LOCK)
+            fcntl.fcntl(fd, SETLK, LOCK)
         except OSError as exc:
             if exc.errno not in _HELD:
                 raise
@@ -133,5 +130,5 @@ def _wait(fd: int) -> None:
 
 def unlock_file(fd: int) -> None:
     """Drop the lock :func:`lock_file` took."""
-    if _c_fcntl is None or _c_fcntl(fd, _SETLK, _UNLOCK) != 0:
-        fcntl.fcntl(fd, _SETLK, UNLOCK)  # raises the error with its errno
+    if C_FCNTL is None or C_FCNTL(fd, SETLK, C_UNLOCK) != 0:
+        fcntl.fcntl(fd, SETLK, UNLOCK)  # raises the error with its errno
