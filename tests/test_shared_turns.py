@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.backends.shared import SharedBackend, filelock
@@ -88,6 +91,62 @@ def test_the_file_calls_that_cannot_block_keep_the_gil(tmp_path: Path) -> None:
         assert not _runs_while(update, 5000)
         # The check can see a let-go: the GIL-releasing call hands it over, given time.
         assert _runs_while(lambda: os.lseek(fd, 0, os.SEEK_END), 10**8)
+    finally:
+        os.close(fd)
+
+
+#: A process holding the table file's lock (argv: path, pid and thread id to watch) until
+#: that thread has run 20 ms more of CPU (it spins for the lock meanwhile) or, failing that,
+#: for DEADLINE; exit status 0 when the thread's CPU time let it go.
+_HOLDER = """
+import fcntl, os, sys, time
+from gatekeeper_wsgi.backends.shared import filelock
+path, pid, tid, deadline = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+def ran():
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+        return int(stat.read().split()[0])
+fd = os.open(path, os.O_RDWR)
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, filelock.LOCK)
+start = ran()
+print("held", flush=True)
+end = time.monotonic() + deadline
+while ran() - start < 20_000_000 and time.monotonic() < end:
+    os.sched_yield()
+os.close(fd)
+sys.exit(0 if time.monotonic() < end else 1)
+"""
+
+
+@pytest.mark.skipif(
+    filelock.C_FCNTL is None or not Path(f"/proc/{os.getpid()}/schedstat").exists(),
+    reason="needs ctypes' C library and /proc/<pid>/task/<tid>/schedstat",
+)
+def test_a_lock_another_process_holds_is_retried_keeping_the_gil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another process holds the file lock for a moment, the thread that wants it
+    tries again without letting go of the GIL: no other thread of its process runs until
+    it has the lock (one that did would keep the GIL while this thread waits for it
+    holding the thread lock and then the file lock, which all other processes wait for)."""
+    path = tmp_path / "t"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 4096)
+    # Enough tries for the holder's 20 ms: the kernel wait after them lets the GIL go.
+    monkeypatch.setattr(filelock, "SPINS", 10**9)
+
+    def update() -> None:
+        filelock.lock_file(fd)
+        filelock.unlock_file(fd)
+
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, str(path), str(os.getpid()),
+             str(threading.get_native_id()), str(DEADLINE)],
+            stdout=subprocess.PIPE, text=True,
+        ) as holder:  # fmt: skip
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            assert not _runs_while(update, 1)
+            assert holder.wait(DEADLINE) == 0  # it let go because this thread kept trying
     finally:
         os.close(fd)
 

@@ -16,13 +16,19 @@ meanwhile up to that lock, to sleep there; measured with 8 threads making direct
 request, and 0.5 to 4 voluntary context switches per request depending on whether that
 convoy formed, against the memory backend's 0.2. So the calls that cannot block, a lock
 that is free, the unlock and the size, go through ``ctypes.PyDLL``, which keeps the GIL:
-no thread runs while this one is in the kernel for a microsecond. Only a lock another
-process holds is waited for with the GIL let go, by :func:`_wait`: tried again ``SPINS``
-times (the holder runs on another core and lets go within microseconds, while a wait in
-the kernel costs the waiter a sleep and a wake-up; with 2 processes on a 2-core machine
-that took host admits/s from 0.78 to 1.22 x one process's), then ``F_OFD_SETLKW``. A
-failed GIL-holding call is made again by the plain call, which raises the error with its
-errno. Where ``ctypes`` cannot reach the C library every call is the plain one.
+no thread runs while this one is in the kernel for a microsecond. A lock another process
+holds is tried again ``SPINS`` times by :func:`_wait`, still keeping the GIL (the holder
+runs on another core and lets go within microseconds, while a wait in the kernel costs the
+waiter a sleep and a wake-up; with 2 processes on a 2-core machine that took host admits/s
+from 0.78 to 1.22 x one process's), and only then waited for with the GIL let go
+(``F_OFD_SETLKW``). The retries keep the GIL because a thread that lets it go there hands
+it to another thread of its process, which keeps it until it blocks or its switch interval
+ends, while the retrying thread waits for it holding the thread lock and, once a retry
+succeeds, the file lock: every process of the host then waits for the GIL of one (issue
+18, gunicorn of 4 threads, 2 processes making direct calls: 30 to 70 µs per retrying
+update against 8 µs with one thread). A failed GIL-holding call is made again by the plain
+call, which raises the error with its errno. Where ``ctypes`` cannot reach the C library
+every call is the plain one.
 
 (An earlier try of the same calls, 8add9e8, was reverted for 0.5 µs more per update and
 no fewer switches in a run where the convoy had not formed; see ``benchmarks/RESULTS.md``
@@ -115,16 +121,24 @@ def lock_file(fd: int) -> None:
 
 def _wait(fd: int) -> None:
     """Take the lock another process holds (or raise why it cannot be taken): a few more
-    tries with the GIL let go (the holder runs on another core and lets go within
-    microseconds), then wait in the kernel."""
-    for _ in range(SPINS):
-        try:
-            fcntl.fcntl(fd, SETLK, LOCK)
-        except OSError as exc:
-            if exc.errno not in _HELD:
-                raise
-        else:
-            return
+    tries keeping the GIL (the holder runs on another core and lets go within
+    microseconds), then wait in the kernel with the GIL let go."""
+    c_fcntl = C_FCNTL
+    if c_fcntl is not None:
+        # No errno here: a lock that cannot be taken at all (a closed descriptor) fails
+        # every try, and the kernel wait below raises its error.
+        for _ in range(SPINS):
+            if c_fcntl(fd, SETLK, C_LOCK) == 0:
+                return
+    else:
+        for _ in range(SPINS):
+            try:
+                fcntl.fcntl(fd, SETLK, LOCK)
+            except OSError as exc:
+                if exc.errno not in _HELD:
+                    raise
+            else:
+                return
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, LOCK)
 
 
