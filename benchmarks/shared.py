@@ -20,7 +20,9 @@ sections, each against its target:
 - **throughput**: bare Flask and Flask + gatekeeper on shared under gunicorn driven by
   ``wrk`` (Python threads without it): two gunicorns of one worker x 4 threads, each with
   half of the 16 connections (``throughput.py``'s servers and load), and the workers' CPU
-  per request. Target: >= 0.85 of bare.
+  per request, split: the thread CPU and wall time each request spends inside the app
+  (middleware and Flask; the rest of the workers' CPU is gunicorn's), and the file lock
+  found held by another process (waits per request, µs each). Target: >= 0.85 of bare.
 
 ``--loop N --backend B`` only runs N admit + release on backend B (``memory``,
 ``shared``) after a warm-up, ``--flask`` N requests to the Flask app (``bare`` or in the
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import ctypes
 import fcntl
+import json
 import mmap
 import multiprocessing
 import os
@@ -51,7 +54,8 @@ import tempfile
 import threading
 import time
 import timeit
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterable, Iterator
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -358,19 +362,96 @@ def overhead(rounds: int, requests: int, *, cpu: bool = False) -> dict[str, dict
 # --- throughput under gunicorn ------------------------------------------------------------
 
 
+#: what a gunicorn worker of the throughput section tallied (:func:`tallied_app`)
+_TALLY = {"requests": 0.0, "cpu": 0.0, "wall": 0.0, "waits": 0.0, "waited": 0.0}
+#: the path at which it answers its tally
+TALLY_PATH = "/gatekeeper-bench-tally"
+
+
+def tallied_app(framework: str, way: str, backend: str = "memory") -> _common.WSGIApp:
+    """``_common.make_app(framework, way, backend)`` for gunicorn, in a wrapper that adds
+    up in this worker each request's thread CPU and wall time inside the app (call,
+    iteration, close) and the waits for a file lock another process held, and answers
+    the sums as JSON at :data:`TALLY_PATH`: where a worker's CPU per request goes."""
+    from gatekeeper_wsgi.backends.shared import filelock
+
+    app = _common.make_app(framework, way, backend)
+    wait = filelock._wait
+    tally = _TALLY
+    clock, cpu = time.perf_counter, time.thread_time
+
+    def timed_wait(fd: int) -> None:
+        started = clock()
+        try:
+            wait(fd)
+        finally:
+            tally["waits"] += 1
+            tally["waited"] += clock() - started
+
+    filelock._wait = timed_wait
+
+    def tallied(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ["PATH_INFO"] == TALLY_PATH:
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [json.dumps(tally).encode()]
+        started, used = clock(), cpu()
+        body = app(environ, start_response)
+        try:
+            chunks = list(body)
+        finally:
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
+        tally["cpu"] += cpu() - used
+        tally["wall"] += clock() - started
+        tally["requests"] += 1
+        return chunks
+
+    return tallied
+
+
+def _tallies(servers: throughput.Servers) -> dict[str, float]:
+    """The sums of the tallies of ``servers``' workers (one per gunicorn)."""
+    sums = dict.fromkeys(_TALLY, 0.0)
+    for port in servers.ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{TALLY_PATH}", timeout=10) as answer:
+            for field, value in json.load(answer).items():
+                sums[field] += value
+    return sums
+
+
+def _tallied_load(servers: throughput.Servers, generator: str, seconds: float) -> dict[str, float]:
+    """One round of :func:`throughput.load` and the in-app split of its requests."""
+    before = _tallies(servers)
+    sample = throughput.load(servers, generator, seconds, 16)
+    after = _tallies(servers)
+    spent = {field: after[field] - before[field] for field in after}
+    requests = max(1.0, spent["requests"])
+    sample["app_cpu_us"] = spent["cpu"] / requests * 1e6
+    sample["app_wall_us"] = spent["wall"] / requests * 1e6
+    sample["waits"] = spent["waits"] / requests
+    sample["wait_us"] = spent["waited"] / max(1.0, spent["waits"]) * 1e6
+    return sample
+
+
+#: the fields :func:`gunicorn_throughput` answers per app
+THROUGHPUT_FIELDS = ("rps", "worker_cpu_us", "app_cpu_us", "app_wall_us", "waits", "wait_us")
+
+
 def gunicorn_throughput(seconds: float, rounds: int) -> dict[str, dict[str, float]]:
-    """Per app, bare Flask and Flask + gatekeeper on shared: requests/s and the workers'
-    CPU µs per request (medians of interleaved rounds) under 2 gunicorns of one worker x 4
-    threads, 16 connections split evenly, by ``throughput.py``'s servers and load (one
-    gunicorn of 2 workers left the split to the workers' accept race: 16/0 to 11/5)."""
+    """Per app, bare Flask and Flask + gatekeeper on shared: requests/s, the workers'
+    CPU µs per request and its in-app split (:func:`tallied_app`; medians of interleaved
+    rounds) under 2 gunicorns of one worker x 4 threads, 16 connections split evenly, by
+    ``throughput.py``'s servers and load (one gunicorn of 2 workers left the split to the
+    workers' accept race: 16/0 to 11/5)."""
     generator = "wrk" if shutil.which("wrk") else "python"
     with contextlib.ExitStack() as stack:
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=_tmpfs())))
         specs = {
-            BARE: "_common:make_app('flask', 'bare', 'memory', '')",
+            BARE: "shared:tallied_app('flask', 'bare')",
             "shared": (
-                f"_common:make_app('flask', 'gatekeeper-middleware', "
-                f"'shared://{directory}/gunicorn.shm', '')"
+                f"shared:tallied_app('flask', 'gatekeeper-middleware', "
+                f"'shared://{directory}/gunicorn.shm')"
             ),
         }
         servers: dict[str, throughput.Servers] = {}
@@ -381,12 +462,12 @@ def gunicorn_throughput(seconds: float, rounds: int) -> dict[str, dict[str, floa
             for port in each.ports:
                 throughput.warm_up(port)
         samples = _common.take_turns(
-            servers, rounds, lambda each: throughput.load(each, generator, seconds, 16)
+            servers, rounds, lambda each: _tallied_load(each, generator, seconds)
         )
     return {
         name: {
             field: statistics.median(sample[field] for sample in values)
-            for field in ("rps", "worker_cpu_us")
+            for field in THROUGHPUT_FIELDS
         }
         for name, values in samples.items()
     }
@@ -519,6 +600,14 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {label:24}{row['rps']:>10,.0f} req/s"
                 f"{row['worker_cpu_us']:>8,.0f} µs CPU/request (workers)"
+            )
+        print("  inside the app (middleware + Flask), per request:")
+        for name, row in rates.items():
+            label = name if name == BARE else f"gatekeeper on {name}"
+            print(
+                f"  {label:24}{row['app_cpu_us']:>8,.1f} µs thread CPU{row['app_wall_us']:>8,.1f}"
+                f" µs wall; file lock found held {row['waits']:.3f} times, {row['wait_us']:,.0f}"
+                f" µs each"
             )
         summary.append(
             _target(
