@@ -25,10 +25,12 @@ from 0.78 to 1.22 x one process's), and only then waited for with the GIL let go
 it to another thread of its process, which keeps it until it blocks or its switch interval
 ends, while the retrying thread waits for it holding the thread lock and, once a retry
 succeeds, the file lock: every process of the host then waits for the GIL of one (issue
-18, gunicorn of 4 threads, 2 processes making direct calls: 30 to 70 µs per retrying
-update against 8 µs with one thread). A failed GIL-holding call is made again by the plain
-call, which raises the error with its errno. Where ``ctypes`` cannot reach the C library
-every call is the plain one.
+18: with 2 processes of 4 threads making direct calls, 30 to 70 µs per update that found
+the lock held, against 8 µs with one thread each; under gunicorn, ``benchmarks/shared.py``'s
+throughput section, 117-124 µs against 67-103 µs once the retries kept the GIL). A failed
+GIL-holding unlock is made again by the plain call, which raises the error with its errno;
+a lock that cannot be taken at all fails every retry, and the kernel wait raises its error.
+Where ``ctypes`` cannot reach the C library every call is the plain one.
 
 (An earlier try of the same calls, 8add9e8, was reverted for 0.5 µs more per update and
 no fewer switches in a run where the convoy had not formed; see ``benchmarks/RESULTS.md``

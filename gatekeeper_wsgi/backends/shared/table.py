@@ -127,8 +127,8 @@ class Table(Backend):
     process opens the file itself
     (the descriptor inherited across ``fork`` is closed in the child at once). The system
     calls are :mod:`.filelock`'s; none of those made holding the thread lock lets go of
-    the GIL unless another process holds the file lock, so the other threads do not run
-    up to the thread lock meanwhile.
+    the GIL unless another process holds the file lock through all of a few retries, so
+    the other threads do not run up to the thread lock meanwhile.
 
     **The file is private.** It is created ``0600`` (``?mode=0660``: group too) with
     ``O_CREAT|O_EXCL|O_NOFOLLOW``; an existing file is used only when ``fstat`` on the opened
