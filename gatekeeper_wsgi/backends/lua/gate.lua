@@ -115,10 +115,11 @@ local MARK, MARK2 = '~', '~~'
 -- the set was marked (2 or more), even for a release applied twice.
 --
 -- A rate key (a window) is never marked: its releases always look (settle), one read while
--- nothing but leases is above its window entries. Under concurrency its set nearly always
--- holds another request in flight, so marking it cost each admission two members and each
--- release the marks written again; what the look costs instead is one read when the key
--- is alone (the PEXPIRE to its window follows either way).
+-- nothing but leases is above its window entries, unless the call then admits on that key
+-- (see settle_later). Under concurrency its set nearly always holds another request in
+-- flight, so marking it cost each admission two members and each release the marks written
+-- again; what the look costs instead is one read when the key is alone (the PEXPIRE to its
+-- window follows either way).
 --
 -- settle: how long a path's set lives once a release changed it, from its latest member: a
 -- request in flight (its admission set the expiry it needs), a pending delayed release
@@ -264,8 +265,36 @@ local function write_state(hash, spec)
   call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
 end
 
--- The answer, with the claims made (if any).
+-- Rate keys a plain release changed, whose settle waits for the admission that follows in
+-- this call: key -> window in ms, and the keys in order. A key the admission takes a slot
+-- on is never settled: the admission's own expiry covers whatever is left on it (its
+-- window entries, a pending delayed release or tombstone whose expiry is already set,
+-- ended leases), so the look would only be overwritten; under gunicorn a process's
+-- releases ride along with its next admission on the same route, so that is the common
+-- case. Any other key is settled before the answer (a refusal, a peek, releases alone).
+local unsettled, unsettled_keys
+
+local function settle_later(key, window_ms)
+  if not unsettled then
+    unsettled, unsettled_keys = {}, {}
+  end
+  if not unsettled[key] then
+    unsettled_keys[#unsettled_keys + 1] = key
+  end
+  unsettled[key] = window_ms
+end
+
+-- The answer, with the claims made (if any), once the settles still waiting are done.
 local function answer(result)
+  if unsettled then
+    for i = 1, #unsettled_keys do
+      local key = unsettled_keys[i]
+      local window_ms = unsettled[key]
+      if window_ms then
+        settle(key, window_ms, clock())
+      end
+    end
+  end
   if #claims == 0 then
     return result
   end
@@ -386,7 +415,9 @@ for r = 2, releases + 1 do
       -- flight on it, it lives only as long as what is left needs. A rate key always looks
       -- (it is never marked). Unmarked, a key without a window has nothing else live: an
       -- emptied key is gone already.
-      if window_ms > 0 or taken == 3 then
+      if window_ms > 0 then
+        settle_later(key, window_ms)
+      elseif taken == 3 then
         settle(key, window_ms, clock())
       elseif taken == 2 then
         -- Applied before (a release sent again): nothing changed but the marks it took.
@@ -563,6 +594,9 @@ for i = 1, slots do
   -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
   -- window, another host's longer max_hold).
   local ttl_s = ttl == hold_ms and hold_s or int(ttl)
+  if unsettled then
+    unsettled[key] = nil -- this expiry covers what a release's settle would have looked at
+  end
   if busy[i] == 0 then
     call('PEXPIRE', key, ttl_s)
   else
