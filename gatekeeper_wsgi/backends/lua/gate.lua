@@ -456,18 +456,18 @@ local after = '(' .. now_s -- a lease scored after now is live (scores are whole
 local slots = #ARGV - a - 1
 local prune = prune_due(lease)
 
-local quotas = {}
-local windows = {}
-local busy = {}
-local over = {}
-local full = {}
-local at = {}
+-- Per slot, four entries in one table made at its size for three slots: where its keys
+-- start, its quota, its window and what it holds (a table per field, grown entry by
+-- entry, cost more than the commands it fed). Slots over their limit (shadow mode) are
+-- rare: their tables are made only then.
+local seen = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+local over, full
 local kk = k
 for i = 1, slots do
   local spec = ARGV[a + 1 + i]
   local concurrency = tonumber(spec)
   local quota, window, enforce = 0, 0, '1'
-  at[i] = kk
+  local at = kk
   if concurrency then
     kk = kk + 3 -- an enforced concurrency slot without a rate: its limit alone
   else
@@ -483,8 +483,7 @@ for i = 1, slots do
     quota = tonumber(quota)
     window = tonumber(window)
   end
-  quotas[i], windows[i] = quota, window
-  local key = KEYS[at[i]]
+  local key = KEYS[at]
   local held
   local entries = 0
   if quota > 0 then
@@ -502,7 +501,8 @@ for i = 1, slots do
     -- them, and the key's expiry ends them all once it is idle.
     held = call('ZCOUNT', key, after, BELOW)
   end
-  busy[i] = held
+  local s = 4 * i
+  seen[s - 3], seen[s - 2], seen[s - 1], seen[s] = at, quota, window, held
   if concurrency >= 0 and held >= concurrency then
     if enforce == '1' then
       -- The soonest delayed release tells when a slot frees for sure; a running request
@@ -514,6 +514,7 @@ for i = 1, slots do
       end
       return answer({0, i - 1, 1, retry, concurrency})
     end
+    over = over or {}
     over[i] = true
   end
   if quota > 0 and entries >= quota then
@@ -522,6 +523,7 @@ for i = 1, slots do
         'LIMIT', '0', '1')
       return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
     end
+    over, full = over or {}, full or {}
     over[i] = true
     full[i] = true
   end
@@ -532,42 +534,37 @@ if lease == '' then
   return answer(1)
 end
 
-local shadowed = {}
-local unrecorded = {}
 local ends, since, hold_s = int(t + hold), '-' .. now_s, int(hold_ms)
 for i = 1, slots do
-  local key = KEYS[at[i]]
-  local totals = KEYS[at[i] + 1]
+  local s = 4 * i
+  local at, quota, window, held = seen[s - 3], seen[s - 2], seen[s - 1], seen[s]
+  local key = KEYS[at]
+  local totals = KEYS[at + 1]
   local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
-  local quota, window = quotas[i], windows[i]
   local ttl = hold_ms
   if prune and tracked then
     call('ZREMRANGEBYSCORE', totals, since, now_s)
   end
   -- A shadow slot over its concurrency still counts in its window; a full window is not
   -- extended (enforce mode would not have admitted).
-  local windowed = quota > 0 and not full[i]
+  local windowed = quota > 0 and not (full and full[i])
   local there -- the first slot's add found something there already
-  if quota == 0 then
-    -- A concurrency slot: its lease alone (no table to build and unpack).
+  -- The lease alone, or with its window entry: no table to build and unpack.
+  if not windowed then
     if i > 1 then
       call('ZADD', key, ends, lease)
     else
       there = call('ZADD', key, 'NX', ends, lease) == 0
     end
   else
-    local members = {ends, lease}
-    if windowed then
-      members[3], members[4] = since, lease .. ':w'
-      local window_ms = floor(window / 1000) + 1
-      if window_ms > ttl then
-        ttl = window_ms
-      end
+    local window_ms = floor(window / 1000) + 1
+    if window_ms > ttl then
+      ttl = window_ms
     end
     if i > 1 then
-      call('ZADD', key, unpack(members))
+      call('ZADD', key, ends, lease, since, lease .. ':w')
     else
-      there = call('ZADD', key, 'NX', unpack(members)) < #members / 2
+      there = call('ZADD', key, 'NX', ends, lease, since, lease .. ':w') < 2
     end
   end
   if there then
@@ -597,7 +594,7 @@ for i = 1, slots do
   if unsettled then
     unsettled[key] = nil -- this expiry covers what a release's settle would have looked at
   end
-  if busy[i] == 0 then
+  if held == 0 then
     call('PEXPIRE', key, ttl_s)
   else
     call('PEXPIRE', key, ttl_s, 'GT')
@@ -608,14 +605,17 @@ for i = 1, slots do
   if tracked and call('PTTL', totals) < ttl then
     call('PEXPIRE', totals, int(ttl + floor(ttl / 8)))
   end
+end
+if not over then
+  return answer(1)
+end
+local shadowed, unrecorded = {}, {}
+for i = 1, slots do
   if over[i] then
     shadowed[#shadowed + 1] = i - 1
   end
-  if full[i] then
+  if full and full[i] then
     unrecorded[#unrecorded + 1] = i - 1
   end
-end
-if #shadowed == 0 and #unrecorded == 0 then
-  return answer(1)
 end
 return answer({1, shadowed, unrecorded})
