@@ -195,7 +195,7 @@ local function clock()
   return now
 end
 
-local claims = {}
+local claims -- made by the first claim: most calls have none
 
 -- Add to a window field; one that is not a number (tampered with, or another version's)
 -- is set anew rather than failing the whole call.
@@ -219,6 +219,7 @@ local function sample(hash, key, latency, faulty, claim, extra)
     call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
       'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
     call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
+    claims = claims or {}
     claims[#claims + 1] = {hash, claim, latency, inflight, faulty, t,
       w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
     return
@@ -295,7 +296,7 @@ local function answer(result)
       end
     end
   end
-  if #claims == 0 then
+  if not claims then
     return result
   end
   local wrapped = {2, result}
@@ -315,7 +316,8 @@ for r = 2, releases + 1 do
     k = k + 1
   else
   local lease, delay, codes = match(spec, '^(%S+) (%d+)(.*)$')
-  delay = tonumber(delay)
+  -- A plain release's delay is '0', which one comparison of interned strings tells.
+  delay = delay == '0' and 0 or tonumber(delay)
   local first = KEYS[k]
   local tombstone = 0
   if byte(lease, 1) == 33 then
@@ -336,8 +338,9 @@ for r = 2, releases + 1 do
     skip = not score or tonumber(score) >= BAND
   end
   for word in gmatch(codes, '%S+') do
-    -- A plain code is a number; only an adaptive slot's has more to it.
-    local code = tonumber(word)
+    -- A plain code is a number (a concurrency slot's is '0'); only an adaptive slot's has
+    -- more to it.
+    local code = word == '0' and 0 or tonumber(word)
     local adaptive, latency, faulty
     if not code then
       code, adaptive, latency, faulty = match(word, '^(%d+)(:)(%d*):?(%d*)$')
