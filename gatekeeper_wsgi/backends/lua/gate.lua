@@ -82,7 +82,7 @@ local byte, sub, find, match, gmatch = string.byte, string.sub, string.find, str
 local format, floor = string.format, math.floor
 
 -- Every function below is a closure made anew on each call (a script's body runs per call),
--- at about 1 500 instructions each with its upvalues: the size of a command. So the tiny
+-- at about 1 300 instructions each with its upvalues: the size of a command. So the tiny
 -- ones and those of rare paths used once are written out where they are used instead.
 
 -- The band above every time: tombstones and marks score in it, counts read below it.
