@@ -20,8 +20,12 @@ even, the same for every case.
 Besides requests/s, each case's CPU per request: its worker processes' (user + system, from
 ``/proc``) and the Redis server's (``INFO cpu``), with Redis commands per request (``INFO
 commandstats``). Those count the work itself, which a machine shared with other jobs
-inflates far less than it inflates wall-time rates. With ``--only Redis`` the run ends by
-saying whether gatekeeper-wsgi is ahead of each peer on the same Redis, by both measures.
+inflates far less than it inflates wall-time rates. Then the machine's idle CPU per request
+during the case (``/proc/stat``): on a quiet machine, a case that is behind by requests/s
+while ahead by CPU per request leaves that much unused, its requests waiting rather than
+computing (another job's load fills it, so it reads 0 on a busy machine). With ``--only
+Redis`` the run ends by saying whether gatekeeper-wsgi is ahead of each peer on the same
+Redis, by both measures.
 """
 
 from __future__ import annotations
@@ -250,16 +254,31 @@ def load_python(port: int | list[int], seconds: float, connections: int) -> dict
     }
 
 
+def idle_seconds() -> float:
+    """CPU seconds the whole machine spent idle so far, every core summed (``/proc/stat``:
+    idle + iowait); 0 where there is no such file."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return 0.0
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
 def load(servers: Servers, generator: str, seconds: float, connections: int) -> dict[str, float]:
     """One round of load on ``servers`` (``generator``: "wrk" or "python"), each worker
-    with its share of ``connections``, and its workers' CPU µs per request."""
+    with its share of ``connections``, its workers' CPU µs per request, and the machine's
+    idle CPU µs per request meanwhile: on a quiet machine, what a case leaves unused while
+    its requests wait (on Redis, on a lock, on each other) rather than compute; another
+    job's load fills it, so it is 0 on a busy machine."""
     before = servers.cpu_seconds()
+    idle_before = idle_seconds()
     if generator == "wrk":
         sample = load_wrk(servers.ports, seconds, connections, 2)
     else:
         sample = load_python(servers.ports, seconds, connections)
     requests = max(1.0, sample["requests"])
     sample["worker_cpu_us"] = (servers.cpu_seconds() - before) / requests * 1e6
+    sample["idle_cpu_us"] = (idle_seconds() - idle_before) / requests * 1e6
     return sample
 
 
@@ -347,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, framework, _way, _kind in cases:
         result = {
             name: statistics.median(sample[name] for sample in samples[label])
-            for name in ("rps", "p50_ms", "p99_ms", "worker_cpu_us", "redis_cpu_us")
+            for name in ("rps", "p50_ms", "p99_ms", "worker_cpu_us", "redis_cpu_us", "idle_cpu_us")
         }
         result["redis_commands"] = statistics.median(
             sample["redis_commands"] for sample in samples[label]
@@ -357,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{label:46}{result['rps']:>8,.0f} req/s  p50 {result['p50_ms']:6.2f} ms"
             f"  p99 {result['p99_ms']:6.2f} ms  CPU/request: workers "
             f"{result['worker_cpu_us']:5,.0f} µs, Redis {result['redis_cpu_us']:4,.0f} µs "
-            f"({result['redis_commands']:5.2f} commands)"
+            f"({result['redis_commands']:5.2f} commands); idle {result['idle_cpu_us']:4,.0f} µs"
         )
     meta = {
         "generator": generator,

@@ -18,8 +18,9 @@ from gatekeeper_wsgi import Rejected  # noqa: E402
 from gatekeeper_wsgi.backends import redis as redis_module  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
 from tests.servers import wait_until  # noqa: E402
-from tests.test_redis import admitted, keeper  # noqa: E402
+from tests.test_redis import keeper  # noqa: E402
 from tests.test_redis_tidy import life_left, plain_releases, redis_backend  # noqa: E402
+from tests.test_redis_totals import commands_run  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -116,8 +117,10 @@ def test_a_full_concurrency_on_a_rate_key_skips_ended_leases(prefixed: str) -> N
         with pytest.raises(Rejected) as refused:
             gk.admit("shop", "work", "c")
         assert refused.value.code == "GK-CONCURRENCY-LIMIT"
-        held = [wait_until(lambda: admitted(gk), what="the crashed leases to end")]
-        held += [gk.admit("shop", "work", "c") for _ in range(4)]
+        # All five ended, not only the first (admitted one after another, they end so: on
+        # a loaded machine tens of ms apart); the read counts live leases, dropping none.
+        wait_until(lambda: "shop/work/c" not in gk.inflight(), what="the crashed leases to end")
+        held = [gk.admit("shop", "work", "c") for _ in range(5)]
         with pytest.raises(Rejected) as refused:
             gk.admit("shop", "work", "c")
         assert refused.value.code == "GK-CONCURRENCY-LIMIT"
@@ -126,3 +129,61 @@ def test_a_full_concurrency_on_a_rate_key_skips_ended_leases(prefixed: str) -> N
     finally:
         gk.close()
         crashed.close()
+
+
+def test_a_release_riding_along_an_admission_on_its_key_makes_no_look(prefixed: str) -> None:
+    """A rate key's release carried by the next admission on the same key (as under
+    gunicorn, where a process's releases ride along with its next request): the call makes
+    no look at what is left (the admission's expiry covers it), the key lives max_hold for
+    the new request, and once that one ends alone, by its 1 s window."""
+    gk = keeper(prefixed, RATE_AND_CONCURRENCY)
+    try:
+        backend = redis_backend(gk)
+        first = gk.admit("shop", "work", "c")
+        (release,) = plain_releases(first)
+        route = [Slot("shop/work/c", gk.config.limits["shop/work/*"], True)]
+        backend.client.config_resetstat()
+        answer, _ = backend._run([release], backend._input(route), "next-lease")
+        assert answer == 1
+        calls = commands_run(backend.client)
+        assert "zrange" not in calls and calls["pexpire"] == 1  # the admission's own
+        assert life_left(gk, "shop/work/c") > 290_000
+        assert gk.inflight() == {"shop/work/c": 1}
+        (after,) = (item._replace(lease="next-lease") for item in plain_releases(first))
+        backend._send([after])
+        assert 0 < life_left(gk, "shop/work/c") <= 1_001
+        assert gk.inflight() == {}
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("then", ["refused", "peek", "another key", "nothing"])
+def test_a_released_rate_key_lives_by_its_window_whatever_follows(prefixed: str, then: str) -> None:
+    """A rate key's last release carried by a call that takes no slot on that key (an
+    admission its full window refuses, a peek, an admission elsewhere, or no admission):
+    the key's life is still cut from max_hold to its 1 s window."""
+    limits = {
+        "shop/work/*": {"concurrency": 5, "rate": "1/second"},
+        "shop/other": {"concurrency": 5},
+    }
+    gk = keeper(prefixed, limits)
+    try:
+        backend = redis_backend(gk)
+        first = gk.admit("shop", "work", "c")
+        assert life_left(gk, "shop/work/c") > 290_000
+        (release,) = plain_releases(first)
+        work = backend._input([Slot("shop/work/c", gk.config.limits["shop/work/*"], True)])
+        other = backend._input([Slot("shop/other", gk.config.limits["shop/other"], True)])
+        if then == "refused":
+            answer, _ = backend._run([release], work, "next-lease")
+            assert answer != 1 and answer[0] == 0  # its one entry fills the window
+        elif then == "peek":
+            backend._run([release], work, "")
+        elif then == "another key":
+            assert backend._run([release], other, "next-lease")[0] == 1
+        else:
+            backend._run([release], None, "")
+        assert 0 < life_left(gk, "shop/work/c") <= 1_001
+        assert "shop/work/c" not in gk.inflight()
+    finally:
+        gk.close()

@@ -81,30 +81,19 @@ local call, KEYS, ARGV, tonumber = redis.call, KEYS, ARGV, tonumber
 local byte, sub, find, match, gmatch = string.byte, string.sub, string.find, string.match, string.gmatch
 local format, floor = string.format, math.floor
 
--- The concrete path of a path's sorted set "<prefix>:{<project>}:z:<path>" (no path
--- segment holds a '}').
-local function path_of(key)
-  return sub(key, find(key, '}:z:', 1, true) + 4)
-end
-
--- Ended members of a totals set are dropped on one admission in 16 (the lease id's last
--- hex digit) rather than on each: readers skip them anyway, and what accumulates between
--- two prunes is what 16 admissions leave.
-local function prune_due(lease)
-  return byte(lease, -1) == 48 -- '0'
-end
+-- Every function below is a closure made anew on each call (a script's body runs per call),
+-- at about 1 300 instructions each with its upvalues: the size of a command. So the tiny
+-- ones and those of rare paths used once are written out where they are used instead.
 
 -- The band above every time: tombstones and marks score in it, counts read below it.
 local BAND = 4503599627370496 -- 2^52
 local BAND_S, BELOW, ABOVE = '4503599627370496', '(4503599627370496', '(4503599627370496'
 
--- Numbers go to redis.call as strings made here: Redis 7.0 turns a Lua number argument
--- into text with snprintf("%.17g"), which for a 16-digit time costs several times what
--- the command then does with it (callgrind: an eighth of the server's instructions per
--- request). %d prints every whole number below 2^53 exactly.
-local function int(n)
-  return format('%d', n)
-end
+-- Numbers go to redis.call as strings made by format('%d', n) (written out at each use:
+-- a helper function would be one more closure per call): Redis 7.0 turns a Lua number
+-- argument into text with snprintf("%.17g"), which for a 16-digit time costs several times
+-- what the command then does with it (callgrind: an eighth of the server's instructions
+-- per request). %d prints every whole number below 2^53 exactly.
 local MARK, MARK2 = '~', '~~'
 
 -- The marks of a path's set say that a release must look at what is left there: the set
@@ -115,10 +104,11 @@ local MARK, MARK2 = '~', '~~'
 -- the set was marked (2 or more), even for a release applied twice.
 --
 -- A rate key (a window) is never marked: its releases always look (settle), one read while
--- nothing but leases is above its window entries. Under concurrency its set nearly always
--- holds another request in flight, so marking it cost each admission two members and each
--- release the marks written again; what the look costs instead is one read when the key
--- is alone (the PEXPIRE to its window follows either way).
+-- nothing but leases is above its window entries, unless the call then admits on that key
+-- (see unsettled). Under concurrency its set nearly always holds another request in
+-- flight, so marking it cost each admission two members and each release the marks written
+-- again; what the look costs instead is one read when the key is alone (the PEXPIRE to its
+-- window follows either way).
 --
 -- settle: how long a path's set lives once a release changed it, from its latest member: a
 -- request in flight (its admission set the expiry it needs), a pending delayed release
@@ -156,28 +146,7 @@ local function settle(key, window_ms, t)
       ttl = floor(left / 1000)
     end
   end
-  call('PEXPIRE', key, int(ttl + 1))
-end
-
--- A wildcard limit's totals set, once a delayed release took a lease out of it: it lives
--- as long as its latest member and not longer (the latest lease's end is the highest
--- score, the latest window's end minus the lowest), so a matured delayed release leaves it
--- behind no longer than its delay, not 1.125 x max_hold after the last admission.
-local function settle_totals(totals, t)
-  local last = call('ZRANGE', totals, '-1', '-1', 'WITHSCORES')
-  if not last[2] then
-    return -- emptied: gone
-  end
-  local ends = tonumber(last[2])
-  local first = tonumber(call('ZRANGE', totals, '0', '0', 'WITHSCORES')[2])
-  if -first > ends then
-    ends = -first
-  end
-  if ends <= t then
-    call('DEL', totals) -- nothing of it is live: readers would skip it all
-  else
-    call('PEXPIRE', totals, int(floor((ends - t) / 1000) + 1))
-  end
+  call('PEXPIRE', key, format('%d', ttl + 1))
 end
 
 -- An adaptive hash idle this long (ms) goes: its path starts over from 'initial'.
@@ -194,22 +163,22 @@ local function clock()
   return now
 end
 
-local claims = {}
-
--- Add to a window field; one that is not a number (tampered with, or another version's)
--- is set anew rather than failing the whole call.
-local function add(hash, field, command, amount)
-  local result = redis.pcall(command, hash, field, amount)
-  if type(result) == 'table' and result.err then
-    call('HSET', hash, field, amount)
-  end
-end
+local claims -- made by the first claim: most calls have none
 
 -- One released request's sample on an adaptive path: into the window, or, when the
 -- window is due and unclaimed, claimed for the releasing process to compute.
 local function sample(hash, key, latency, faulty, claim, extra)
+  -- Add to a window field; one that is not a number (tampered with, or another version's)
+  -- is set anew rather than failing the whole call. (Made here, by the rare call that
+  -- samples, not by every call.)
+  local function add(field, command, amount)
+    local result = redis.pcall(command, hash, field, amount)
+    if type(result) == 'table' and result.err then
+      call('HSET', hash, field, amount)
+    end
+  end
   local t = clock()
-  local inflight = call('ZCOUNT', key, int(t + 1), BELOW) + extra -- itself included
+  local inflight = call('ZCOUNT', key, format('%d', t + 1), BELOW) + extra -- itself included
   local now_s = t / 1000000
   local f = call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
   local due = tonumber(f[1])
@@ -218,20 +187,21 @@ local function sample(hash, key, latency, faulty, claim, extra)
     call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
       'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
     call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
+    claims = claims or {}
     claims[#claims + 1] = {hash, claim, latency, inflight, faulty, t,
       w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
     return
   end
-  add(hash, 'n', 'HINCRBY', 1)
+  add('n', 'HINCRBY', 1)
   if faulty == 1 then
-    add(hash, 'drops', 'HINCRBY', 1)
+    add('drops', 'HINCRBY', 1)
   else
     local seconds = latency / 1000000
     local cap = tonumber(f[6])
     if cap and cap > 0 and seconds > cap then
       seconds = cap
     end
-    add(hash, 'sum', 'HINCRBYFLOAT', seconds)
+    add('sum', 'HINCRBYFLOAT', seconds)
   end
   if inflight > (tonumber(f[4]) or 0) then
     call('HSET', hash, 'peak', inflight)
@@ -241,32 +211,27 @@ local function sample(hash, key, latency, faulty, claim, extra)
   end
 end
 
--- A claimed window's next state, from the process that claimed it: applied only if the
--- claim is still its own; what was sampled since the claim is added to the new window.
-local function write_state(hash, spec)
-  local claim, due, limit, n, sum, drops, peak, cap, state =
-    match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
-  local f = call('HMGET', hash, 'claim', 'n', 'sum', 'drops', 'n0', 'sum0', 'drops0', 'cpeak')
-  if f[1] ~= claim then
-    return
-  end
-  peak = tonumber(peak)
-  local cpeak = tonumber(f[8]) or 0
-  if cpeak > peak then
-    peak = cpeak
-  end
-  call('HSET', hash, 's', state, 'due', due, 'limit', limit,
-    'n', tonumber(n) + (tonumber(f[2]) or 0) - (tonumber(f[5]) or 0),
-    'sum', tonumber(sum) + (tonumber(f[3]) or 0) - (tonumber(f[6]) or 0),
-    'drops', tonumber(drops) + (tonumber(f[4]) or 0) - (tonumber(f[7]) or 0),
-    'peak', peak, 'cap', cap)
-  call('HDEL', hash, 'claim', 'until', 'n0', 'sum0', 'drops0', 'cpeak')
-  call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
-end
+-- Rate keys a plain release changed, whose settle waits for the admission that follows in
+-- this call: key -> window in ms, and the keys in order. A key the admission takes a slot
+-- on is never settled: the admission's own expiry covers whatever is left on it (its
+-- window entries, a pending delayed release or tombstone whose expiry is already set,
+-- ended leases), so the look would only be overwritten; under gunicorn a process's
+-- releases ride along with its next admission on the same route, so that is the common
+-- case. Any other key is settled before the answer (a refusal, a peek, releases alone).
+local unsettled, unsettled_keys
 
--- The answer, with the claims made (if any).
+-- The answer, with the claims made (if any), once the settles still waiting are done.
 local function answer(result)
-  if #claims == 0 then
+  if unsettled then
+    for i = 1, #unsettled_keys do
+      local key = unsettled_keys[i]
+      local window_ms = unsettled[key]
+      if window_ms then
+        settle(key, window_ms, clock())
+      end
+    end
+  end
+  if not claims then
     return result
   end
   local wrapped = {2, result}
@@ -282,11 +247,32 @@ local k = 1
 for r = 2, releases + 1 do
   local spec = ARGV[r]
   if byte(spec, 1) == 61 then -- '=': a claimed adaptive state
-    write_state(KEYS[k], spec)
+    -- A claimed window's next state, from the process that claimed it: applied only if
+    -- the claim is still its own; what was sampled since the claim is added to the new
+    -- window.
+    local hash = KEYS[k]
     k = k + 1
+    local claim, due, limit, n, sum, drops, peak, cap, state =
+      match(spec, '^=(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+    local f = call('HMGET', hash, 'claim', 'n', 'sum', 'drops', 'n0', 'sum0', 'drops0', 'cpeak')
+    if f[1] == claim then
+      peak = tonumber(peak)
+      local cpeak = tonumber(f[8]) or 0
+      if cpeak > peak then
+        peak = cpeak
+      end
+      call('HSET', hash, 's', state, 'due', due, 'limit', limit,
+        'n', tonumber(n) + (tonumber(f[2]) or 0) - (tonumber(f[5]) or 0),
+        'sum', tonumber(sum) + (tonumber(f[3]) or 0) - (tonumber(f[6]) or 0),
+        'drops', tonumber(drops) + (tonumber(f[4]) or 0) - (tonumber(f[7]) or 0),
+        'peak', peak, 'cap', cap)
+      call('HDEL', hash, 'claim', 'until', 'n0', 'sum0', 'drops0', 'cpeak')
+      call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
+    end
   else
   local lease, delay, codes = match(spec, '^(%S+) (%d+)(.*)$')
-  delay = tonumber(delay)
+  -- A plain release's delay is '0', which one comparison of interned strings tells.
+  delay = delay == '0' and 0 or tonumber(delay)
   local first = KEYS[k]
   local tombstone = 0
   if byte(lease, 1) == 33 then
@@ -307,8 +293,9 @@ for r = 2, releases + 1 do
     skip = not score or tonumber(score) >= BAND
   end
   for word in gmatch(codes, '%S+') do
-    -- A plain code is a number; only an adaptive slot's has more to it.
-    local code = tonumber(word)
+    -- A plain code is a number (a concurrency slot's is '0'); only an adaptive slot's has
+    -- more to it.
+    local code = word == '0' and 0 or tonumber(word)
     local adaptive, latency, faulty
     if not code then
       code, adaptive, latency, faulty = match(word, '^(%d+)(:)(%d*):?(%d*)$')
@@ -330,14 +317,16 @@ for r = 2, releases + 1 do
       k = k + 1
     end
     if not skip then
-    local path = tracked and path_of(key) -- only a totals set names it
+    -- The concrete path of a path's sorted set "<prefix>:{<project>}:z:<path>" (no path
+    -- segment holds a '}'): only a totals set names it.
+    local path = tracked and sub(key, find(key, '}:z:', 1, true) + 4)
     if code % 2 == 1 then
       call('ZREM', key, lease .. ':w')
       if tracked then
         -- The key's window now ends with the newest entry left (the lowest score), if any.
         local newest = call('ZRANGE', key, '0', '0', 'WITHSCORES')
         if newest[2] and tonumber(newest[2]) < 0 then
-          call('ZADD', totals, int(tonumber(newest[2]) - window_ms * 1000), path)
+          call('ZADD', totals, format('%d', tonumber(newest[2]) - window_ms * 1000), path)
         else
           call('ZREM', totals, path)
         end
@@ -353,20 +342,37 @@ for r = 2, releases + 1 do
         end
         -- Matured delays and ended leases go first, so a busy key holds only the
         -- delayed releases still pending.
-        local matures = int(t + delay)
-        call('ZREMRANGEBYSCORE', key, '(0', int(t))
+        local matures = format('%d', t + delay)
+        call('ZREMRANGEBYSCORE', key, '(0', format('%d', t))
         call('ZADD', key, matures, lease .. ':d')
         if tracked then
           -- From the totals set to the delayed set, which lives as long as its latest
           -- member: once it matured, nothing of it is left.
           local member = lease .. '|' .. path
           call('ZREM', totals, member)
-          settle_totals(totals, t)
-          call('ZREMRANGEBYSCORE', delayed, '-inf', int(t))
+          -- The totals set, once a delayed release took a lease out of it: it lives as long
+          -- as its latest member and not longer (the latest lease's end is the highest
+          -- score, the latest window's end minus the lowest), so a matured delayed release
+          -- leaves it behind no longer than its delay, not 1.125 x max_hold after the last
+          -- admission.
+          local last = call('ZRANGE', totals, '-1', '-1', 'WITHSCORES')
+          if last[2] then -- else emptied: gone
+            local ends = tonumber(last[2])
+            local lowest = tonumber(call('ZRANGE', totals, '0', '0', 'WITHSCORES')[2])
+            if -lowest > ends then
+              ends = -lowest
+            end
+            if ends <= t then
+              call('DEL', totals) -- nothing of it is live: readers would skip it all
+            else
+              call('PEXPIRE', totals, format('%d', floor((ends - t) / 1000) + 1))
+            end
+          end
+          call('ZREMRANGEBYSCORE', delayed, '-inf', format('%d', t))
           call('ZADD', delayed, matures, member)
           local life_ms = floor(delay / 1000) + 1
           if call('PTTL', delayed) < life_ms then
-            call('PEXPIRE', delayed, int(life_ms))
+            call('PEXPIRE', delayed, format('%d', life_ms))
           end
         end
         -- The key lives as long as its latest member and not longer: when this was its last
@@ -386,7 +392,16 @@ for r = 2, releases + 1 do
       -- flight on it, it lives only as long as what is left needs. A rate key always looks
       -- (it is never marked). Unmarked, a key without a window has nothing else live: an
       -- emptied key is gone already.
-      if window_ms > 0 or taken == 3 then
+      if window_ms > 0 then
+        -- Settled before the answer, unless the admission takes a slot here (unsettled).
+        if not unsettled then
+          unsettled, unsettled_keys = {}, {}
+        end
+        if not unsettled[key] then
+          unsettled_keys[#unsettled_keys + 1] = key
+        end
+        unsettled[key] = window_ms
+      elseif taken == 3 then
         settle(key, window_ms, clock())
       elseif taken == 2 then
         -- Applied before (a release sent again): nothing changed but the marks it took.
@@ -399,11 +414,11 @@ for r = 2, releases + 1 do
     -- In the route's first set, where the admission's first write finds it, for as long
     -- as its lease would live; ended ones go first. Marked: releases keep the set for it.
     local t = clock()
-    call('ZREMRANGEBYSCORE', first, ABOVE, int(BAND + t))
-    call('ZADD', first, int(BAND + t + tombstone), lease, BAND_S, MARK, BAND_S, MARK2)
+    call('ZREMRANGEBYSCORE', first, ABOVE, format('%d', BAND + t))
+    call('ZADD', first, format('%d', BAND + t + tombstone), lease, BAND_S, MARK, BAND_S, MARK2)
     local life_ms = floor(tombstone / 1000) + 1
     if call('PTTL', first) < life_ms then
-      call('PEXPIRE', first, int(life_ms))
+      call('PEXPIRE', first, format('%d', life_ms))
     end
   end
   end
@@ -419,24 +434,27 @@ local t = clock()
 local lease = ARGV[a]
 local hold = tonumber(ARGV[a + 1])
 local hold_ms = floor(hold / 1000) + 1
--- The scores and bounds every slot uses, as text once (see int).
-local now_s = int(t)
+-- The scores and bounds every slot uses, as text once (see format above).
+local now_s = format('%d', t)
 local after = '(' .. now_s -- a lease scored after now is live (scores are whole us)
 local slots = #ARGV - a - 1
-local prune = prune_due(lease)
+-- Ended members of a totals set are dropped on one admission in 16 (the lease id's last
+-- hex digit is '0') rather than on each: readers skip them anyway, and what accumulates
+-- between two prunes is what 16 admissions leave.
+local prune = byte(lease, -1) == 48
 
-local quotas = {}
-local windows = {}
-local busy = {}
-local over = {}
-local full = {}
-local at = {}
+-- Per slot, four entries in one table made at its size for three slots: where its keys
+-- start, its quota, its window and what it holds (a table per field, grown entry by
+-- entry, cost more than the commands it fed). Slots over their limit (shadow mode) are
+-- rare: their tables are made only then.
+local seen = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+local over, full
 local kk = k
 for i = 1, slots do
   local spec = ARGV[a + 1 + i]
   local concurrency = tonumber(spec)
   local quota, window, enforce = 0, 0, '1'
-  at[i] = kk
+  local at = kk
   if concurrency then
     kk = kk + 3 -- an enforced concurrency slot without a rate: its limit alone
   else
@@ -452,15 +470,14 @@ for i = 1, slots do
     quota = tonumber(quota)
     window = tonumber(window)
   end
-  quotas[i], windows[i] = quota, window
-  local key = KEYS[at[i]]
+  local key = KEYS[at]
   local held
   local entries = 0
   if quota > 0 then
     -- Window entries score MINUS when they were taken: live while newer than now - window,
     -- that is below window - now. Slid-out entries and ended leases are dropped on one
     -- admission in 16 (as the totals sets' ended members): the counts skip them anyway.
-    local slid = int(window - t)
+    local slid = format('%d', window - t)
     if prune then
       call('ZREMRANGEBYSCORE', key, slid, now_s)
     end
@@ -471,7 +488,8 @@ for i = 1, slots do
     -- them, and the key's expiry ends them all once it is idle.
     held = call('ZCOUNT', key, after, BELOW)
   end
-  busy[i] = held
+  local s = 4 * i
+  seen[s - 3], seen[s - 2], seen[s - 1], seen[s] = at, quota, window, held
   if concurrency >= 0 and held >= concurrency then
     if enforce == '1' then
       -- The soonest delayed release tells when a slot frees for sure; a running request
@@ -483,14 +501,16 @@ for i = 1, slots do
       end
       return answer({0, i - 1, 1, retry, concurrency})
     end
+    over = over or {}
     over[i] = true
   end
   if quota > 0 and entries >= quota then
     if enforce == '1' then
-      local oldest = call('ZREVRANGEBYSCORE', key, '(' .. int(window - t), '-inf', 'WITHSCORES',
-        'LIMIT', '0', '1')
+      local oldest = call('ZREVRANGEBYSCORE', key, '(' .. format('%d', window - t), '-inf',
+        'WITHSCORES', 'LIMIT', '0', '1')
       return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
     end
+    over, full = over or {}, full or {}
     over[i] = true
     full[i] = true
   end
@@ -501,42 +521,37 @@ if lease == '' then
   return answer(1)
 end
 
-local shadowed = {}
-local unrecorded = {}
-local ends, since, hold_s = int(t + hold), '-' .. now_s, int(hold_ms)
+local ends, since, hold_s = format('%d', t + hold), '-' .. now_s, format('%d', hold_ms)
 for i = 1, slots do
-  local key = KEYS[at[i]]
-  local totals = KEYS[at[i] + 1]
+  local s = 4 * i
+  local at, quota, window, held = seen[s - 3], seen[s - 2], seen[s - 1], seen[s]
+  local key = KEYS[at]
+  local totals = KEYS[at + 1]
   local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
-  local quota, window = quotas[i], windows[i]
   local ttl = hold_ms
   if prune and tracked then
     call('ZREMRANGEBYSCORE', totals, since, now_s)
   end
   -- A shadow slot over its concurrency still counts in its window; a full window is not
   -- extended (enforce mode would not have admitted).
-  local windowed = quota > 0 and not full[i]
+  local windowed = quota > 0 and not (full and full[i])
   local there -- the first slot's add found something there already
-  if quota == 0 then
-    -- A concurrency slot: its lease alone (no table to build and unpack).
+  -- The lease alone, or with its window entry: no table to build and unpack.
+  if not windowed then
     if i > 1 then
       call('ZADD', key, ends, lease)
     else
       there = call('ZADD', key, 'NX', ends, lease) == 0
     end
   else
-    local members = {ends, lease}
-    if windowed then
-      members[3], members[4] = since, lease .. ':w'
-      local window_ms = floor(window / 1000) + 1
-      if window_ms > ttl then
-        ttl = window_ms
-      end
+    local window_ms = floor(window / 1000) + 1
+    if window_ms > ttl then
+      ttl = window_ms
     end
     if i > 1 then
-      call('ZADD', key, unpack(members))
+      call('ZADD', key, ends, lease, since, lease .. ':w')
     else
-      there = call('ZADD', key, 'NX', unpack(members)) < #members / 2
+      there = call('ZADD', key, 'NX', ends, lease, since, lease .. ':w') < 2
     end
   end
   if there then
@@ -552,9 +567,9 @@ for i = 1, slots do
     end
   end
   if tracked then
-    local path = path_of(key)
+    local path = sub(key, find(key, '}:z:', 1, true) + 4) -- as in a release
     if windowed then
-      call('ZADD', totals, ends, lease .. '|' .. path, int(-t - window), path)
+      call('ZADD', totals, ends, lease .. '|' .. path, format('%d', -t - window), path)
     else
       call('ZADD', totals, ends, lease .. '|' .. path)
     end
@@ -562,8 +577,11 @@ for i = 1, slots do
   -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
   -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
   -- window, another host's longer max_hold).
-  local ttl_s = ttl == hold_ms and hold_s or int(ttl)
-  if busy[i] == 0 then
+  local ttl_s = ttl == hold_ms and hold_s or format('%d', ttl)
+  if unsettled then
+    unsettled[key] = nil -- this expiry covers what a release's settle would have looked at
+  end
+  if held == 0 then
     call('PEXPIRE', key, ttl_s)
   else
     call('PEXPIRE', key, ttl_s, 'GT')
@@ -572,16 +590,19 @@ for i = 1, slots do
   -- further than needed, so most admissions find it long enough and only read it (a first
   -- admission finds none: -1).
   if tracked and call('PTTL', totals) < ttl then
-    call('PEXPIRE', totals, int(ttl + floor(ttl / 8)))
+    call('PEXPIRE', totals, format('%d', ttl + floor(ttl / 8)))
   end
+end
+if not over then
+  return answer(1)
+end
+local shadowed, unrecorded = {}, {}
+for i = 1, slots do
   if over[i] then
     shadowed[#shadowed + 1] = i - 1
   end
-  if full[i] then
+  if full and full[i] then
     unrecorded[#unrecorded + 1] = i - 1
   end
-end
-if #shadowed == 0 and #unrecorded == 0 then
-  return answer(1)
 end
 return answer({1, shadowed, unrecorded})
