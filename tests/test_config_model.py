@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
+import pickle
+import subprocess
+import sys
 from typing import get_args, get_type_hints
 
 import pytest
@@ -125,3 +129,35 @@ def test_the_checker_holds_no_second_copy_of_a_default() -> None:
         and node.args[1].value is not None
     ]
     assert second_copies == []
+
+
+_UNPICKLE_AND_LOOK_UP = """
+import pickle, sys
+from gatekeeper_wsgi.config import build_config
+limit = pickle.loads(sys.stdin.buffer.read())
+fresh = build_config(eval(sys.argv[1])).limits["shop/orders"]
+print({fresh: "found"}.get(limit, "missing"), {limit: "found"}.get(fresh, "missing"))
+"""
+
+
+def test_a_limit_hashes_as_its_fields_wherever_it_is_unpickled() -> None:
+    """A limit keeps its hash once made (a route's limits are hashed on every Redis
+    admission), and a limit unpickled in a process whose string hashes differ hashes
+    there as an equal limit built there does: the kept hash does not travel."""
+    settings = {
+        "project": "shop",
+        "limits": {"shop/orders": {"concurrency": 3, "rate": "5/minute", "delay": 2.5}},
+    }
+    limit = build_config(settings).limits["shop/orders"]
+    assert hash(limit) == hash(limit) == hash(build_config(settings).limits["shop/orders"])
+    assert dataclasses.replace(limit, concurrency=4) != limit
+    payload = pickle.dumps(limit)
+    for seed in ("1", "2"):
+        looked_up = subprocess.run(
+            [sys.executable, "-c", _UNPICKLE_AND_LOOK_UP, repr(settings)],
+            input=payload,
+            capture_output=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        assert looked_up.stdout.split() == [b"found", b"found"]
