@@ -38,7 +38,7 @@ from gatekeeper_wsgi.errors import (
 from gatekeeper_wsgi.fileformats import read_file
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.limitindex import counts
-from gatekeeper_wsgi.monitor import Monitor, Stats
+from gatekeeper_wsgi.monitor import RING_MASK, Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
 from gatekeeper_wsgi.values import RateInfo, Slot
@@ -457,8 +457,12 @@ class GateKeeper:
                 raise
         if queueing:
             monitor.decision(started, resolved, perf(), True, self._take_wait())
-        else:
+        elif monitor.observed:
             monitor.decision(started, resolved, perf(), True)
+        else:
+            # Monitor.decision of a plain admission, without its frame (see Monitor.recent).
+            monitor.recent.append((started, resolved, perf(), 0.0, True))
+            monitor.admitted += 1
         admission = Admission()
         admission._keeper = self
         admission._held = [grant]
@@ -786,7 +790,13 @@ class GateKeeper:
         elapsed = time.perf_counter() - started
         if delay > 0:
             self.monitor.stages["delay_place"].record(elapsed)
-        (self._error_stage if faulty else self._response_stage).record(elapsed)
+        # Stage.record, without its frame: one on every release.
+        stage = self._error_stage if faulty else self._response_stage
+        count = stage.count
+        stage.ring[count & RING_MASK] = elapsed
+        stage.count = count + 1
+        if stage.observer is not None:
+            stage.observer(elapsed)
 
     # --- observation ----------------------------------------------------------------------
 

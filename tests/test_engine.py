@@ -1140,6 +1140,26 @@ def test_stats_count_what_happened(make: Make) -> None:
     assert decide["p99_us"] <= decide["max_us"]
 
 
+def test_decision_timings_count_all_and_keep_the_latest(make: Make) -> None:
+    """Every decision is counted, an observer sees each one, and the timings are those of
+    the most recent decisions only: a long run keeps a bounded number of samples."""
+    gk = make({"shop": {"concurrency": 10}})
+    seen: list[float] = []
+    for n in range(1500):
+        if n == 1000:
+            gk.monitor.observe("request", seen.append)
+        gk.admit("shop", "crm", "a").release(200)
+    stages = gk.stats()["stages"]
+    assert stages["request"]["count"] == stages["decide"]["count"] == 1500
+    assert len(seen) == 500
+    assert all(seconds >= 0 for seconds in seen)
+    assert len(gk.monitor.recent) == 1024
+    gk.monitor.observe("request", None)
+    gk.admit("shop", "crm", "a").release(200)
+    assert len(seen) == 500
+    assert gk.stats()["stages"]["request"]["count"] == 1501
+
+
 def test_delay_stages_are_timed(make_clocked: Make, clock: FakeClock) -> None:
     """Placing and processing delayed decreases shows up in the stage timings."""
     gk = make_clocked({"shop": {"concurrency": 1, "delay": 1.0}})
