@@ -38,7 +38,7 @@ from gatekeeper_wsgi.errors import (
 from gatekeeper_wsgi.fileformats import read_file
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.limitindex import counts
-from gatekeeper_wsgi.monitor import RING_MASK, Monitor, Stats
+from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
 from gatekeeper_wsgi.values import RateInfo, Slot
@@ -790,13 +790,7 @@ class GateKeeper:
         elapsed = time.perf_counter() - started
         if delay > 0:
             self.monitor.stages["delay_place"].record(elapsed)
-        # Stage.record, without its frame: one on every release.
-        stage = self._error_stage if faulty else self._response_stage
-        count = stage.count
-        stage.ring[count & RING_MASK] = elapsed
-        stage.count = count + 1
-        if stage.observer is not None:
-            stage.observer(elapsed)
+        (self._error_stage if faulty else self._response_stage).record(elapsed)
 
     # --- observation ----------------------------------------------------------------------
 
