@@ -29,8 +29,8 @@
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
 -- A limit without a wildcard has one concrete path, its own: its sorted set already holds
--- all it would, so it has neither (the client passes that set again in their place,
--- and the script skips the totals writes where the two are the same key).
+-- all it would, so it has neither (the client passes that set alone, and its codes and
+-- specs tell the script so).
 --
 -- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
 -- limit ('limit', which admissions enforce), its controller's state as the client wrote it
@@ -45,8 +45,9 @@
 --
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
---            owns in KEYS order: window in ms * 2, + 1 when its window entry is given back
---            (a limit that counts only some statuses, and this response's was not one);
+--            owns in KEYS order: window in ms * 4, + 2 for a wildcard limit's slot (it
+--            has three keys), + 1 when its window entry is given back (a limit that
+--            counts only some statuses, and this response's was not one);
 --            an adaptive slot's code is "<code>:" or, with the request's sample,
 --            "<code>:<latency in us>:<faulty 1/0>";
 --            "?<lease> ..." is a release sent again (it may have been applied already);
@@ -59,12 +60,14 @@
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
---   (0: none)> <rate window in us> <enforce (1/0)>", or for an enforced concurrency slot
---   without a rate its concurrency alone (one tonumber, no pattern to match)
+--   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>",
+--   or for an enforced concurrency slot without a rate its concurrency alone (one
+--   tonumber, no pattern to match), as -2 - concurrency for a wildcard limit's slot
 -- (Specs in words keep the command short: the client packs each argument anew.)
--- KEYS: the keys of the releases in order, then those of the admission: three per slot, its
--- path's sorted set, its limit's totals set and delayed set (the sorted set again for a
--- limit without a wildcard), and an adaptive slot's hash fourth.
+-- KEYS: the keys of the releases in order, then those of the admission: per slot its
+-- path's sorted set, then a wildcard limit's totals set and delayed set, then an adaptive
+-- slot's hash. (A limit without a wildcard used to send its set three times: each KEYS
+-- entry costs the script an interned string and a table slot, ~900 instructions.)
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
@@ -298,8 +301,8 @@ for r = 2, releases + 1 do
     skip = not score or tonumber(score) >= BAND
   end
   for word in gmatch(codes, '%S+') do
-    -- A plain code is a number (a concurrency slot's is '0'); only an adaptive slot's has
-    -- more to it.
+    -- A plain code is a number (a concurrency slot's is '0', or '2' with a wildcard); only
+    -- an adaptive slot's has more to it.
     local code = word == '0' and 0 or tonumber(word)
     local adaptive, latency, faulty
     if not code then
@@ -307,11 +310,15 @@ for r = 2, releases + 1 do
       code = code + 0
     end
     local key = KEYS[k]
-    local totals = KEYS[k + 1]
-    local delayed = KEYS[k + 2]
-    local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
-    local window_ms = (code - code % 2) / 2
-    k = k + 3
+    local totals, delayed
+    local tracked = code % 4 >= 2 -- a wildcard limit's slot: it has a totals set
+    if tracked then
+      totals, delayed = KEYS[k + 1], KEYS[k + 2]
+      k = k + 3
+    else
+      k = k + 1
+    end
+    local window_ms = (code - code % 4) / 4
     local hash
     if adaptive then
       if latency ~= '' then
@@ -458,23 +465,34 @@ local kk = k
 for i = 1, slots do
   local spec = ARGV[a + 1 + i]
   local concurrency = tonumber(spec)
-  local quota, window, enforce = 0, 0, '1'
-  local at = kk
+  local quota, window, enforce = 0, 0, true
+  local at, width = kk, 1
   if concurrency then
-    kk = kk + 3 -- an enforced concurrency slot without a rate: its limit alone
+    -- An enforced concurrency slot without a rate: its limit alone, or -2 - its limit
+    -- for a wildcard limit's slot (three keys).
+    if concurrency < 0 then
+      concurrency = -2 - concurrency
+      width = 3
+    end
   else
-    concurrency, quota, window, enforce = match(spec, '^(%S+) (%d+) (%d+) (%d)$')
+    local flags
+    concurrency, quota, window, flags = match(spec, '^(%S+) (%d+) (%d+) (%d)$')
+    flags = flags + 0
+    enforce = flags % 2 == 1
+    if flags >= 2 then
+      width = 3
+    end
     if byte(concurrency, 1) == 97 then
       -- 'a<initial>': adaptive; the limit in force is the one its hash holds
-      concurrency = tonumber(call('HGET', KEYS[kk + 3], 'limit')) or tonumber(sub(concurrency, 2))
-      kk = kk + 4
+      concurrency = tonumber(call('HGET', KEYS[kk + width], 'limit')) or tonumber(sub(concurrency, 2))
+      width = width + 1
     else
       concurrency = concurrency + 0
-      kk = kk + 3
     end
     quota = quota + 0
     window = window + 0
   end
+  kk = kk + width
   local key = KEYS[at]
   local held
   local entries = 0
@@ -494,9 +512,10 @@ for i = 1, slots do
     held = call('ZCOUNT', key, after, BELOW)
   end
   local s = 4 * i
-  seen[s - 3], seen[s - 2], seen[s - 1], seen[s] = at, quota, window, held
+  -- A wildcard limit's slot (it has a totals set) keeps its keys' place negated.
+  seen[s - 3], seen[s - 2], seen[s - 1], seen[s] = width > 2 and -at or at, quota, window, held
   if concurrency >= 0 and held >= concurrency then
-    if enforce == '1' then
+    if enforce then
       -- The soonest delayed release tells when a slot frees for sure; a running request
       -- may finish any moment.
       local retry = 0
@@ -510,7 +529,7 @@ for i = 1, slots do
     over[i] = true
   end
   if quota > 0 and entries >= quota then
-    if enforce == '1' then
+    if enforce then
       local oldest = call('ZREVRANGEBYSCORE', key, '(' .. format('%d', window - t), '-inf',
         'WITHSCORES', 'LIMIT', '0', '1')
       return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
@@ -530,9 +549,12 @@ local ends, since, hold_s = format('%d', t + hold), '-' .. now_s, format('%d', h
 for i = 1, slots do
   local s = 4 * i
   local at, quota, window, held = seen[s - 3], seen[s - 2], seen[s - 1], seen[s]
+  local tracked = at < 0 -- a wildcard limit's slot: it has a totals set
+  if tracked then
+    at = -at
+  end
   local key = KEYS[at]
-  local totals = KEYS[at + 1]
-  local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
+  local totals = tracked and KEYS[at + 1]
   local ttl = hold_ms
   if prune and tracked then
     call('ZREMRANGEBYSCORE', totals, since, now_s)
