@@ -1092,16 +1092,31 @@ class RedisBackend(Backend):
         """The EVALSHA command of :meth:`_run`, packed."""
         keys = 0
         parts = [b"", self._evalsha_head, b""]
+        riding: list[_Release] = []
         for release in releases:
-            parts += release.input.key_bulks
-            keys += len(release.input.keys)
+            if release.input is input:
+                # A release of the admission's own route (a process's release riding along
+                # with its next request): sent last, marked '+', and with no keys of its
+                # own, as gate.lua reads the admission's for it.
+                riding.append(release)
+            else:
+                parts += release.input.key_bulks
+                keys += len(release.input.keys)
         if input is not None:
             parts += input.key_bulks
             keys += len(input.keys)
         parts.append(_bulk(b"%d" % len(releases)))
         if releases:
             now = time.monotonic()
-            parts += [_bulk(release.spec(now).encode()) for release in releases]
+            if riding:
+                parts += [
+                    _bulk(release.spec(now).encode())
+                    for release in releases
+                    if release.input is not input
+                ]
+                parts += [_bulk(b"+" + release.spec(now).encode()) for release in riding]
+            else:
+                parts += [_bulk(release.spec(now).encode()) for release in releases]
         if input is not None:
             parts += (_bulk(lease.encode()), self._hold_bulk, *input.specs)
         parts[2] = _bulk(b"%d" % keys)

@@ -54,6 +54,9 @@
 --            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
 --            answer never came (freed now, and never taken if it runs later: a tombstone
 --            in the route's first set);
+--            "+<spec>" (before any of those marks) is a release of the admission's own
+--            route: it has no keys of its own and reads the admission's (it comes after
+--            every release that has);
 --            "=<claim> <due> <limit> <n> <sum> <drops> <peak> <cap> <state>" writes a claimed
 --            adaptive state (one key: the hash)
 -- then, when an admission follows:
@@ -190,9 +193,21 @@ for r = 2, releases + 1 do
   local lease, delay, codes = match(spec, '^(%S+) (%d+)(.*)$')
   -- A plain release's delay is '0', which one comparison of interned strings tells.
   delay = delay == '0' and 0 or delay + 0
+  local mark = byte(lease, 1)
+  local own_keys = k -- where this release's keys start
+  if mark == 43 then
+    -- '+<lease>': a release of the very route the admission of this call is for (under
+    -- gunicorn, a process's release riding along with its next request): it sends no keys
+    -- of its own and reads the admission's, which follow those of every other release (the
+    -- client puts these releases last; releases of other leases commute).
+    lease = sub(lease, 2)
+    mark = byte(lease, 1)
+  else
+    own_keys = nil
+  end
   local first = KEYS[k]
   local tombstone = 0
-  if byte(lease, 1) == 33 then
+  if mark == 33 then
     -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It is
     -- freed now like any release; it may also not have run yet (queued in a frozen Redis
     -- behind this release): its tombstone, below, makes it take nothing if it runs later.
@@ -201,7 +216,7 @@ for r = 2, releases + 1 do
     delay = 0
   end
   local skip = false
-  if byte(lease, 1) == 63 then
+  if mark == 63 then
     -- '?<lease>': sent again because the sender's call with it was still out. That call
     -- mostly ran first; one look at the route's first set tells (an applied release took
     -- the lease out of every set, in one go).
@@ -406,6 +421,9 @@ for r = 2, releases + 1 do
     if call('PTTL', first) < life_ms then
       call('PEXPIRE', first, format('%d', life_ms))
     end
+  end
+  if own_keys then
+    k = own_keys -- the admission's keys: read again by the admission and later releases
   end
   end
 end
