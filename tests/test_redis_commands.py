@@ -7,6 +7,7 @@ counted by INFO commandstats, scripts' own included."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -218,5 +219,42 @@ def test_a_release_sent_again_costs_one_look(own_redis: ControlledRedis) -> None
         totals = gk.totals()
         assert totals is not None
         assert all(totals[path].inflight == 0 for path in THREE_LEVELS)
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize(
+    "form", ["plain", "sent again", "sent again, applied", "give-back", "delayed"]
+)
+def test_a_release_riding_along_an_admission_of_its_route_frees_its_slots(
+    own_redis: ControlledRedis, form: str
+) -> None:
+    """A release of the route an admission is for, carried by that admission's call (it
+    sends no keys of its own: gate.lua reads the admission's), in each form: its slots are
+    freed on every level (a delayed release holds them until it matures), the new request
+    holds its own, and the totals count what the limits count."""
+    gk = keeper(own_redis.url, THREE_LEVELS)
+    try:
+        backend = redis_backend(gk)
+        (release,) = plain_releases(gk.admit("shop", "orders", "c"))
+        one = gk.inflight()
+        if form == "sent again":
+            release = release._replace(again=True)
+        elif form == "sent again, applied":
+            backend._send([release])
+            release = release._replace(again=True)
+        elif form == "give-back":
+            release = release._replace(tombstone=backend._hold_us)
+        elif form == "delayed":
+            release = release._replace(delay=60.0, placed=time.monotonic())
+        answer, _ = backend._run([release], release.input, "next-lease")
+        assert answer == 1
+        held = 2 if form == "delayed" else 1
+        assert gk.inflight() == {path: count * held for path, count in one.items()}
+        totals = gk.totals()
+        assert totals is not None
+        assert all(totals[path].inflight == held for path in THREE_LEVELS)
+        backend._send([release._replace(lease="next-lease", again=False, tombstone=0, delay=0.0)])
+        assert gk.inflight() == ({} if held == 1 else one)
     finally:
         gk.close()

@@ -125,6 +125,58 @@ def test_a_matured_delayed_release_on_a_busy_key_leaves_nothing(prefixed: str) -
         gk.close()
 
 
+@pytest.mark.parametrize(
+    ("limits", "path"),
+    [
+        ({"shop/work": {"concurrency": 5, "delay": 60}}, "shop/work"),
+        ({"shop/work/*": {"concurrency": 5, "rate": "100/second", "delay": 60}}, "shop/work/c"),
+    ],
+    ids=["concurrency", "rate"],
+)
+def test_a_delayed_release_riding_along_an_admission_on_its_key_lives_by_its_delay(
+    prefixed: str, limits: dict[str, Any], path: str
+) -> None:
+    """A faulty request's delayed release (60 s) carried by the next admission on its key,
+    in one script call: once that next request ends well, the key lives by the pending
+    delay (60 s), not max_hold (300 s), and the delay still holds its slot."""
+    gk = keeper(prefixed, limits)
+    try:
+        backend = redis_backend(gk)
+        first = gk.admit("shop", "work", "c")
+        (release,) = plain_releases(first)
+        delayed = release._replace(delay=60.0, placed=time.monotonic())
+        (limit,) = gk.config.limits.values()
+        route = [Slot(path, limit, True)]
+        answer, _ = backend._run([delayed], backend._input(route), "next-lease")
+        assert answer == 1
+        assert gk.inflight() == {path: 2}
+        (after,) = (item._replace(lease="next-lease") for item in plain_releases(first))
+        backend._send([after])
+        assert 59_000 < life_left(gk, path) <= 60_001
+        assert gk.inflight() == {path: 1}
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("delayed_first", [True, False], ids=["delayed first", "plain first"])
+def test_a_delayed_and_a_plain_release_of_one_key_in_one_call(
+    prefixed: str, delayed_first: bool
+) -> None:
+    """The last two requests on a key end in one batch, one faulty (60 s delay), one well:
+    in either order the key then lives by the pending delay (60 s), not max_hold (300 s),
+    and the delay holds its slot."""
+    gk = keeper(prefixed, {"shop/work": {"concurrency": 5, "delay": 60}})
+    try:
+        backend = redis_backend(gk)
+        faulty, good = plain_releases(gk.admit("shop", "work", "c"), gk.admit("shop", "work", "c"))
+        faulty = faulty._replace(delay=60.0, placed=time.monotonic())
+        backend._send([faulty, good] if delayed_first else [good, faulty])
+        assert 59_000 < life_left(gk, "shop/work") <= 60_001
+        assert gk.inflight() == {"shop/work": 1}
+    finally:
+        gk.close()
+
+
 def test_a_rate_key_with_a_pending_delay_lives_by_the_longer(prefixed: str) -> None:
     """A rate-limited key whose request ended faulty with a delay longer than its window
     lives by the delay; with a shorter delay, by its window."""

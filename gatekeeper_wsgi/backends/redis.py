@@ -170,17 +170,17 @@ class _Input(NamedTuple):
     """What gate.lua needs about the slots of one route, packed once (redis-py would encode
     every argument anew on every call, which costs more than the round trip)."""
 
-    #: per slot: its path's sorted set, its limit's totals set and delayed set (the sorted
-    #: set again for a limit without a wildcard), and an adaptive slot's hash (see gate.lua)
+    #: per slot: its path's sorted set, then a wildcard limit's totals set and delayed set,
+    #: and an adaptive slot's hash (see gate.lua)
     keys: list[str]
     key_bulks: list[bytes]  #: the same, packed
     spec_words: list[str]  #: every slot's spec (see gate.lua)
     specs: list[bytes]  #: the same, packed
-    #: every key's release code, in words (window in ms * 2)
+    #: every slot's release code, in words (window in ms * 4, + 2 for a wildcard limit)
     codes: str
     #: (slot index, statuses that confirm it) of the rate reservations a release decides
     reserved: list[tuple[int, frozenset[int]]]
-    #: window in ms * 2 per slot, for a release that gives reservations back
+    #: those codes as numbers, for a release that gives reservations back (+ 1)
     code_values: list[int]
     #: indexes of the adaptive slots (a fourth key: their hash)
     adaptive: frozenset[int] = frozenset()
@@ -813,24 +813,30 @@ class RedisBackend(Backend):
             quota = 0 if rate is None else rate.limit
             own = self.key_of(slot.key)
             # A limit without a wildcard has one concrete path: its own set holds all its
-            # totals would (read there by totals()), so the set stands in for them.
+            # totals would (read there by totals()), so it has no totals and delayed sets
+            # and sends its one key (each KEYS entry costs the script a string and a slot).
             if limit.wildcard:
                 keys += (own, self.totals_key(limit.path, slot.key))
                 keys.append(self.delayed_key(limit.path, slot.key))
             else:
-                keys += (own, own, own)
+                keys.append(own)
             if limit.adaptive is not None:
                 adaptive.add(index)
                 concurrency = f"a{limit.adaptive.initial}"
                 keys.append(self.adaptive_key(slot.key))
                 self._adaptive[keys[-1]] = (limit.adaptive, slot.key)
-            if quota or not slot.enforce or limit.adaptive is not None:
-                specs.append(f"{concurrency} {quota} {window_us} {int(slot.enforce)}")
-            else:
+            wildcard = 2 if limit.wildcard else 0
+            if quota or not slot.enforce or limit.adaptive is not None or concurrency == "-1":
+                flags = int(slot.enforce) + wildcard
+                specs.append(f"{concurrency} {quota} {window_us} {flags}")
+            elif wildcard:
                 # An enforced concurrency slot without a rate, the commonest: its limit
-                # alone, which the script reads without matching a pattern.
+                # alone, which the script reads without matching a pattern (negative:
+                # a wildcard limit's, with three keys).
+                specs.append(str(-2 - int(concurrency)))
+            else:
                 specs.append(concurrency)
-            values.append(-(-window_us // 1000) * 2)
+            values.append(-(-window_us // 1000) * 4 + wildcard)
             if limit.count is not None and rate is not None:
                 reserved.append((index, limit.count))
         found = _Input(
@@ -1086,16 +1092,31 @@ class RedisBackend(Backend):
         """The EVALSHA command of :meth:`_run`, packed."""
         keys = 0
         parts = [b"", self._evalsha_head, b""]
+        riding: list[_Release] = []
         for release in releases:
-            parts += release.input.key_bulks
-            keys += len(release.input.keys)
+            if release.input is input:
+                # A release of the admission's own route (a process's release riding along
+                # with its next request): sent last, marked '+', and with no keys of its
+                # own, as gate.lua reads the admission's for it.
+                riding.append(release)
+            else:
+                parts += release.input.key_bulks
+                keys += len(release.input.keys)
         if input is not None:
             parts += input.key_bulks
             keys += len(input.keys)
         parts.append(_bulk(b"%d" % len(releases)))
         if releases:
             now = time.monotonic()
-            parts += [_bulk(release.spec(now).encode()) for release in releases]
+            if riding:
+                parts += [
+                    _bulk(release.spec(now).encode())
+                    for release in releases
+                    if release.input is not input
+                ]
+                parts += [_bulk(b"+" + release.spec(now).encode()) for release in riding]
+            else:
+                parts += [_bulk(release.spec(now).encode()) for release in releases]
         if input is not None:
             parts += (_bulk(lease.encode()), self._hold_bulk, *input.specs)
         parts[2] = _bulk(b"%d" % keys)

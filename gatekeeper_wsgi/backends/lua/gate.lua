@@ -29,8 +29,8 @@
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
 -- A limit without a wildcard has one concrete path, its own: its sorted set already holds
--- all it would, so it has neither (the client passes that set again in their place,
--- and the script skips the totals writes where the two are the same key).
+-- all it would, so it has neither (the client passes that set alone, and its codes and
+-- specs tell the script so).
 --
 -- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
 -- limit ('limit', which admissions enforce), its controller's state as the client wrote it
@@ -45,26 +45,32 @@
 --
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
---            owns in KEYS order: window in ms * 2, + 1 when its window entry is given back
---            (a limit that counts only some statuses, and this response's was not one);
+--            owns in KEYS order: window in ms * 4, + 2 for a wildcard limit's slot (it
+--            has three keys), + 1 when its window entry is given back (a limit that
+--            counts only some statuses, and this response's was not one);
 --            an adaptive slot's code is "<code>:" or, with the request's sample,
 --            "<code>:<latency in us>:<faulty 1/0>";
 --            "?<lease> ..." is a release sent again (it may have been applied already);
 --            "!<lease> <tombstone life in us> <code> ..." gives back an admission whose
 --            answer never came (freed now, and never taken if it runs later: a tombstone
 --            in the route's first set);
+--            "+<spec>" (before any of those marks) is a release of the admission's own
+--            route: it has no keys of its own and reads the admission's (it comes after
+--            every release that has);
 --            "=<claim> <due> <limit> <n> <sum> <drops> <peak> <cap> <state>" writes a claimed
 --            adaptive state (one key: the hash)
 -- then, when an admission follows:
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
---   (0: none)> <rate window in us> <enforce (1/0)>", or for an enforced concurrency slot
---   without a rate its concurrency alone (one tonumber, no pattern to match)
+--   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>",
+--   or for an enforced concurrency slot without a rate its concurrency alone (one
+--   tonumber, no pattern to match), as -2 - concurrency for a wildcard limit's slot
 -- (Specs in words keep the command short: the client packs each argument anew.)
--- KEYS: the keys of the releases in order, then those of the admission: three per slot, its
--- path's sorted set, its limit's totals set and delayed set (the sorted set again for a
--- limit without a wildcard), and an adaptive slot's hash fourth.
+-- KEYS: the keys of the releases in order, then those of the admission: per slot its
+-- path's sorted set, then a wildcard limit's totals set and delayed set, then an adaptive
+-- slot's hash. (A limit without a wildcard used to send its set three times: each KEYS
+-- entry costs the script an interned string and a table slot, ~900 instructions.)
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
@@ -80,10 +86,19 @@
 local call, KEYS, ARGV, tonumber = redis.call, KEYS, ARGV, tonumber
 local byte, sub, find, match, gmatch = string.byte, string.sub, string.find, string.match, string.gmatch
 local format, floor = string.format, math.floor
+-- A text known to hold a number (ARGV the client wrote, TIME, a pattern's %d+) is read by
+-- arithmetic, `text + 0`, not tonumber: tonumber converts it twice (lua_isnumber, then
+-- lua_tonumber, each a strtod) behind a C call; the coercion converts once, in the VM
+-- (callgrind: 5 300 instructions less per request of 3 levels + 1 rate). tonumber stays
+-- where a text may not be a number.
 
--- Every function below is a closure made anew on each call (a script's body runs per call),
--- at about 1 300 instructions each with its upvalues: the size of a command. So the tiny
--- ones and those of rare paths used once are written out where they are used instead.
+-- A function a script defines is a closure made anew on each call (a script's body runs per
+-- call), at about 1 300 instructions with its upvalues: the size of a command. So the call
+-- makes none unless a rare path needs one: what is used in several places is written out
+-- at each (reading TIME), or done once at the end of the call (settling keys), and the
+-- adaptive sample's function is made by the first release that samples. (callgrind: the
+-- four closures made per call before, settle, clock, sample and answer, cost 10 200
+-- instructions of a request's 248 300 inside EVALSHA.)
 
 -- The band above every time: tombstones and marks score in it, counts read below it.
 local BAND = 4503599627370496 -- 2^52
@@ -114,135 +129,40 @@ local MARK, MARK2 = '~', '~~'
 -- request in flight (its admission set the expiry it needs), a pending delayed release
 -- (until it matures), its window, or its latest tombstone, and not longer; while anything is
 -- live a key without a window stays marked, so the next release looks again.
-local function settle(key, window_ms, t)
-  local top = call('ZRANGE', key, '-1', '-1', 'WITHSCORES')
-  if not top[2] then
-    return -- emptied: gone
-  end
-  local tomb = 0
-  if tonumber(top[2]) >= BAND then -- a tombstone or a mark: the latest below the band
-    tomb = tonumber(top[2]) - BAND - t
-    top = call('ZRANGE', key, BELOW, '-inf', 'BYSCORE', 'REV', 'LIMIT', '0', '1', 'WITHSCORES')
-  end
-  local left = -1
-  if top[2] then
-    left = tonumber(top[2]) - t
-    if left > 0 and sub(top[1], -2) ~= ':d' then
-      if window_ms == 0 then
-        call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
-      end
-      return
-    end
-  end
-  if tomb > left then
-    left = tomb
-  end
-  local ttl = window_ms
-  if left > 0 then
-    if window_ms == 0 then
-      call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
-    end
-    if left / 1000 > ttl then
-      ttl = floor(left / 1000)
-    end
-  end
-  call('PEXPIRE', key, format('%d', ttl + 1))
-end
+-- (Written out at the end of the call, the one place that settles: see unsettled.)
 
 -- An adaptive hash idle this long (ms) goes: its path starts over from 'initial'.
 local ADAPTIVE_LIFE_S = '3600000'
 -- A claim not written back within this long (s; its process died) may be claimed again.
 local CLAIM_LIFE = 1
 
+-- Redis time in us, read (TIME) by the first part of the call that needs it: each reads it
+-- with the same three lines where it needs it (a function would be a closure per call).
 local now
-local function clock()
-  if not now then
-    local time = call('TIME')
-    now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-  end
-  return now
-end
 
 local claims -- made by the first claim: most calls have none
 
 -- One released request's sample on an adaptive path: into the window, or, when the
--- window is due and unclaimed, claimed for the releasing process to compute.
-local function sample(hash, key, latency, faulty, claim, extra)
-  -- Add to a window field; one that is not a number (tampered with, or another version's)
-  -- is set anew rather than failing the whole call. (Made here, by the rare call that
-  -- samples, not by every call.)
-  local function add(field, command, amount)
-    local result = redis.pcall(command, hash, field, amount)
-    if type(result) == 'table' and result.err then
-      call('HSET', hash, field, amount)
-    end
-  end
-  local t = clock()
-  local inflight = call('ZCOUNT', key, format('%d', t + 1), BELOW) + extra -- itself included
-  local now_s = t / 1000000
-  local f = call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
-  local due = tonumber(f[1])
-  if (not due or now_s >= due) and (not f[2] or (tonumber(f[3]) or 0) < now_s) then
-    local w = call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
-    call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
-      'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
-    call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
-    claims = claims or {}
-    claims[#claims + 1] = {hash, claim, latency, inflight, faulty, t,
-      w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
-    return
-  end
-  add('n', 'HINCRBY', 1)
-  if faulty == 1 then
-    add('drops', 'HINCRBY', 1)
-  else
-    local seconds = latency / 1000000
-    local cap = tonumber(f[6])
-    if cap and cap > 0 and seconds > cap then
-      seconds = cap
-    end
-    add('sum', 'HINCRBYFLOAT', seconds)
-  end
-  if inflight > (tonumber(f[4]) or 0) then
-    call('HSET', hash, 'peak', inflight)
-  end
-  if f[2] and inflight > (tonumber(f[5]) or 0) then
-    call('HSET', hash, 'cpeak', inflight)
-  end
-end
+-- window is due and unclaimed, claimed for the releasing process to compute. Made by the
+-- first release that samples (below), not by every call.
+local sample
 
--- Rate keys a plain release changed, whose settle waits for the admission that follows in
--- this call: key -> window in ms, and the keys in order. A key the admission takes a slot
--- on is never settled: the admission's own expiry covers whatever is left on it (its
--- window entries, a pending delayed release or tombstone whose expiry is already set,
--- ended leases), so the look would only be overwritten; under gunicorn a process's
--- releases ride along with its next admission on the same route, so that is the common
--- case. Any other key is settled before the answer (a refusal, a peek, releases alone).
+-- Keys a release changed, whose settle waits for the end of the call: key -> window in ms,
+-- and the keys in order. The settle looks at what is left once the whole call ran, so one
+-- look serves every release of the call on that key, and no function is made per call.
+-- A rate key whose plain release left it (a clearable entry: its window in ms) is not
+-- settled at all when the admission that follows takes a slot on it: the admission's own
+-- expiry covers whatever is left there (its window entries, a pending delayed release or
+-- tombstone whose expiry is already set, ended leases), so the look would only be
+-- overwritten; under gunicorn a process's releases ride along with its next admission on
+-- the same route, so that is the common case. Any other key a release changed (a delayed
+-- release's, a marked key's: -1 - its window in ms) is settled whatever the admission
+-- does: its marks must be put back while anything is left live, and a pending delay may
+-- outlive the admission's lease.
 local unsettled, unsettled_keys
 
--- The answer, with the claims made (if any), once the settles still waiting are done.
-local function answer(result)
-  if unsettled then
-    for i = 1, #unsettled_keys do
-      local key = unsettled_keys[i]
-      local window_ms = unsettled[key]
-      if window_ms then
-        settle(key, window_ms, clock())
-      end
-    end
-  end
-  if not claims then
-    return result
-  end
-  local wrapped = {2, result}
-  for i = 1, #claims do
-    wrapped[#wrapped + 1] = claims[i]
-  end
-  return wrapped
-end
-
 -- --- releases (idempotent: a release applied twice, or after its lease ended, does nothing)
-local releases = tonumber(ARGV[1])
+local releases = ARGV[1] + 0
 local k = 1
 for r = 2, releases + 1 do
   local spec = ARGV[r]
@@ -272,10 +192,22 @@ for r = 2, releases + 1 do
   else
   local lease, delay, codes = match(spec, '^(%S+) (%d+)(.*)$')
   -- A plain release's delay is '0', which one comparison of interned strings tells.
-  delay = delay == '0' and 0 or tonumber(delay)
+  delay = delay == '0' and 0 or delay + 0
+  local mark = byte(lease, 1)
+  local own_keys = k -- where this release's keys start
+  if mark == 43 then
+    -- '+<lease>': a release of the very route the admission of this call is for (under
+    -- gunicorn, a process's release riding along with its next request): it sends no keys
+    -- of its own and reads the admission's, which follow those of every other release (the
+    -- client puts these releases last; releases of other leases commute).
+    lease = sub(lease, 2)
+    mark = byte(lease, 1)
+  else
+    own_keys = nil
+  end
   local first = KEYS[k]
   local tombstone = 0
-  if byte(lease, 1) == 33 then
+  if mark == 33 then
     -- '!<lease> <life in us>': a give-back of an admission whose answer never came. It is
     -- freed now like any release; it may also not have run yet (queued in a frozen Redis
     -- behind this release): its tombstone, below, makes it take nothing if it runs later.
@@ -284,7 +216,7 @@ for r = 2, releases + 1 do
     delay = 0
   end
   local skip = false
-  if byte(lease, 1) == 63 then
+  if mark == 63 then
     -- '?<lease>': sent again because the sender's call with it was still out. That call
     -- mostly ran first; one look at the route's first set tells (an applied release took
     -- the lease out of every set, in one go).
@@ -293,26 +225,77 @@ for r = 2, releases + 1 do
     skip = not score or tonumber(score) >= BAND
   end
   for word in gmatch(codes, '%S+') do
-    -- A plain code is a number (a concurrency slot's is '0'); only an adaptive slot's has
-    -- more to it.
+    -- A plain code is a number (a concurrency slot's is '0', or '2' with a wildcard); only
+    -- an adaptive slot's has more to it.
     local code = word == '0' and 0 or tonumber(word)
     local adaptive, latency, faulty
     if not code then
       code, adaptive, latency, faulty = match(word, '^(%d+)(:)(%d*):?(%d*)$')
-      code = tonumber(code)
+      code = code + 0
     end
     local key = KEYS[k]
-    local totals = KEYS[k + 1]
-    local delayed = KEYS[k + 2]
-    local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
-    local window_ms = (code - code % 2) / 2
-    k = k + 3
+    local totals, delayed
+    local tracked = code % 4 >= 2 -- a wildcard limit's slot: it has a totals set
+    if tracked then
+      totals, delayed = KEYS[k + 1], KEYS[k + 2]
+      k = k + 3
+    else
+      k = k + 1
+    end
+    local window_ms = (code - code % 4) / 4
     local hash
     if adaptive then
       if latency ~= '' then
         hash = KEYS[k]
         latency = tonumber(latency)
         faulty = tonumber(faulty)
+        sample = sample or function(hash, key, latency, faulty, claim, extra)
+          -- Add to a window field; one that is not a number (tampered with, or another
+          -- version's) is set anew rather than failing the whole call.
+          local function add(field, command, amount)
+            local result = redis.pcall(command, hash, field, amount)
+            if type(result) == 'table' and result.err then
+              call('HSET', hash, field, amount)
+            end
+          end
+          if not now then
+            local time = call('TIME')
+            now = time[1] * 1000000 + time[2]
+          end
+          local t = now
+          -- itself included
+          local inflight = call('ZCOUNT', key, format('%d', t + 1), BELOW) + extra
+          local now_s = t / 1000000
+          local f = call('HMGET', hash, 'due', 'claim', 'until', 'peak', 'cpeak', 'cap')
+          local due = tonumber(f[1])
+          if (not due or now_s >= due) and (not f[2] or (tonumber(f[3]) or 0) < now_s) then
+            local w = call('HMGET', hash, 's', 'n', 'sum', 'drops', 'peak')
+            call('HSET', hash, 'claim', claim, 'until', now_s + CLAIM_LIFE,
+              'n0', w[2] or 0, 'sum0', w[3] or 0, 'drops0', w[4] or 0, 'cpeak', 0)
+            call('PEXPIRE', hash, ADAPTIVE_LIFE_S)
+            claims = claims or {}
+            claims[#claims + 1] = {hash, claim, latency, inflight, faulty, t,
+              w[1] or '', w[2] or '0', w[3] or '0', w[4] or '0', w[5] or '0'}
+            return
+          end
+          add('n', 'HINCRBY', 1)
+          if faulty == 1 then
+            add('drops', 'HINCRBY', 1)
+          else
+            local seconds = latency / 1000000
+            local cap = tonumber(f[6])
+            if cap and cap > 0 and seconds > cap then
+              seconds = cap
+            end
+            add('sum', 'HINCRBYFLOAT', seconds)
+          end
+          if inflight > (tonumber(f[4]) or 0) then
+            call('HSET', hash, 'peak', inflight)
+          end
+          if f[2] and inflight > (tonumber(f[5]) or 0) then
+            call('HSET', hash, 'cpeak', inflight)
+          end
+        end
       end
       k = k + 1
     end
@@ -336,7 +319,11 @@ for r = 2, releases + 1 do
       -- Taken out first: its answer says whether the lease is still held (a release
       -- applied twice, or after max_hold, does nothing).
       if call('ZREM', key, lease) == 1 then
-        local t = clock()
+        if not now then
+          local time = call('TIME')
+          now = time[1] * 1000000 + time[2]
+        end
+        local t = now
         if hash then
           sample(hash, key, latency, faulty, lease, 1) -- itself, just taken out, included
         end
@@ -376,8 +363,14 @@ for r = 2, releases + 1 do
           end
         end
         -- The key lives as long as its latest member and not longer: when this was its last
-        -- lease, it vanishes as the delay matures, not max_hold later.
-        settle(key, window_ms, t)
+        -- lease, it vanishes as the delay matures, not max_hold later (settled at the end).
+        if not unsettled then
+          unsettled, unsettled_keys = {}, {}
+        end
+        if not unsettled[key] then
+          unsettled_keys[#unsettled_keys + 1] = key
+        end
+        unsettled[key] = -1 - window_ms
       end
     else
       local taken = call('ZREM', key, lease, MARK, MARK2)
@@ -392,17 +385,21 @@ for r = 2, releases + 1 do
       -- flight on it, it lives only as long as what is left needs. A rate key always looks
       -- (it is never marked). Unmarked, a key without a window has nothing else live: an
       -- emptied key is gone already.
-      if window_ms > 0 then
-        -- Settled before the answer, unless the admission takes a slot here (unsettled).
+      if window_ms > 0 or taken == 3 then
+        -- Settled at the end of the call; a rate key not even then if the admission takes
+        -- a slot on it (see unsettled).
         if not unsettled then
           unsettled, unsettled_keys = {}, {}
         end
-        if not unsettled[key] then
+        local entry = unsettled[key]
+        if not entry then
           unsettled_keys[#unsettled_keys + 1] = key
         end
-        unsettled[key] = window_ms
-      elseif taken == 3 then
-        settle(key, window_ms, clock())
+        if window_ms == 0 then
+          unsettled[key] = -1
+        elseif not entry then
+          unsettled[key] = window_ms
+        end
       elseif taken == 2 then
         -- Applied before (a release sent again): nothing changed but the marks it took.
         call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
@@ -413,7 +410,11 @@ for r = 2, releases + 1 do
   if tombstone > 0 then
     -- In the route's first set, where the admission's first write finds it, for as long
     -- as its lease would live; ended ones go first. Marked: releases keep the set for it.
-    local t = clock()
+    if not now then
+      local time = call('TIME')
+      now = time[1] * 1000000 + time[2]
+    end
+    local t = now
     call('ZREMRANGEBYSCORE', first, ABOVE, format('%d', BAND + t))
     call('ZADD', first, format('%d', BAND + t + tombstone), lease, BAND_S, MARK, BAND_S, MARK2)
     local life_ms = floor(tombstone / 1000) + 1
@@ -421,188 +422,279 @@ for r = 2, releases + 1 do
       call('PEXPIRE', first, format('%d', life_ms))
     end
   end
+  if own_keys then
+    k = own_keys -- the admission's keys: read again by the admission and later releases
+  end
   end
 end
 
+-- --- admission (when one follows), in a block every answer leaves by break: each goes
+-- through the end of the call, where the settles still waiting are done.
+local result = 1
 local a = releases + 2
-if #ARGV < a then
-  return answer(1)
-end
-
--- --- admission
-local t = clock()
-local lease = ARGV[a]
-local hold = tonumber(ARGV[a + 1])
-local hold_ms = floor(hold / 1000) + 1
--- The scores and bounds every slot uses, as text once (see format above).
-local now_s = format('%d', t)
-local after = '(' .. now_s -- a lease scored after now is live (scores are whole us)
-local slots = #ARGV - a - 1
--- Ended members of a totals set are dropped on one admission in 16 (the lease id's last
--- hex digit is '0') rather than on each: readers skip them anyway, and what accumulates
--- between two prunes is what 16 admissions leave.
-local prune = byte(lease, -1) == 48
-
--- Per slot, four entries in one table made at its size for three slots: where its keys
--- start, its quota, its window and what it holds (a table per field, grown entry by
--- entry, cost more than the commands it fed). Slots over their limit (shadow mode) are
--- rare: their tables are made only then.
-local seen = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
-local over, full
-local kk = k
-for i = 1, slots do
-  local spec = ARGV[a + 1 + i]
-  local concurrency = tonumber(spec)
-  local quota, window, enforce = 0, 0, '1'
-  local at = kk
-  if concurrency then
-    kk = kk + 3 -- an enforced concurrency slot without a rate: its limit alone
-  else
-    concurrency, quota, window, enforce = match(spec, '^(%S+) (%d+) (%d+) (%d)$')
-    if byte(concurrency, 1) == 97 then
-      -- 'a<initial>': adaptive; the limit in force is the one its hash holds
-      concurrency = tonumber(call('HGET', KEYS[kk + 3], 'limit')) or tonumber(sub(concurrency, 2))
-      kk = kk + 4
-    else
-      concurrency = tonumber(concurrency)
-      kk = kk + 3
-    end
-    quota = tonumber(quota)
-    window = tonumber(window)
+repeat
+  if #ARGV < a then
+    break
   end
-  local key = KEYS[at]
-  local held
-  local entries = 0
-  if quota > 0 then
-    -- Window entries score MINUS when they were taken: live while newer than now - window,
-    -- that is below window - now. Slid-out entries and ended leases are dropped on one
-    -- admission in 16 (as the totals sets' ended members): the counts skip them anyway.
-    local slid = format('%d', window - t)
-    if prune then
-      call('ZREMRANGEBYSCORE', key, slid, now_s)
-    end
-    held = call('ZCOUNT', key, after, BELOW)
-    entries = call('ZCOUNT', key, '-inf', '(' .. slid)
-  else
-    -- Ended leases are not dropped here (the count skips them); a delayed release drops
-    -- them, and the key's expiry ends them all once it is idle.
-    held = call('ZCOUNT', key, after, BELOW)
+  if not now then
+    local time = call('TIME')
+    now = time[1] * 1000000 + time[2]
   end
-  local s = 4 * i
-  seen[s - 3], seen[s - 2], seen[s - 1], seen[s] = at, quota, window, held
-  if concurrency >= 0 and held >= concurrency then
-    if enforce == '1' then
-      -- The soonest delayed release tells when a slot frees for sure; a running request
-      -- may finish any moment.
-      local retry = 0
-      local soonest = call('ZRANGEBYSCORE', key, after, BELOW, 'WITHSCORES', 'LIMIT', '0', '1')
-      if soonest[1] and sub(soonest[1], -2) == ':d' then
-        retry = tonumber(soonest[2]) - t
+  local t = now
+  local lease = ARGV[a]
+  local hold = ARGV[a + 1] + 0
+  local hold_ms = floor(hold / 1000) + 1
+  -- The scores and bounds every slot uses, as text once (see format above).
+  local now_s = format('%d', t)
+  local after = '(' .. now_s -- a lease scored after now is live (scores are whole us)
+  local slots = #ARGV - a - 1
+  -- Ended members of a totals set are dropped on one admission in 16 (the lease id's last
+  -- hex digit is '0') rather than on each: readers skip them anyway, and what accumulates
+  -- between two prunes is what 16 admissions leave.
+  local prune = byte(lease, -1) == 48
+
+  -- Per slot, four entries in one table made at its size for three slots: where its keys
+  -- start, its quota, its window and what it holds (a table per field, grown entry by
+  -- entry, cost more than the commands it fed). Slots over their limit (shadow mode) are
+  -- rare: their tables are made only then.
+  local seen = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  local over, full
+  local kk = k
+  for i = 1, slots do
+    local spec = ARGV[a + 1 + i]
+    local concurrency = tonumber(spec)
+    local quota, window, enforce = 0, 0, true
+    local at, width = kk, 1
+    if concurrency then
+      -- An enforced concurrency slot without a rate: its limit alone, or -2 - its limit
+      -- for a wildcard limit's slot (three keys).
+      if concurrency < 0 then
+        concurrency = -2 - concurrency
+        width = 3
       end
-      return answer({0, i - 1, 1, retry, concurrency})
-    end
-    over = over or {}
-    over[i] = true
-  end
-  if quota > 0 and entries >= quota then
-    if enforce == '1' then
-      local oldest = call('ZREVRANGEBYSCORE', key, '(' .. format('%d', window - t), '-inf',
-        'WITHSCORES', 'LIMIT', '0', '1')
-      return answer({0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency})
-    end
-    over, full = over or {}, full or {}
-    over[i] = true
-    full[i] = true
-  end
-end
-
-if lease == '' then
-  -- A peek: the answer acquire would give. Nothing added.
-  return answer(1)
-end
-
-local ends, since, hold_s = format('%d', t + hold), '-' .. now_s, format('%d', hold_ms)
-for i = 1, slots do
-  local s = 4 * i
-  local at, quota, window, held = seen[s - 3], seen[s - 2], seen[s - 1], seen[s]
-  local key = KEYS[at]
-  local totals = KEYS[at + 1]
-  local tracked = totals ~= key -- a wildcard limit's slot: it has a totals set
-  local ttl = hold_ms
-  if prune and tracked then
-    call('ZREMRANGEBYSCORE', totals, since, now_s)
-  end
-  -- A shadow slot over its concurrency still counts in its window; a full window is not
-  -- extended (enforce mode would not have admitted).
-  local windowed = quota > 0 and not (full and full[i])
-  local there -- the first slot's add found something there already
-  -- The lease alone, or with its window entry: no table to build and unpack.
-  if not windowed then
-    if i > 1 then
-      call('ZADD', key, ends, lease)
     else
-      there = call('ZADD', key, 'NX', ends, lease) == 0
+      local flags
+      concurrency, quota, window, flags = match(spec, '^(%S+) (%d+) (%d+) (%d)$')
+      flags = flags + 0
+      enforce = flags % 2 == 1
+      if flags >= 2 then
+        width = 3
+      end
+      if byte(concurrency, 1) == 97 then
+        -- 'a<initial>': adaptive; the limit in force is the one its hash holds
+        concurrency = tonumber(call('HGET', KEYS[kk + width], 'limit'))
+          or tonumber(sub(concurrency, 2))
+        width = width + 1
+      else
+        concurrency = concurrency + 0
+      end
+      quota = quota + 0
+      window = window + 0
     end
-  else
-    local window_ms = floor(window / 1000) + 1
-    if window_ms > ttl then
-      ttl = window_ms
-    end
-    if i > 1 then
-      call('ZADD', key, ends, lease, since, lease .. ':w')
+    kk = kk + width
+    local key = KEYS[at]
+    local held
+    local entries = 0
+    if quota > 0 then
+      -- Window entries score MINUS when they were taken: live while newer than now - window,
+      -- that is below window - now. Slid-out entries and ended leases are dropped on one
+      -- admission in 16 (as the totals sets' ended members): the counts skip them anyway.
+      local slid = format('%d', window - t)
+      if prune then
+        call('ZREMRANGEBYSCORE', key, slid, now_s)
+      end
+      held = call('ZCOUNT', key, after, BELOW)
+      entries = call('ZCOUNT', key, '-inf', '(' .. slid)
     else
-      there = call('ZADD', key, 'NX', ends, lease, since, lease .. ':w') < 2
+      -- Ended leases are not dropped here (the count skips them); a delayed release drops
+      -- them, and the key's expiry ends them all once it is idle.
+      held = call('ZCOUNT', key, after, BELOW)
+    end
+    local s = 4 * i
+    -- A wildcard limit's slot (it has a totals set) keeps its keys' place negated.
+    seen[s - 3], seen[s - 2], seen[s - 1], seen[s] = width > 2 and -at or at, quota, window, held
+    if concurrency >= 0 and held >= concurrency then
+      if enforce then
+        -- The soonest delayed release tells when a slot frees for sure; a running request
+        -- may finish any moment.
+        local retry = 0
+        local soonest = call('ZRANGEBYSCORE', key, after, BELOW, 'WITHSCORES', 'LIMIT', '0', '1')
+        if soonest[1] and sub(soonest[1], -2) == ':d' then
+          retry = tonumber(soonest[2]) - t
+        end
+        result = {0, i - 1, 1, retry, concurrency}
+        break
+      end
+      over = over or {}
+      over[i] = true
+    end
+    if quota > 0 and entries >= quota then
+      if enforce then
+        local oldest = call('ZREVRANGEBYSCORE', key, '(' .. format('%d', window - t), '-inf',
+          'WITHSCORES', 'LIMIT', '0', '1')
+        result = {0, i - 1, 2, window - tonumber(oldest[2]) - t, concurrency}
+        break
+      end
+      over, full = over or {}, full or {}
+      over[i] = true
+      full[i] = true
     end
   end
-  if there then
-    -- Something was there already: the marks, this admission's own first try (sent
-    -- again after a connection broke), or its give-back's tombstone, which ran first
-    -- (queued in a frozen Redis): then it takes nothing, and nobody waits for its answer.
-    local score = call('ZSCORE', key, lease)
-    if score and tonumber(score) > BAND then
+
+  if result ~= 1 or lease == '' then
+    break -- refused, or a peek (the answer acquire would give; nothing added)
+  end
+
+  local ends, since, hold_s = format('%d', t + hold), '-' .. now_s, format('%d', hold_ms)
+  for i = 1, slots do
+    local s = 4 * i
+    local at, quota, window, held = seen[s - 3], seen[s - 2], seen[s - 1], seen[s]
+    local tracked = at < 0 -- a wildcard limit's slot: it has a totals set
+    if tracked then
+      at = -at
+    end
+    local key = KEYS[at]
+    local totals = tracked and KEYS[at + 1]
+    local ttl = hold_ms
+    if prune and tracked then
+      call('ZREMRANGEBYSCORE', totals, since, now_s)
+    end
+    -- A shadow slot over its concurrency still counts in its window; a full window is not
+    -- extended (enforce mode would not have admitted).
+    local windowed = quota > 0 and not (full and full[i])
+    local there -- the first slot's add found something there already
+    -- The lease alone, or with its window entry: no table to build and unpack.
+    if not windowed then
+      if i > 1 then
+        call('ZADD', key, ends, lease)
+      else
+        there = call('ZADD', key, 'NX', ends, lease) == 0
+      end
+    else
+      local window_ms = floor(window / 1000) + 1
+      if window_ms > ttl then
+        ttl = window_ms
+      end
+      if i > 1 then
+        call('ZADD', key, ends, lease, since, lease .. ':w')
+      else
+        there = call('ZADD', key, 'NX', ends, lease, since, lease .. ':w') < 2
+      end
+    end
+    if there then
+      -- Something was there already: the marks, this admission's own first try (sent
+      -- again after a connection broke), or its give-back's tombstone, which ran first
+      -- (queued in a frozen Redis): then it takes nothing, and nobody waits for its answer.
+      local score = call('ZSCORE', key, lease)
+      if score and tonumber(score) > BAND then
+        if windowed then
+          call('ZREM', key, lease .. ':w')
+        end
+        result = {0, 0, 1, 0, 0}
+        break
+      end
+    end
+    if tracked then
+      local path = sub(key, find(key, '}:z:', 1, true) + 4) -- as in a release
       if windowed then
-        call('ZREM', key, lease .. ':w')
+        call('ZADD', totals, ends, lease .. '|' .. path, format('%d', -t - window), path)
+      else
+        call('ZADD', totals, ends, lease .. '|' .. path)
       end
-      return answer({0, 0, 1, 0, 0})
     end
-  end
-  if tracked then
-    local path = sub(key, find(key, '}:z:', 1, true) + 4) -- as in a release
-    if windowed then
-      call('ZADD', totals, ends, lease .. '|' .. path, format('%d', -t - window), path)
+    -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
+    -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
+    -- window, another host's longer max_hold).
+    local ttl_s = ttl == hold_ms and hold_s or format('%d', ttl)
+    if unsettled and (unsettled[key] or -1) >= 0 then
+      unsettled[key] = nil -- this expiry covers what a release's settle would have looked at
+    end
+    if held == 0 then
+      call('PEXPIRE', key, ttl_s)
     else
-      call('ZADD', totals, ends, lease .. '|' .. path)
+      call('PEXPIRE', key, ttl_s, 'GT')
+    end
+    -- The totals set must outlive its latest member. Its expiry is pushed an eighth
+    -- further than needed, so most admissions find it long enough and only read it (a first
+    -- admission finds none: -1).
+    if tracked and call('PTTL', totals) < ttl then
+      call('PEXPIRE', totals, format('%d', ttl + floor(ttl / 8)))
     end
   end
-  -- A key with nothing in flight may be new (no expiry yet) or hold only ended entries:
-  -- set its expiry. Otherwise never shorten a longer one (a delayed release, a long
-  -- window, another host's longer max_hold).
-  local ttl_s = ttl == hold_ms and hold_s or format('%d', ttl)
-  if unsettled then
-    unsettled[key] = nil -- this expiry covers what a release's settle would have looked at
+  if result ~= 1 or not over then
+    break
   end
-  if held == 0 then
-    call('PEXPIRE', key, ttl_s)
-  else
-    call('PEXPIRE', key, ttl_s, 'GT')
+  local shadowed, unrecorded = {}, {}
+  for i = 1, slots do
+    if over[i] then
+      shadowed[#shadowed + 1] = i - 1
+    end
+    if full and full[i] then
+      unrecorded[#unrecorded + 1] = i - 1
+    end
   end
-  -- The totals set must outlive its latest member. Its expiry is pushed an eighth
-  -- further than needed, so most admissions find it long enough and only read it (a first
-  -- admission finds none: -1).
-  if tracked and call('PTTL', totals) < ttl then
-    call('PEXPIRE', totals, format('%d', ttl + floor(ttl / 8)))
+  result = {1, shadowed, unrecorded}
+until true
+
+-- --- the end of every call: the settles still waiting (see unsettled), then the answer,
+-- with the claims made (if any).
+if unsettled then
+  if not now then
+    local time = call('TIME')
+    now = time[1] * 1000000 + time[2]
+  end
+  local t = now
+  for i = 1, #unsettled_keys do
+    local key = unsettled_keys[i]
+    local window_ms = unsettled[key]
+    if window_ms then
+      if window_ms < 0 then
+        window_ms = -1 - window_ms
+      end
+      -- settle (see above): from the latest member below the band, and the latest
+      -- tombstone above it.
+      local top = call('ZRANGE', key, '-1', '-1', 'WITHSCORES')
+      if top[2] then -- else emptied: gone
+        local tomb = 0
+        local score = top[2] + 0
+        if score >= BAND then -- a tombstone or a mark: the latest below the band
+          tomb = score - BAND - t
+          top = call('ZRANGE', key, BELOW, '-inf', 'BYSCORE', 'REV', 'LIMIT', '0', '1',
+            'WITHSCORES')
+        end
+        local left = -1
+        if top[2] then
+          left = top[2] - t
+        end
+        if left > 0 and sub(top[1], -2) ~= ':d' then
+          -- A request in flight: its admission set the expiry it needs.
+          if window_ms == 0 then
+            call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+          end
+        else
+          if tomb > left then
+            left = tomb
+          end
+          local ttl = window_ms
+          if left > 0 then
+            if window_ms == 0 then
+              call('ZADD', key, BAND_S, MARK, BAND_S, MARK2)
+            end
+            if left / 1000 > ttl then
+              ttl = floor(left / 1000)
+            end
+          end
+          call('PEXPIRE', key, format('%d', ttl + 1))
+        end
+      end
+    end
   end
 end
-if not over then
-  return answer(1)
+if not claims then
+  return result
 end
-local shadowed, unrecorded = {}, {}
-for i = 1, slots do
-  if over[i] then
-    shadowed[#shadowed + 1] = i - 1
-  end
-  if full and full[i] then
-    unrecorded[#unrecorded + 1] = i - 1
-  end
+local wrapped = {2, result}
+for i = 1, #claims do
+  wrapped[#wrapped + 1] = claims[i]
 end
-return answer({1, shadowed, unrecorded})
+return wrapped
