@@ -166,7 +166,9 @@ def _run_child(path: Path, warm: int, rate: str, stage: str, kill_at: int) -> in
 #: window has passed at one request a second (60 entries in the window), an entry expired
 #: within the first chunk (warm 61), an expiry that frees the window's first chunk (warm
 #: 65), and a full window (60/minute) whose oldest entry expires, the append then taking a
-#: new chunk (warm 62)
+#: new chunk (warm 62); the plan's own new last chunk never used before (warm 6), off the
+#: free list (warm 69, the first chunk freed at 65), and the expired first chunk freed and
+#: taken back as the last one in the same admission (a 64 s window, warm 69)
 KILLED = [
     pytest.param("admit", 1, "100/minute", id="admit-window-entry"),
     pytest.param("admit", 5, "100/minute", id="admit-new-window-chunk"),
@@ -175,6 +177,9 @@ KILLED = [
     pytest.param("admit", 61, "100/minute", id="admit-expired-entry"),
     pytest.param("admit", 65, "100/minute", id="admit-expired-chunk"),
     pytest.param("admit", 62, "60/minute", id="admit-full-window-expired-entry"),
+    pytest.param("admit", 6, "100/minute", id="admit-new-chunk-bumped"),
+    pytest.param("admit", 69, "100/minute", id="admit-new-chunk-off-the-free-list"),
+    pytest.param("admit", 69, "100/64s", id="admit-first-chunk-freed-and-taken-back"),
 ]
 
 
