@@ -198,9 +198,11 @@ class Plans(Structure):
         self._by_slots: dict[int, Plan] = {}
 
     def close(self) -> None:
-        """Let the views of the map go (the map cannot be closed while they are held)."""
+        """Let the views of the map go, its own and its journal's (the map cannot be
+        closed while they are held)."""
         self._u32.release()
         self._f64.release()
+        self._journal.close()
         self._by_slots = {}
 
     def find(self, slots: Sequence[Slot]) -> Plan | None:
