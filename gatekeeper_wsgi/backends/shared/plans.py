@@ -246,7 +246,7 @@ class Plans(Structure):
     def admit(self, plan: Plan, now: float, pid: int, slot_at: int) -> tuple[int, int] | None:
         """Admit by ``plan`` at ``now`` for process ``pid`` (registered in the process
         slot at ``slot_at``, -1: not yet): (lease, serial), committed; None, with nothing
-        written, when the general path must decide. Under the lock."""
+        changed, when the general path must decide. Under the lock."""
         mm = self._mm
         u32 = self._u32
         if plan.mm is not mm or slot_at < 0 or u32[slot_at >> 2] != pid:
@@ -263,8 +263,27 @@ class Plans(Structure):
         for index, registry in plan.listed:
             if u32[index + _REG] != registry or u32[index + _NEXT] != NIL:
                 return None  # not the newest key of its limit's LRU list: moved there first
+        if free != NIL:
+            if free >= high:
+                return None  # out of range: the general path finds the damage
+            lease = free
+            mark = high
+        elif high < self._capacity:
+            lease = high
+            mark = high + 1
+        else:
+            return None  # every lease held: the general path refuses
+        at = self._leases_off + lease * LEASE_SIZE
+        if u32[(at >> 2) + _SERIAL]:
+            return None  # a free lease in use: damage, which the general path names
+        after = NIL if mark > high else u32[(at >> 2) + _REFS]
+        journal = self._journal
+        # Saved before the windows are looked at, so that each is written as soon as it
+        # is found to have room (nearly always), in one pass; a full one gives the
+        # update up, its saves dropped or what an earlier window took undone.
+        journal.save_first(plan.saving, at, LEASE_SIZE)
         chunk_base = self._chunk_base
-        appends = []
+        written = False
         for node, index, seconds, most in plan.rated:
             length = u32[index + _LEN]
             position = 0
@@ -297,35 +316,16 @@ class Plans(Structure):
                         expired = True
                         start = -1
                     elif length >= most:
+                        self._give_up(written)
                         return None  # still full: the general path refuses
                     else:
                         position = (start + length) % CHUNK_STAMPS
                 elif length >= most:
+                    self._give_up(written)
                     return None  # full: the general path refuses
                 else:
                     position = (first + length) % CHUNK_STAMPS
-            appends.append(
-                (node, index, position, seconds, most, expired, start, length, following)
-            )
-        if free != NIL:
-            if free >= high:
-                return None  # out of range: the general path finds the damage
-            lease = free
-            mark = high
-        elif high < self._capacity:
-            lease = high
-            mark = high + 1
-        else:
-            return None  # every lease held: the general path refuses
-        at = self._leases_off + lease * LEASE_SIZE
-        if u32[(at >> 2) + _SERIAL]:
-            return None  # a free lease in use: damage, which the general path names
-        after = NIL if mark > high else u32[(at >> 2) + _REFS]
-        journal = self._journal
-        journal.save_first(plan.saving, at, LEASE_SIZE)
-        for index in plan.counts:
-            u32[index] += 1
-        for node, index, position, seconds, most, expired, start, length, following in appends:
+            written = True
             if following != NIL:  # the first chunk expired whole: back to the free list
                 self._free_first(index, following)
             if start >= 0:  # entries expired within the first chunk (its head is saved)
@@ -350,11 +350,22 @@ class Plans(Structure):
             idle = (index >> 1) + _IDLE
             if f64[idle] < now + seconds:
                 f64[idle] = now + seconds
+        for index in plan.counts:
+            u32[index] += 1
         serial = serial % 0xFFFFFFFF + 1
         LEASE_COUNTERS.pack_into(mm, H_LIVE, live + 1, after, mark, heap, serial)
         _LEASE_BY_PLAN.pack_into(mm, at, pid, serial, plan.tail)
         journal.commit()
         return lease, serial
+
+    def _give_up(self, written: bool) -> None:
+        """Leave an admission by plan to the general path after its first save: what it
+        wrote is rolled back; if nothing, the saves are only dropped (the commit of an
+        update that changed nothing, cheaper than writing the same bytes back)."""
+        if written:
+            self._journal.rollback()
+        else:
+            self._journal.commit()
 
     def _free_first(self, index: int, following: int) -> None:
         """Put the first window chunk of the node at u32 ``index``, all its entries
