@@ -38,9 +38,8 @@ from gatekeeper_wsgi.errors import BackendError
 HEADER_BLOCK = (MUT_START, MUT_END - MUT_START)
 #: the journal length as a u32 index of the map
 _JLEN = H_JLEN // 4
-#: lease-sized ranges whose entry heads :meth:`Journal.save_first` keeps at most (a
-#: process uses few leases at once: freed leases are taken again first)
-_HEADS_CAP = 4096
+#: the offsets of its spare range whose entries a :class:`Saving` keeps at most
+SPARES_KEPT = 32
 
 
 class Journal:
@@ -51,7 +50,6 @@ class Journal:
         "_base",
         "_borrowed",
         "_cap",
-        "_heads",
         "_jlen",
         "_mm",
         "_name",
@@ -79,8 +77,6 @@ class Journal:
         self._u64 = memoryview(mm).cast("Q")
         #: the u64 index where :meth:`commit` voids the first entry (its offset)
         self._void = self._base >> 3
-        #: offset -> the entry head of a lease-sized range there (:meth:`save_first`)
-        self._heads: dict[int, bytes] = {}
 
     def close(self) -> None:
         """Let the views of the map go (the map cannot be closed while they are held)."""
@@ -140,23 +136,20 @@ class Journal:
         self._u32[_JLEN] = end
         self._jlen = end
 
-    def save_first(self, saving: Saving, at: int, size: int) -> None:
+    def save_first(self, saving: Saving, at: int) -> None:
         """The first save of an update that knows its ranges (:mod:`.plans`): those of
-        ``saving``, and ``size`` bytes at ``at``. As :meth:`save_all`, in one write,
+        ``saving``, and its spare range at ``at``. As :meth:`save_all`, in one write,
         without its per-range bookkeeping."""
         if self._jlen:
-            self.save_all([*saving.ranges, (at, size)])
+            self.save_all([*saving.ranges, (at, saving.spare)])
             return
         mm = self._mm
         # The entries in one C call: the heads are the format's own bytes, the saved
-        # bytes its %s (interleaving them in Python, chain(zip(...)) and a join, cost
-        # three times as much: ~5 600 instructions against ~2 000, cachegrind).
-        head = self._heads.get(at)
-        if head is None:
-            if len(self._heads) >= _HEADS_CAP:
-                self._heads = {}
-            head = self._heads[at] = JENTRY.pack(at, size)
-        entries = saving.entries % (*saving.read(mm), head, mm[at : at + size])
+        # bytes its %s, read by one itemgetter (interleaving them in Python, chain(zip())
+        # and a join, cost three times as much: ~5 600 instructions against ~2 000).
+        found = saving.by_offset.get(at)
+        entries, read = saving.add(at) if found is None else found
+        entries %= read(mm)
         end = len(entries)
         if end > self._cap:
             raise BackendError(f"shared table {self._name!r}: update too large for its journal")
@@ -233,30 +226,36 @@ class Journal:
 
 class Saving:
     """What :meth:`Journal.save_first` saves of an update that knows its ranges ahead
-    (the header's mutable block among them): their entries as a bytes format, one call
-    that reads their bytes, and the journal's bookkeeping of them (never changed: the
-    journal copies it before it records more)."""
+    (the header's mutable block among them) and one more range of ``spare`` bytes known
+    under the lock (a lease): per offset of that one, the entries as a bytes format
+    and one call that reads all their bytes (:meth:`add`); the journal's bookkeeping of
+    the fixed ranges (never changed: the journal copies it before it records more)."""
 
-    __slots__ = ("entries", "ranges", "read", "saved")
+    __slots__ = ("_entries", "_spans", "by_offset", "ranges", "saved", "spare")
 
-    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
+    def __init__(self, ranges: Iterable[tuple[int, int]], spare: int) -> None:
         #: (offset, length) of each range, once each (a range saved twice is undone twice)
         self.ranges = tuple(dict(ranges).items())
-        spans = [slice(offset, offset + length) for offset, length in self.ranges]
-        #: the bytes of the ranges now, in one call (an itemgetter of one item answers the
-        #: item, not a tuple)
-        self.read: Callable[[mmap.mmap], tuple[bytes, ...]]
-        if len(spans) == 1:
-            span = spans[0]
-            self.read = lambda mm: (mm[span],)
-        else:
-            self.read = itemgetter(*spans)
+        self.spare = spare
+        self._spans = [slice(offset, offset + length) for offset, length in self.ranges]
         self.saved = dict(self.ranges)
-        #: the journal entries of the ranges and one more as a bytes format: each head
-        #: as it is (a ``%`` in it doubled), a ``%s`` for its bytes; the last entry's
-        #: head and bytes are two more ``%s``
+        #: the entries of the fixed ranges as a bytes format: each head as it is (a
+        #: ``%`` in it doubled), a ``%s`` for its bytes
         heads = (JENTRY.pack(offset, length) for offset, length in self.ranges)
-        self.entries = b"".join(head.replace(b"%", b"%%") + b"%s" for head in heads) + b"%s%s"
+        self._entries = b"".join(head.replace(b"%", b"%%") + b"%s" for head in heads)
+        #: spare range's offset -> what :meth:`add` made for it
+        self.by_offset: dict[int, tuple[bytes, Callable[[mmap.mmap], tuple[bytes, ...]]]] = {}
+
+    def add(self, offset: int) -> tuple[bytes, Callable[[mmap.mmap], tuple[bytes, ...]]]:
+        """The entries with the spare range at ``offset`` as a bytes format, and the
+        itemgetter of the bytes it formats, kept in :attr:`by_offset` (a few offsets, as
+        freed leases are taken again first; :data:`SPARES_KEPT` at most)."""
+        if len(self.by_offset) >= SPARES_KEPT:
+            self.by_offset = {}
+        head = JENTRY.pack(offset, self.spare).replace(b"%", b"%%")
+        read = itemgetter(*self._spans, slice(offset, offset + self.spare))
+        found = self.by_offset[offset] = (self._entries + head + b"%s", read)
+        return found
 
 
 class Structure:

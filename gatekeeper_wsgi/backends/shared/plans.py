@@ -149,7 +149,9 @@ class Plan:
         self.stamped = tuple(index for index, check in enumerate(checks) if check[4] is not None)
         #: what an admission or release of it saves first: the node heads, the header's
         #: mutable block (and the lease, whichever it is)
-        self.saving = Saving([*((offset, NODE_HEAD) for offset in self.offsets), HEADER_BLOCK])
+        self.saving = Saving(
+            [*((offset, NODE_HEAD) for offset in self.offsets), HEADER_BLOCK], LEASE_SIZE
+        )
         #: the lease's fields after its pid and serial (held: no expiry; the nodes, padded),
         #: packed once: a struct call with ten fields costs three times one with three
         self.tail = LEASE.pack(
@@ -281,7 +283,7 @@ class Plans(Structure):
         # Saved before the windows are looked at, so that each is written as soon as it
         # is found to have room (nearly always), in one pass; a full one gives the
         # update up, its saves dropped or what an earlier window took undone.
-        journal.save_first(plan.saving, at, LEASE_SIZE)
+        journal.save_first(plan.saving, at)
         chunk_base = self._chunk_base
         written = False
         for node, index, seconds, most in plan.rated:
@@ -430,7 +432,7 @@ class Plans(Structure):
         if u32[index + _SERIAL] != serial or u32[index + _PID] != pid:
             return pending  # reclaimed meanwhile (its owner was taken for dead)
         journal = self._journal
-        journal.save_first(plan.saving, at, LEASE_SIZE)
+        journal.save_first(plan.saving, at)
         for count in plan.counts:
             inflight = u32[count]
             if inflight:
