@@ -204,25 +204,30 @@ def test_save_first_undoes_its_ranges_and_its_spare_at_any_offset(
     noise = random.Random(seed)
     base = layout.nodes_off
     saving = Saving([(base + offset, length) for offset, length in fixed], 40)
-    journal = Journal(mm, layout, "test")
-    for turn, spare in enumerate(spares):
-        mm[base : base + 4096] = noise.randbytes(4096)
-        before = mm[base : base + 4096]
-        journal.save_first(saving, base + spare)
-        for offset, length in [*fixed, (spare, 40)]:
-            mm[base + offset : base + offset + length] = noise.randbytes(length)
-        if turn % 3 == 0:
-            journal.commit()
-            assert mm[base : base + 4096] != before
-            continue
-        if turn % 3 == 1:
-            journal.rollback()
-        else:
-            Journal(mm, layout, "test").undo(U32.unpack_from(mm, H_JLEN)[0])
-            journal = Journal(mm, layout, "test")
-        assert mm[base : base + 4096] == before
-        assert U32.unpack_from(mm, H_JLEN)[0] == 0
-    assert len(saving.by_offset) <= SPARES_KEPT
+    journals = [Journal(mm, layout, "test")]
+    try:
+        for turn, spare in enumerate(spares):
+            mm[base : base + 4096] = noise.randbytes(4096)
+            before = mm[base : base + 4096]
+            journals[-1].save_first(saving, base + spare)
+            # What it covers: each offset once (the Saving keeps one length per offset).
+            for offset, length in [*saving.ranges, (base + spare, 40)]:
+                mm[offset : offset + length] = noise.randbytes(length)
+            if turn % 3 == 0:
+                journals[-1].commit()
+                assert mm[base : base + 4096] != before
+                continue
+            if turn % 3 == 1:
+                journals[-1].rollback()
+            else:  # a survivor's undo, with a journal of its own
+                journals.append(Journal(mm, layout, "test"))
+                journals[-1].undo(U32.unpack_from(mm, H_JLEN)[0])
+            assert mm[base : base + 4096] == before
+            assert U32.unpack_from(mm, H_JLEN)[0] == 0
+        assert len(saving.by_offset) <= SPARES_KEPT
+    finally:
+        for journal in journals:
+            journal.close()  # its views of the map, which the fixture closes
 
 
 # --- a remembered node is checked before it is used -----------------------------------------
