@@ -14,6 +14,8 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gatekeeper_wsgi import Admission, GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend, filelock, journal, plans, table, windows
@@ -166,7 +168,9 @@ def _run_child(path: Path, warm: int, rate: str, stage: str, kill_at: int) -> in
 #: window has passed at one request a second (60 entries in the window), an entry expired
 #: within the first chunk (warm 61), an expiry that frees the window's first chunk (warm
 #: 65), and a full window (60/minute) whose oldest entry expires, the append then taking a
-#: new chunk (warm 62)
+#: new chunk (warm 62); the plan's own new last chunk never used before (warm 6), off the
+#: free list (warm 69, the first chunk freed at 65), and the expired first chunk freed and
+#: taken back as the last one in the same admission (a 64 s window, warm 69)
 KILLED = [
     pytest.param("admit", 1, "100/minute", id="admit-window-entry"),
     pytest.param("admit", 5, "100/minute", id="admit-new-window-chunk"),
@@ -175,6 +179,9 @@ KILLED = [
     pytest.param("admit", 61, "100/minute", id="admit-expired-entry"),
     pytest.param("admit", 65, "100/minute", id="admit-expired-chunk"),
     pytest.param("admit", 62, "60/minute", id="admit-full-window-expired-entry"),
+    pytest.param("admit", 6, "100/minute", id="admit-new-chunk-bumped"),
+    pytest.param("admit", 69, "100/minute", id="admit-new-chunk-off-the-free-list"),
+    pytest.param("admit", 69, "100/64s", id="admit-first-chunk-freed-and-taken-back"),
 ]
 
 
@@ -258,5 +265,92 @@ def test_steady_traffic_past_the_first_window_goes_by_plan_and_decides_as_memory
     # Every admission but the first (which made the plan) went by plan, the refusals of a
     # full window with nothing to expire by the general path.
     assert planned[0] == admitted - 1
+    shared.close()
+    memory.close()
+
+
+# --- the plan's own window chunks: any spacing of admissions --------------------------------
+
+#: a rate key whose window of 7 seconds holds up to 15 entries (three chunks at most)
+CHUNKY = {"shop": {"concurrency": 50}, "shop/orders/*": {"concurrency": 50, "rate": "15/7s"}}
+
+
+def _chunks_in_use(backend: SharedBackend) -> tuple[list[int], list[int], int]:
+    """The window chunks of every key's window (each chain followed to its last chunk),
+    those on the free list, and how many were ever used: read under the lock."""
+    with backend._reading as mm:
+        windows_ = backend._windows
+        chained: list[int] = []
+        for node in backend._keys.in_use():
+            view, _ = backend._keys.view(node)
+            if view.length:
+                chunk = view.first
+                chained.append(chunk)
+                while chunk != view.last:
+                    chunk = int.from_bytes(
+                        mm[windows_.chunk_at(chunk) : windows_.chunk_at(chunk) + 4], "little"
+                    )
+                    chained.append(chunk)
+        free, high = windows_.counters()
+        listed: list[int] = []
+        while free != 0xFFFFFFFF and len(listed) <= high:
+            listed.append(free)
+            free = int.from_bytes(
+                mm[windows_.chunk_at(free) : windows_.chunk_at(free) + 4], "little"
+            )
+        return chained, listed, high
+
+
+#: seconds between admissions: mostly near the window's pace (entries expire one by one,
+#: a chunk at a time), sometimes a burst, a pause or a whole window
+GAPS = [0.0] * 3 + [0.3] * 5 + [0.45] * 10 + [0.5] * 10 + [1.0, 7.0]
+#: callers: a steady one, and one whose sparse admissions leave chunks on the free list
+CALLERS = ["crm"] * 5 + ["erp"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(GAPS), st.sampled_from(CALLERS), st.booleans()),
+        min_size=40,
+        max_size=150,
+    )
+)
+def test_planned_windows_decide_as_memory_and_lose_no_chunk(
+    tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[float, str, bool]]
+) -> None:
+    """Admissions by plan at any spacing (entries expiring one by one or a chunk at a
+    time, a chunk taken off the free list or new, whole windows passing) decide as the
+    memory backend does, and every window chunk ever used is in exactly one window or on
+    the free list, never both, never lost (a second, sparse caller's expired windows keep
+    chunks on the free list)."""
+    path = tmp_path_factory.mktemp("chunky") / "t.shm"
+    clock = FakeClock()
+    shared = GateKeeper(settings_for(path, CHUNKY), clock=clock)
+    memory = GateKeeper({"project": "shop", "limits": CHUNKY}, clock=clock)
+    held: list[tuple[Admission, Admission]] = []
+    for gap, caller, hold in steps:
+        clock.advance(gap)
+        verdicts = []
+        for keeper in (shared, memory):
+            try:
+                verdicts.append(keeper.admit("shop", "orders", caller))
+            except Rejected:
+                verdicts.append(None)
+        ours, model = verdicts
+        assert (ours is None) == (model is None)
+        if ours is not None and model is not None:
+            if hold:
+                held.append((ours, model))
+            else:
+                ours.release(200)
+                model.release(200)
+        assert busy(shared) == busy(memory)
+        chained, listed, high = _chunks_in_use(shared.backend)
+        assert sorted(chained + listed) == list(range(high))
+    for ours, model in held:
+        ours.release(200)
+        model.release(200)
+    assert busy(shared) == busy(memory) == {}
     shared.close()
     memory.close()

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import SharedBackend, filelock
-from gatekeeper_wsgi.backends.shared.journal import Journal
+from gatekeeper_wsgi.backends.shared.journal import SPARES_KEPT, Journal, Saving
 from gatekeeper_wsgi.backends.shared.layout import H_JLEN, U32, Layout
 from tests.servers import wait_until
 
@@ -182,6 +182,52 @@ def test_save_all_undoes_exactly_what_it_covered(
             journal.rollback()
         assert mm[base : base + 4096] == before
         assert U32.unpack_from(mm, H_JLEN)[0] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fixed=RANGES,
+    spares=st.lists(st.integers(0, 2000), min_size=1, max_size=3 * SPARES_KEPT),
+    seed=st.integers(),
+)
+def test_save_first_undoes_its_ranges_and_its_spare_at_any_offset(
+    mapped: tuple[mmap.mmap, Layout],
+    fixed: list[tuple[int, int]],
+    spares: list[int],
+    seed: int,
+) -> None:
+    """A first save of fixed ranges and a spare range at a different offset each time
+    (more offsets than a Saving keeps, overlapping the fixed ranges at will), then
+    overwritten, comes back byte for byte on rollback and on a survivor's undo; a
+    committed one stays."""
+    mm, layout = mapped
+    noise = random.Random(seed)
+    base = layout.nodes_off
+    saving = Saving([(base + offset, length) for offset, length in fixed], 40)
+    journals = [Journal(mm, layout, "test")]
+    try:
+        for turn, spare in enumerate(spares):
+            mm[base : base + 4096] = noise.randbytes(4096)
+            before = mm[base : base + 4096]
+            journals[-1].save_first(saving, base + spare)
+            # What it covers: each offset once (the Saving keeps one length per offset).
+            for offset, length in [*saving.ranges, (base + spare, 40)]:
+                mm[offset : offset + length] = noise.randbytes(length)
+            if turn % 3 == 0:
+                journals[-1].commit()
+                assert mm[base : base + 4096] != before
+                continue
+            if turn % 3 == 1:
+                journals[-1].rollback()
+            else:  # a survivor's undo, with a journal of its own
+                journals.append(Journal(mm, layout, "test"))
+                journals[-1].undo(U32.unpack_from(mm, H_JLEN)[0])
+            assert mm[base : base + 4096] == before
+            assert U32.unpack_from(mm, H_JLEN)[0] == 0
+        assert len(saving.by_offset) <= SPARES_KEPT
+    finally:
+        for journal in journals:
+            journal.close()  # its views of the map, which the fixture closes
 
 
 # --- a remembered node is checked before it is used -----------------------------------------

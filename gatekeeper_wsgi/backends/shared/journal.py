@@ -36,16 +36,29 @@ from gatekeeper_wsgi.errors import BackendError
 
 #: (offset, length) of the header's mutable block (its counters), for :meth:`Journal.save_all`
 HEADER_BLOCK = (MUT_START, MUT_END - MUT_START)
-#: what :meth:`Journal.commit` writes: the journal length 0, a void first entry
-_ZERO_U32 = bytes(4)
-_VOID_ENTRY = JENTRY.pack(0, 0)
+#: the journal length as a u32 index of the map
+_JLEN = H_JLEN // 4
+#: the offsets of its spare range whose entries a :class:`Saving` keeps at most
+SPARES_KEPT = 32
 
 
 class Journal:
     """The undo journal of one mapped table (a new one per map: what it saved belongs to
     that map). ``name`` is the table's path, for messages."""
 
-    __slots__ = ("_base", "_borrowed", "_cap", "_jlen", "_mm", "_name", "_saved", "_total", "_void")
+    __slots__ = (
+        "_base",
+        "_borrowed",
+        "_cap",
+        "_jlen",
+        "_mm",
+        "_name",
+        "_saved",
+        "_total",
+        "_u32",
+        "_u64",
+        "_void",
+    )
 
     def __init__(self, mm: mmap.mmap, layout: Layout, name: str) -> None:
         self._mm = mm
@@ -58,8 +71,17 @@ class Journal:
         self._saved: dict[int, int] = {}
         #: whether ``_saved`` is a plan's (:meth:`save_first`), to copy before a change
         self._borrowed = False
-        #: where :meth:`commit` voids the first entry
-        self._void = slice(self._base, self._base + JENTRY_SIZE)
+        #: u32 and u64 views of the map: a field written through one costs about half a
+        #: ``struct`` call or a slice write (:meth:`close` lets them go)
+        self._u32 = memoryview(mm).cast("I")
+        self._u64 = memoryview(mm).cast("Q")
+        #: the u64 index where :meth:`commit` voids the first entry (its offset)
+        self._void = self._base >> 3
+
+    def close(self) -> None:
+        """Let the views of the map go (the map cannot be closed while they are held)."""
+        self._u32.release()
+        self._u64.release()
 
     @property
     def pending(self) -> int:
@@ -84,7 +106,7 @@ class Journal:
         JENTRY.pack_into(mm, at, offset, length)
         mm.move(at + JENTRY_SIZE, offset, length)
         # Only now is the entry part of the journal.
-        U32.pack_into(mm, H_JLEN, end)
+        self._u32[_JLEN] = end
         self._jlen = end
         saved[offset] = length
 
@@ -111,28 +133,30 @@ class Journal:
         at = self._base + start
         mm[at : at + len(entries)] = entries
         # Only now are the entries part of the journal: nothing they cover changed yet.
-        U32.pack_into(mm, H_JLEN, end)
+        self._u32[_JLEN] = end
         self._jlen = end
 
-    def save_first(self, saving: Saving, at: int, size: int) -> None:
+    def save_first(self, saving: Saving, at: int) -> None:
         """The first save of an update that knows its ranges (:mod:`.plans`): those of
-        ``saving``, and ``size`` bytes at ``at``. As :meth:`save_all`, in one write,
+        ``saving``, and its spare range at ``at``. As :meth:`save_all`, in one write,
         without its per-range bookkeeping."""
         if self._jlen:
-            self.save_all([*saving.ranges, (at, size)])
+            self.save_all([*saving.ranges, (at, saving.spare)])
             return
         mm = self._mm
         # The entries in one C call: the heads are the format's own bytes, the saved
-        # bytes its %s (interleaving them in Python, chain(zip(...)) and a join, cost
-        # three times as much: ~5 600 instructions against ~2 000, cachegrind).
-        entries = saving.entries % (*saving.read(mm), JENTRY.pack(at, size), mm[at : at + size])
+        # bytes its %s, read by one itemgetter (interleaving them in Python, chain(zip())
+        # and a join, cost three times as much: ~5 600 instructions against ~2 000).
+        found = saving.by_offset.get(at)
+        entries, read = saving.add(at) if found is None else found
+        entries %= read(mm)
         end = len(entries)
         if end > self._cap:
             raise BackendError(f"shared table {self._name!r}: update too large for its journal")
         base = self._base
         mm[base : base + end] = entries
         # Only now are the entries part of the journal: nothing they cover changed yet.
-        U32.pack_into(mm, H_JLEN, end)
+        self._u32[_JLEN] = end
         self._jlen = end
         # The plan's own record of what is saved, copied only if the update saves more
         # (the lease's range is left out of it: saving it again is only redundant).
@@ -146,12 +170,11 @@ class Journal:
     def commit(self) -> None:
         """Make the update permanent: the journal length drops to 0."""
         if self._jlen:
-            mm = self._mm
-            # Slice writes of constant bytes: a struct call on the map costs more.
-            mm[H_JLEN : H_JLEN + 4] = _ZERO_U32  # the commit point
-            # The entries stay behind: void the first, so that a journal length corrupted
-            # later is found invalid instead of undoing this committed update.
-            mm[self._void] = _VOID_ENTRY
+            self._u32[_JLEN] = 0  # the commit point
+            # The entries stay behind: void the first (offset 0 is never journaled), so
+            # that a journal length corrupted later is found invalid instead of undoing
+            # this committed update.
+            self._u64[self._void] = 0
             self._jlen = 0
             self._saved = {}
             self._borrowed = False
@@ -203,30 +226,36 @@ class Journal:
 
 class Saving:
     """What :meth:`Journal.save_first` saves of an update that knows its ranges ahead
-    (the header's mutable block among them): their entries as a bytes format, one call
-    that reads their bytes, and the journal's bookkeeping of them (never changed: the
-    journal copies it before it records more)."""
+    (the header's mutable block among them) and one more range of ``spare`` bytes known
+    under the lock (a lease): per offset of that one, the entries as a bytes format
+    and one call that reads all their bytes (:meth:`add`); the journal's bookkeeping of
+    the fixed ranges (never changed: the journal copies it before it records more)."""
 
-    __slots__ = ("entries", "ranges", "read", "saved")
+    __slots__ = ("_entries", "_spans", "by_offset", "ranges", "saved", "spare")
 
-    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
+    def __init__(self, ranges: Iterable[tuple[int, int]], spare: int) -> None:
         #: (offset, length) of each range, once each (a range saved twice is undone twice)
         self.ranges = tuple(dict(ranges).items())
-        spans = [slice(offset, offset + length) for offset, length in self.ranges]
-        #: the bytes of the ranges now, in one call (an itemgetter of one item answers the
-        #: item, not a tuple)
-        self.read: Callable[[mmap.mmap], tuple[bytes, ...]]
-        if len(spans) == 1:
-            span = spans[0]
-            self.read = lambda mm: (mm[span],)
-        else:
-            self.read = itemgetter(*spans)
+        self.spare = spare
+        self._spans = [slice(offset, offset + length) for offset, length in self.ranges]
         self.saved = dict(self.ranges)
-        #: the journal entries of the ranges and one more as a bytes format: each head
-        #: as it is (a ``%`` in it doubled), a ``%s`` for its bytes; the last entry's
-        #: head and bytes are two more ``%s``
+        #: the entries of the fixed ranges as a bytes format: each head as it is (a
+        #: ``%`` in it doubled), a ``%s`` for its bytes
         heads = (JENTRY.pack(offset, length) for offset, length in self.ranges)
-        self.entries = b"".join(head.replace(b"%", b"%%") + b"%s" for head in heads) + b"%s%s"
+        self._entries = b"".join(head.replace(b"%", b"%%") + b"%s" for head in heads)
+        #: spare range's offset -> what :meth:`add` made for it
+        self.by_offset: dict[int, tuple[bytes, Callable[[mmap.mmap], tuple[bytes, ...]]]] = {}
+
+    def add(self, offset: int) -> tuple[bytes, Callable[[mmap.mmap], tuple[bytes, ...]]]:
+        """The entries with the spare range at ``offset`` as a bytes format, and the
+        itemgetter of the bytes it formats, kept in :attr:`by_offset` (a few offsets, as
+        freed leases are taken again first; :data:`SPARES_KEPT` at most)."""
+        if len(self.by_offset) >= SPARES_KEPT:
+            self.by_offset = {}
+        head = JENTRY.pack(offset, self.spare).replace(b"%", b"%%")
+        read = itemgetter(*self._spans, slice(offset, offset + self.spare))
+        found = self.by_offset[offset] = (self._entries + head + b"%s", read)
+        return found
 
 
 class Structure:

@@ -74,7 +74,7 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
         next probe, window due, count, total, drops, peak, probing (NaN: no),
         slow start, probe count, probe total
     journal, J bytes: entries of u64 offset, u32 length, the old bytes; a commit or a
-      rollback zeroes the first entry (offset 0 is never journaled: an invalid entry)
+      rollback zeroes the first entry's offset (0 is never journaled: an invalid entry)
     window chunks, W x 64 bytes: u32 next chunk of the same window (0xFFFFFFFF:
       last), 4 pad, 7 x f64 admission times. A rate key's sliding log is a chain of
       chunks, oldest entry first: appending and expiring are O(1), memory follows the

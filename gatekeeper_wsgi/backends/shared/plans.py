@@ -12,14 +12,17 @@ node) is unchanged the nodes still hold those keys, so the next admission of tha
 (:meth:`Plans.admit`) is one read of the header, one of each node, one journal write of
 the node heads, the header's lease counters and the lease, and the writes themselves.
 
-A window with entries to expire is purged and appended to by the windows' own methods in
-the same update, as the general path does (a key with steady traffic has one to expire on
-nearly every admission once its first window has passed), a new window chunk taken
-likewise. Whatever is not that plain case (a limit full or shadowed, a key to move in its
-LRU list, a delayed release due, a queue with waiters, an adaptive limit, a lease table
-that looks damaged) answers None before anything is written, and the general path
-decides, under the same lock. A plan is never
-trusted past its map: a re-created table is a new map with new plans.
+A key with steady traffic has a window entry to expire on nearly every admission once its
+first window has passed, and a new window chunk to take on every seventh: the plan drops
+the expired entries of the first chunk, frees that chunk when all of its entries expired
+and the next chunk's first one stays, and links a new last chunk (off the free list or
+never used), saving each chunk link it changes first; any other expiry or a chunk that
+is not at hand (or an empty window's first) goes to the windows' own purge and append, in
+the same update. Whatever is not that plain case (a limit full or shadowed, a key to move
+in its LRU list, a delayed release due, a queue with waiters, an adaptive limit, a lease
+table that looks damaged) answers None before anything is written, and the general path
+decides, under the same lock. A plan is never trusted past its map: a re-created table is
+a new map with new plans.
 
 :class:`Plans` works on the map, the layout and the journal it is given, nothing else:
 it can be driven alone.
@@ -36,6 +39,9 @@ from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Savin
 from gatekeeper_wsgi.backends.shared.layout import (
     CHUNK_SIZE,
     CHUNK_STAMPS,
+    H_CHUNK_CHECK,
+    H_CHUNK_FREE,
+    H_CHUNK_HIGH,
     H_HEAP_LEN,
     H_KEYGEN,
     H_LIVE,
@@ -47,13 +53,16 @@ from gatekeeper_wsgi.backends.shared.layout import (
     LEASE_HEAD,
     LEASE_SIZE,
     MAX_REFS,
+    MUT_END,
     N_OFFSET,
     N_REG,
     NIL,
     NODE_HEAD,
     U32,
     Layout,
+    chunk_check,
 )
+from gatekeeper_wsgi.backends.shared.windows import CHUNK_COUNTERS as _CHUNK_COUNTERS
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.values import Slot
 
@@ -72,6 +81,8 @@ _PID, _SERIAL, _REFS = 0, 1, 5
 #: header fields as u32 indexes: live leases, first free lease, delay heap entries,
 #: queue waiters
 _LIVE, _FREE, _HEAP, _WAITING = H_LIVE // 4, (H_LIVE + 4) // 4, H_HEAP_LEN // 4, H_WAITING // 4
+#: the window chunk counters as u32 indexes: their check word, first free chunk, bump mark
+_CHUNK_CHECK, _CHUNK_FREE, _CHUNK_HIGH = H_CHUNK_CHECK // 4, H_CHUNK_FREE // 4, H_CHUNK_HIGH // 4
 
 #: a lease as a plan writes it: pid, serial, and the rest as the plan packed it
 _LEASE_BY_PLAN = struct.Struct(f"<II{LEASE_SIZE - LEASE_HEAD.size}s")
@@ -138,7 +149,9 @@ class Plan:
         self.stamped = tuple(index for index, check in enumerate(checks) if check[4] is not None)
         #: what an admission or release of it saves first: the node heads, the header's
         #: mutable block (and the lease, whichever it is)
-        self.saving = Saving([*((offset, NODE_HEAD) for offset in self.offsets), HEADER_BLOCK])
+        self.saving = Saving(
+            [*((offset, NODE_HEAD) for offset in self.offsets), HEADER_BLOCK], LEASE_SIZE
+        )
         #: the lease's fields after its pid and serial (held: no expiry; the nodes, padded),
         #: packed once: a struct call with ten fields costs three times one with three
         self.tail = LEASE.pack(
@@ -157,6 +170,8 @@ class Plans(Structure):
         "_by_slots",
         "_capacity",
         "_chunk_base",
+        "_chunks",
+        "_chunks_off",
         "_f64",
         "_heap_at",
         "_leases_off",
@@ -172,6 +187,8 @@ class Plans(Structure):
         #: f64 index of the delay heap's first expiry, of the first chunk's first entry
         self._heap_at = layout.heap_off >> 3
         self._chunk_base = (layout.chunks_off + 8) >> 3
+        self._chunks_off = layout.chunks_off
+        self._chunks = layout.chunks
         self._capacity = layout.leases
         #: whether every node's fields fall on whole u32s and f64s of the views: the
         #: regions start at multiples of 64 and this version sizes keys by 8 bytes, but
@@ -183,9 +200,11 @@ class Plans(Structure):
         self._by_slots: dict[int, Plan] = {}
 
     def close(self) -> None:
-        """Let the views of the map go (the map cannot be closed while they are held)."""
+        """Let the views of the map go, its own and its journal's (the map cannot be
+        closed while they are held)."""
         self._u32.release()
         self._f64.release()
+        self._journal.close()
         self._by_slots = {}
 
     def find(self, slots: Sequence[Slot]) -> Plan | None:
@@ -229,7 +248,7 @@ class Plans(Structure):
     def admit(self, plan: Plan, now: float, pid: int, slot_at: int) -> tuple[int, int] | None:
         """Admit by ``plan`` at ``now`` for process ``pid`` (registered in the process
         slot at ``slot_at``, -1: not yet): (lease, serial), committed; None, with nothing
-        written, when the general path must decide. Under the lock."""
+        changed, when the general path must decide. Under the lock."""
         mm = self._mm
         u32 = self._u32
         if plan.mm is not mm or slot_at < 0 or u32[slot_at >> 2] != pid:
@@ -246,39 +265,6 @@ class Plans(Structure):
         for index, registry in plan.listed:
             if u32[index + _REG] != registry or u32[index + _NEXT] != NIL:
                 return None  # not the newest key of its limit's LRU list: moved there first
-        chunk_base = self._chunk_base
-        appends = []
-        for node, index, seconds, most in plan.rated:
-            length = u32[index + _LEN]
-            position = 0
-            expired = False
-            start = -1  # the window's new first entry, when some expire within its chunk
-            if length:
-                oldest = chunk_base + u32[index + _FIRST] * CHUNK_F64
-                first = mm[(index << 2) + N_OFFSET]
-                cutoff = now - seconds
-                if f64[oldest + first] <= cutoff:
-                    # Entries to expire first, which a key with steady traffic has on
-                    # nearly every admission once its first window has passed. Those of
-                    # the first chunk that leave it holding one or more are dropped here;
-                    # the rest (a chunk to free, the window emptied) are the windows' own
-                    # purge, in this update.
-                    start = first + 1
-                    while start < CHUNK_STAMPS and f64[oldest + start] <= cutoff:
-                        start += 1
-                    length -= start - first
-                    if start == CHUNK_STAMPS or length <= 0:
-                        expired = True
-                        start = -1
-                    elif length >= most:
-                        return None  # still full: the general path refuses
-                    else:
-                        position = (start + length) % CHUNK_STAMPS
-                elif length >= most:
-                    return None  # full: the general path refuses
-                else:
-                    position = (first + length) % CHUNK_STAMPS
-            appends.append((node, index, position, seconds, most, expired, start, length))
         if free != NIL:
             if free >= high:
                 return None  # out of range: the general path finds the damage
@@ -294,34 +280,146 @@ class Plans(Structure):
             return None  # a free lease in use: damage, which the general path names
         after = NIL if mark > high else u32[(at >> 2) + _REFS]
         journal = self._journal
-        journal.save_first(plan.saving, at, LEASE_SIZE)
-        for index in plan.counts:
-            u32[index] += 1
-        for node, index, position, seconds, most, expired, start, length in appends:
+        # Saved before the windows are looked at, so that each is written as soon as it
+        # is found to have room (nearly always), in one pass; a full one gives the
+        # update up, its saves dropped or what an earlier window took undone.
+        journal.save_first(plan.saving, at)
+        chunk_base = self._chunk_base
+        written = False
+        for node, index, seconds, most in plan.rated:
+            length = u32[index + _LEN]
+            position = 0
+            expired = False
+            start = -1  # the window's new first entry, when some expire within its chunk
+            following = NIL  # the window's new first chunk, when its first one expired
+            if length:
+                oldest = chunk_base + u32[index + _FIRST] * CHUNK_F64
+                first = mm[(index << 2) + N_OFFSET]
+                cutoff = now - seconds
+                if f64[oldest + first] <= cutoff:
+                    # Entries to expire first, which a key with steady traffic has on
+                    # nearly every admission once its first window has passed. Those of
+                    # the first chunk are dropped here, and the chunk itself when the
+                    # next one's first entry stays; the rest (more chunks to free, the
+                    # window emptied) are the windows' own purge, in this update.
+                    start = first + 1
+                    while start < CHUNK_STAMPS and f64[oldest + start] <= cutoff:
+                        start += 1
+                    length -= start - first
+                    if start == CHUNK_STAMPS and length > 0:
+                        following = u32[(oldest - 1) << 1]  # the first chunk's link
+                        if following >= self._chunks or (
+                            f64[chunk_base + following * CHUNK_F64] <= cutoff
+                        ):
+                            following = NIL
+                        else:
+                            start = 0
+                    if following == NIL and (start == CHUNK_STAMPS or length <= 0):
+                        expired = True
+                        start = -1
+                    elif length >= most:
+                        self._give_up(written)
+                        return None  # still full: the general path refuses
+                    else:
+                        position = (start + length) % CHUNK_STAMPS
+                elif length >= most:
+                    self._give_up(written)
+                    return None  # full: the general path refuses
+                else:
+                    position = (first + length) % CHUNK_STAMPS
+            written = True
+            if following != NIL:  # the first chunk expired whole: back to the free list
+                self._free_first(index, following)
             if start >= 0:  # entries expired within the first chunk (its head is saved)
                 mm[(index << 2) + N_OFFSET] = start
                 u32[index + _LEN] = length
             if position:
                 # The slot past the last entry is free space: no journal entry needed.
                 f64[chunk_base + u32[index + _LAST] * CHUNK_F64 + position] = now
-                u32[index + _LEN] = length + 1
-                idle = (index >> 1) + _IDLE
-                if f64[idle] < now + seconds:
-                    f64[idle] = now + seconds
-                continue
-            try:  # the window's first chunk, or a new one: the windows' own append
-                if expired and self._windows.purge(node, now - seconds)[0] >= most:
+            elif expired or not length or not self._new_last(index):
+                try:  # a first chunk, or no chunk at hand: the windows' own append
+                    if expired and self._windows.purge(node, now - seconds)[0] >= most:
+                        journal.rollback()
+                        return None  # still full: the general path refuses
+                    self._windows.append(node, now, seconds)
+                except NoRoom:
                     journal.rollback()
-                    return None  # still full: the general path refuses
-                self._windows.append(node, now, seconds)
-            except NoRoom:
-                journal.rollback()
-                return None  # no chunk left: the general path reclaims or refuses
+                    return None  # no chunk left: the general path reclaims or refuses
+                continue
+            else:  # a new last chunk, its link NIL: the entry goes first in it
+                f64[chunk_base + u32[index + _LAST] * CHUNK_F64] = now
+            u32[index + _LEN] = length + 1
+            idle = (index >> 1) + _IDLE
+            if f64[idle] < now + seconds:
+                f64[idle] = now + seconds
+        for index in plan.counts:
+            u32[index] += 1
         serial = serial % 0xFFFFFFFF + 1
         LEASE_COUNTERS.pack_into(mm, H_LIVE, live + 1, after, mark, heap, serial)
         _LEASE_BY_PLAN.pack_into(mm, at, pid, serial, plan.tail)
         journal.commit()
         return lease, serial
+
+    def _give_up(self, written: bool) -> None:
+        """Leave an admission by plan to the general path after its first save: what it
+        wrote is rolled back; if nothing, the saves are only dropped (the commit of an
+        update that changed nothing, cheaper than writing the same bytes back)."""
+        if written:
+            self._journal.rollback()
+        else:
+            self._journal.commit()
+
+    def _free_first(self, index: int, following: int) -> None:
+        """Put the first window chunk of the node at u32 ``index``, all its entries
+        expired, on the free list; ``following`` becomes the window's first chunk. Its
+        node head and the header block are saved already (:attr:`Plan.saving`)."""
+        u32 = self._u32
+        chunk = u32[index + _FIRST]
+        link = self._chunks_off + chunk * CHUNK_SIZE
+        self._save(link, 8)
+        u32[link >> 2] = u32[_CHUNK_FREE]
+        self._set_counters(chunk, u32[_CHUNK_HIGH])
+        u32[index + _FIRST] = following
+
+    def _new_last(self, index: int) -> bool:
+        """Link a new chunk (off the free list, or never used yet) after the last chunk of
+        the window of the node at u32 ``index``; False, with nothing written, when none
+        is at hand or the counters look damaged (the windows' own append then reclaims,
+        refuses or names the damage). The new chunk's entries are all free space."""
+        u32 = self._u32
+        free, high = u32[_CHUNK_FREE], u32[_CHUNK_HIGH]
+        mm = self._mm
+        if (
+            high > self._chunks
+            or (free != NIL and free >= high)
+            or u32[_CHUNK_CHECK] != chunk_check(mm[H_CHUNK_FREE:MUT_END])
+        ):
+            return False
+        chunks_off = self._chunks_off
+        if free != NIL:
+            chunk = free
+            at = chunks_off + chunk * CHUNK_SIZE
+            self._save(at, 8)
+            free = u32[at >> 2]
+        elif high < self._chunks:
+            chunk = high
+            at = chunks_off + chunk * CHUNK_SIZE
+            high += 1
+        else:
+            return False
+        last = chunks_off + u32[index + _LAST] * CHUNK_SIZE
+        self._save(last, 8)
+        u32[at >> 2] = NIL
+        u32[last >> 2] = chunk
+        self._set_counters(free, high)
+        u32[index + _LAST] = chunk
+        return True
+
+    def _set_counters(self, free: int, high: int) -> None:
+        """Write the chunk counters and their check word (the header block is saved)."""
+        counters = _CHUNK_COUNTERS.pack(free, high)
+        self._mm[H_CHUNK_FREE:MUT_END] = counters
+        self._u32[_CHUNK_CHECK] = chunk_check(counters)
 
     def release(self, plan: Plan, lease: int, pid: int, serial: int) -> bool:
         """Give back the slots of ``lease``, admitted by ``plan`` as (``pid``, ``serial``),
@@ -334,7 +432,7 @@ class Plans(Structure):
         if u32[index + _SERIAL] != serial or u32[index + _PID] != pid:
             return pending  # reclaimed meanwhile (its owner was taken for dead)
         journal = self._journal
-        journal.save_first(plan.saving, at, LEASE_SIZE)
+        journal.save_first(plan.saving, at)
         for count in plan.counts:
             inflight = u32[count]
             if inflight:
