@@ -39,9 +39,6 @@ from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK, Journal, Savin
 from gatekeeper_wsgi.backends.shared.layout import (
     CHUNK_SIZE,
     CHUNK_STAMPS,
-    H_CHUNK_CHECK,
-    H_CHUNK_FREE,
-    H_CHUNK_HIGH,
     H_HEAP_LEN,
     H_KEYGEN,
     H_LIVE,
@@ -53,16 +50,13 @@ from gatekeeper_wsgi.backends.shared.layout import (
     LEASE_HEAD,
     LEASE_SIZE,
     MAX_REFS,
-    MUT_END,
     N_OFFSET,
     N_REG,
     NIL,
     NODE_HEAD,
     U32,
     Layout,
-    chunk_check,
 )
-from gatekeeper_wsgi.backends.shared.windows import CHUNK_COUNTERS as _CHUNK_COUNTERS
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.values import Slot
 
@@ -81,8 +75,6 @@ _PID, _SERIAL, _REFS = 0, 1, 5
 #: header fields as u32 indexes: live leases, first free lease, delay heap entries,
 #: queue waiters
 _LIVE, _FREE, _HEAP, _WAITING = H_LIVE // 4, (H_LIVE + 4) // 4, H_HEAP_LEN // 4, H_WAITING // 4
-#: the window chunk counters as u32 indexes: their check word, first free chunk, bump mark
-_CHUNK_CHECK, _CHUNK_FREE, _CHUNK_HIGH = H_CHUNK_CHECK // 4, H_CHUNK_FREE // 4, H_CHUNK_HIGH // 4
 
 #: a lease as a plan writes it: pid, serial, and the rest as the plan packed it
 _LEASE_BY_PLAN = struct.Struct(f"<II{LEASE_SIZE - LEASE_HEAD.size}s")
@@ -171,7 +163,6 @@ class Plans(Structure):
         "_capacity",
         "_chunk_base",
         "_chunks",
-        "_chunks_off",
         "_f64",
         "_heap_at",
         "_leases_off",
@@ -187,7 +178,6 @@ class Plans(Structure):
         #: f64 index of the delay heap's first expiry, of the first chunk's first entry
         self._heap_at = layout.heap_off >> 3
         self._chunk_base = (layout.chunks_off + 8) >> 3
-        self._chunks_off = layout.chunks_off
         self._chunks = layout.chunks
         self._capacity = layout.leases
         #: whether every node's fields fall on whole u32s and f64s of the views: the
@@ -336,18 +326,21 @@ class Plans(Structure):
             if position:
                 # The slot past the last entry is free space: no journal entry needed.
                 f64[chunk_base + u32[index + _LAST] * CHUNK_F64 + position] = now
-            elif expired or not length or not self._new_last(index):
-                try:  # a first chunk, or no chunk at hand: the windows' own append
-                    if expired and self._windows.purge(node, now - seconds)[0] >= most:
-                        journal.rollback()
-                        return None  # still full: the general path refuses
-                    self._windows.append(node, now, seconds)
+            else:
+                try:
+                    if expired or not length:  # a first chunk: the windows' own append
+                        if expired and self._windows.purge(node, now - seconds)[0] >= most:
+                            journal.rollback()
+                            return None  # still full: the general path refuses
+                        self._windows.append(node, now, seconds)
+                        continue
+                    # A new last chunk, its link NIL: the entry goes first in it.
+                    last = self._windows.link_new(u32[index + _LAST], now)
                 except NoRoom:
                     journal.rollback()
                     return None  # no chunk left: the general path reclaims or refuses
-                continue
-            else:  # a new last chunk, its link NIL: the entry goes first in it
-                f64[chunk_base + u32[index + _LAST] * CHUNK_F64] = now
+                u32[index + _LAST] = last
+                f64[chunk_base + last * CHUNK_F64] = now
             u32[index + _LEN] = length + 1
             idle = (index >> 1) + _IDLE
             if f64[idle] < now + seconds:
@@ -372,54 +365,11 @@ class Plans(Structure):
     def _free_first(self, index: int, following: int) -> None:
         """Put the first window chunk of the node at u32 ``index``, all its entries
         expired, on the free list; ``following`` becomes the window's first chunk. Its
-        node head and the header block are saved already (:attr:`Plan.saving`)."""
+        node head is saved already (:attr:`Plan.saving`)."""
         u32 = self._u32
         chunk = u32[index + _FIRST]
-        link = self._chunks_off + chunk * CHUNK_SIZE
-        self._save(link, 8)
-        u32[link >> 2] = u32[_CHUNK_FREE]
-        self._set_counters(chunk, u32[_CHUNK_HIGH])
+        self._windows.free_chunks(chunk, chunk)
         u32[index + _FIRST] = following
-
-    def _new_last(self, index: int) -> bool:
-        """Link a new chunk (off the free list, or never used yet) after the last chunk of
-        the window of the node at u32 ``index``; False, with nothing written, when none
-        is at hand or the counters look damaged (the windows' own append then reclaims,
-        refuses or names the damage). The new chunk's entries are all free space."""
-        u32 = self._u32
-        free, high = u32[_CHUNK_FREE], u32[_CHUNK_HIGH]
-        mm = self._mm
-        if (
-            high > self._chunks
-            or (free != NIL and free >= high)
-            or u32[_CHUNK_CHECK] != chunk_check(mm[H_CHUNK_FREE:MUT_END])
-        ):
-            return False
-        chunks_off = self._chunks_off
-        if free != NIL:
-            chunk = free
-            at = chunks_off + chunk * CHUNK_SIZE
-            self._save(at, 8)
-            free = u32[at >> 2]
-        elif high < self._chunks:
-            chunk = high
-            at = chunks_off + chunk * CHUNK_SIZE
-            high += 1
-        else:
-            return False
-        last = chunks_off + u32[index + _LAST] * CHUNK_SIZE
-        self._save(last, 8)
-        u32[at >> 2] = NIL
-        u32[last >> 2] = chunk
-        self._set_counters(free, high)
-        u32[index + _LAST] = chunk
-        return True
-
-    def _set_counters(self, free: int, high: int) -> None:
-        """Write the chunk counters and their check word (the header block is saved)."""
-        counters = _CHUNK_COUNTERS.pack(free, high)
-        self._mm[H_CHUNK_FREE:MUT_END] = counters
-        self._u32[_CHUNK_CHECK] = chunk_check(counters)
 
     def release(self, plan: Plan, lease: int, pid: int, serial: int) -> bool:
         """Give back the slots of ``lease``, admitted by ``plan`` as (``pid``, ``serial``),

@@ -128,10 +128,7 @@ class Windows(Structure):
             mm[offset + N_OFFSET] = 0
             CHUNK_COUNTERS.pack_into(mm, offset + N_FIRST, first, last)
         elif not position:
-            chunk = self.new_chunk(now)
-            self._save(self.chunk_at(last), 8)
-            U32.pack_into(mm, self.chunk_at(last), chunk)
-            last = chunk
+            last = self.link_new(last, now)
             U32.pack_into(mm, offset + N_LAST, last)
         # The slot past the last entry is free space: no journal entry needed.
         F64.pack_into(mm, self.chunk_at(last) + 8 + 8 * position, now)
@@ -233,6 +230,15 @@ class Windows(Structure):
                 kind="rate",
             )
         U32.pack_into(mm, self.chunk_at(chunk), NIL)
+        return chunk
+
+    def link_new(self, last: int, now: float) -> int:
+        """A new chunk (:meth:`new_chunk`) linked after chunk ``last``, the end of a
+        window, and returned: the window's node is the caller's to point at it."""
+        chunk = self.new_chunk(now)
+        at = self.chunk_at(last)
+        self._save(at, 8)
+        U32.pack_into(self._mm, at, chunk)
         return chunk
 
     def reclaim(self, now: float) -> bool:
