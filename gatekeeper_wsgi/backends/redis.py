@@ -1092,6 +1092,7 @@ class RedisBackend(Backend):
         """The EVALSHA command of :meth:`_run`, packed."""
         keys = 0
         parts = [b"", self._evalsha_head, b""]
+        others: list[_Release] = []
         riding: list[_Release] = []
         for release in releases:
             if release.input is input:
@@ -1100,6 +1101,7 @@ class RedisBackend(Backend):
                 # own, as gate.lua reads the admission's for it.
                 riding.append(release)
             else:
+                others.append(release)
                 parts += release.input.key_bulks
                 keys += len(release.input.keys)
         if input is not None:
@@ -1108,15 +1110,8 @@ class RedisBackend(Backend):
         parts.append(_bulk(b"%d" % len(releases)))
         if releases:
             now = time.monotonic()
-            if riding:
-                parts += [
-                    _bulk(release.spec(now).encode())
-                    for release in releases
-                    if release.input is not input
-                ]
-                parts += [_bulk(b"+" + release.spec(now).encode()) for release in riding]
-            else:
-                parts += [_bulk(release.spec(now).encode()) for release in releases]
+            parts += [_bulk(release.spec(now).encode()) for release in others]
+            parts += [_bulk(b"+" + release.spec(now).encode()) for release in riding]
         if input is not None:
             parts += (_bulk(lease.encode()), self._hold_bulk, *input.specs)
         parts[2] = _bulk(b"%d" % keys)
