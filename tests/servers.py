@@ -56,6 +56,17 @@ def listening(port: int) -> bool:
         return False
 
 
+def answers_ping(port: int) -> bool:
+    """Whether a redis-server on 127.0.0.1:port answers PING: its event loop runs, so every
+    listener it was given (a unix socket too) is open, not only the TCP port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def wait_for_port(port: int, timeout: float = 20.0) -> None:
     """Block until something accepts connections on 127.0.0.1:port (TimeoutError if not)."""
     wait_until(lambda: listening(port), timeout, f"something listening on 127.0.0.1:{port}")
@@ -127,7 +138,8 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_for_port(self.port)
+        # The TCP port is open before the unix socket; a PONG means both are.
+        wait_until(lambda: answers_ping(self.port), 20.0, f"redis-server on port {self.port}")
 
     def stop(self) -> None:
         if self.process is not None:
