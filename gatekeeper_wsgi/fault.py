@@ -225,18 +225,33 @@ def _parsed_preference(accept: str) -> bool | None:
     # Clients send few distinct Accept values, so the parse is cached (bounded).
     try:
         parsed = parse_accept_header(accept, MIMEAccept)
-        xml_quality = max(parsed.quality(mimetype) for mimetype in _XML_MIMETYPES)
-        json_quality = max(parsed.quality(mimetype) for mimetype in _JSON_MIMETYPES)
+        # The types the client named itself, without parameters, with their qualities.
+        named = [(value.partition(";")[0].strip().lower(), quality) for value, quality in parsed]
+        xml_quality = _family_quality(parsed, named, _XML_MIMETYPES)
+        json_quality = _family_quality(parsed, named, _JSON_MIMETYPES)
     except Exception:  # untrusted input: whatever werkzeug makes of it, never fail a fault
         return None
     if xml_quality != json_quality:
         return xml_quality > json_quality
     # A tie is a JSON preference only if the client named one of the types itself; `*/*`,
     # `text/html` or nothing parseable leave the choice to the request body.
-    named = _XML_MIMETYPES + _JSON_MIMETYPES
-    if any(value.lower() in named for value, quality in parsed if quality > 0):
+    families = _XML_MIMETYPES + _JSON_MIMETYPES
+    if any(value in families for value, quality in named if quality > 0):
         return False
     return None
+
+
+def _family_quality(
+    parsed: MIMEAccept, named: list[tuple[str, float]], family: tuple[str, ...]
+) -> float:
+    """How much the client wants one format (XML, JSON), whichever of its types is sent. A
+    type of it the client named speaks for the whole format: ``application/json;q=0, */*``
+    refuses JSON, although ``application/problem+json`` matches ``*/*``. Otherwise the
+    wildcards the client sent decide (``text/*`` takes XML as ``text/xml``)."""
+    qualities = [quality for value, quality in named if value in family]
+    if qualities:
+        return max(qualities)
+    return max(parsed.quality(mimetype) for mimetype in family)
 
 
 #: How much of an Accept header is parsed: real ones are a few hundred characters, and a

@@ -392,6 +392,13 @@ def test_soap_wins_over_format_and_renderer(environ: WSGIEnvironment, fault_form
         ("application/problem+json;q=0.9, application/xml;q=0.8", None, "json"),
         ("*/*", None, "json"),
         ("*/*;q=0.1, application/xml", None, "xml"),
+        # a JSON type the client named speaks for JSON, whichever JSON type a fault is sent as
+        ("application/json;q=0, */*", None, "xml"),
+        ("*/*, application/json;q=0.1", None, "xml"),
+        ("application/json;q=0, text/*", None, "xml"),
+        ("application/json;charset=utf-8;q=0.2, */*;q=0.5", None, "xml"),
+        ("application/problem+json;q=0, application/json", None, "json"),
+        ("text/xml;q=0, */*", None, "json"),
         ("text/*", None, "xml"),
         ("application/*", None, "json"),
         ("text/html", None, "json"),
