@@ -324,7 +324,10 @@ def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]
         document: dict[str, Any] = tomllib.loads(text)
     except RecursionError as exc:
         raise ConfigError(
-            "", "invalid TOML: arrays or tables nested too deeply", file=file
+            "",
+            "invalid TOML: arrays or tables nested too deeply",
+            file=file,
+            line=_deepest_line(text),
         ) from exc
     except ValueError as exc:
         if not isinstance(exc, tomllib.TOMLDecodeError):
@@ -361,6 +364,29 @@ def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]
                 line=located.get(_SETTINGS_TABLE),
             )
     return settings, _LazyLines(_TomlLocator(text, prefix).locate)
+
+
+# What moves the nesting of a TOML document: brackets and braces, newlines (to count lines),
+# and what hides brackets from it (strings on one line, comments).
+_TOML_NESTING = re.compile(r""""(?:[^"\\\n]|\\.)*"|'[^'\n]*'|#[^\n]*|[\[\]{}\n]""")
+
+
+def _deepest_line(text: str) -> int:
+    """The line where the brackets of ``text`` first nest deepest: where a document nested
+    too deeply for the parser goes wrong."""
+    depth = deepest = 0
+    line = at = 1
+    for match in _TOML_NESTING.finditer(text):
+        token = match.group()
+        if token == "\n":
+            line += 1
+        elif token in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, at = depth, line
+        elif token in "]}":
+            depth -= 1
+    return at
 
 
 class _LazyLines(Mapping[str, int]):

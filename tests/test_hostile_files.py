@@ -218,16 +218,22 @@ def test_delays_up_to_a_week_are_accepted() -> None:
     [
         "a = " + "[" * 5000 + "]" * 5000 + "\n",
         "a = " + "{b = " * 3000 + "1" + "}" * 3000 + "\n",
+        "a = " + "[" * 1000 + "]" * 1000 + "\n",
     ],
-    ids=["arrays", "inline-tables"],
+    ids=["arrays", "inline-tables", "a thousand arrays"],
 )
 def test_deep_toml_nesting_is_a_config_error(tmp_path: Path, text: str) -> None:
-    """Thousands of nested arrays or tables: a ConfigError, not a RecursionError."""
+    """Thousands of nested arrays or tables: a ConfigError naming the file and the line
+    where the nesting is, not a RecursionError (brackets in strings and comments before it
+    do not count)."""
     path = tmp_path / "deep.toml"
-    path.write_text(text, encoding="utf-8")
+    head = '[gatekeeper]\nproject = "shop"  # [[[ a comment\nnote = "[[[{{{"\n'
+    path.write_text(head + text, encoding="utf-8")
     with pytest.raises(ConfigError, match="nested too deeply") as info:
         load_file(path)
     assert info.value.file == str(path)
+    assert info.value.line == 4
+    assert str(info.value).startswith(f"{path}:4: ")
 
 
 def test_control_characters_are_escaped_in_messages(tmp_path: Path) -> None:
