@@ -316,6 +316,33 @@ def test_url_options_are_validated() -> None:
             backend_from_url(f"redis://127.0.0.1:1/0?{query}")
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:1/notanumber",
+        "redis://127.0.0.1:1/-5",
+        "redis://127.0.0.1:1/" + "9" * 5000,
+        "redis://127.0.0.1:1/\u0663",  # an Arabic-Indic three
+        "redis://127.0.0.1:1/0?db=x",
+        "unix:///tmp/gk-nowhere.sock?db=1a",
+    ],
+)
+def test_a_database_that_is_not_a_number_is_a_config_error(url: str) -> None:
+    """redis-py would read it as database 0 (or send -5 to a Redis that refuses it on
+    every connection): the counters would be shared or lost without a word."""
+    with pytest.raises(ConfigError, match="backend: db: expected a database number"):
+        GateKeeper({"backend": url})
+
+
+def test_a_database_redis_does_not_have_is_a_config_error(redis_server: str) -> None:
+    """A server that answers that the database is out of range: a ConfigError at start
+    (every request would fail open), not a note; a database it has works."""
+    base = redis_server.rsplit("/", 1)[0]
+    with pytest.raises(ConfigError, match="DB index is out of range"):
+        GateKeeper({"backend": f"{base}/99999"})
+    GateKeeper({"backend": f"{base}/3?prefix=gk-db-{uuid.uuid4().hex[:6]}"}).close()
+
+
 def test_valkey_scheme_talks_to_the_same_server(redis_server: str) -> None:
     """``valkey://`` URLs work (the protocol is Redis's)."""
     url = redis_server.replace("redis://", "valkey://") + f"?prefix=gk-v-{uuid.uuid4().hex[:6]}"

@@ -678,6 +678,17 @@ class RedisBackend(Backend):
         redis_url = f"{scheme}://{parts.netloc}{parts.path}"
         if passed:
             redis_url += f"?{urlencode(passed)}"
+        # redis-py reads a database that is not a number as 0 (and -5 as -5, refused by
+        # Redis on every connection): a typo would share or lose the counters quietly.
+        databases = [] if scheme == "unix" else [parts.path.strip("/")]
+        databases += [value for name, value in passed if name == "db"]
+        for database in databases:
+            if database and not (database.isascii() and database.isdigit() and len(database) < 10):
+                raise ConfigError(
+                    "backend",
+                    f"db: expected a database number (0, 1, 2, ...), got {database[:40]!r} "
+                    f"in {mask_url(url)[:200]!r}",
+                )
         cluster = options.get("cluster", "0").strip().lower()
         if cluster not in _TRUE + _FALSE:
             raise ConfigError(
@@ -725,7 +736,11 @@ class RedisBackend(Backend):
             location=location or url.split("?", 1)[0].rsplit("@", 1)[-1],
         )
         if check:
-            level, message = backend.eviction_check()
+            try:
+                level, message = backend.eviction_check()
+            except ConfigError:
+                backend.close()
+                raise
             if level > logging.DEBUG:
                 logger.log(level, "gatekeeper: %s", message)
         return backend
@@ -734,15 +749,20 @@ class RedisBackend(Backend):
         """What Redis's ``maxmemory-policy`` means for the limits, as (logging level,
         message): WARNING when it may evict keys (any policy but ``noeviction``: an evicted
         key resets its limit), INFO when it cannot tell (``CONFIG`` disabled or renamed, as
-        on many managed services, or Redis not answering), DEBUG for ``noeviction``."""
+        on many managed services, or Redis not answering), DEBUG for ``noeviction``.
+        ConfigError when Redis answers that the URL's database does not exist."""
         try:
             reply = self.client.config_get("maxmemory-policy")
+        except redis.exceptions.ResponseError as exc:
+            if "DB index is out of range" not in str(exc):
+                return self._unknown_policy(exc)
+            # Not an outage: a server that answers has no such database, and every request
+            # would fail open on it.
+            raise ConfigError(
+                "backend", f"redis at {self.location}: {mask_text(str(exc))}"
+            ) from exc
         except Exception as exc:  # whatever the client raises: a note, never a failure
-            return logging.INFO, (
-                f"cannot tell the maxmemory-policy of redis at {self.location} "
-                f"({mask_text(str(exc)) or type(exc).__name__}); it must be noeviction, or "
-                "eviction under memory pressure resets limits (see docs/deployment.md)"
-            )
+            return self._unknown_policy(exc)
         policies = sorted(set(_policies(reply)))
         if not policies:
             return logging.INFO, (
@@ -759,6 +779,13 @@ class RedisBackend(Backend):
                 "gatekeeper a dedicated instance (see docs/deployment.md)"
             )
         return logging.DEBUG, f"redis at {self.location}: maxmemory-policy noeviction"
+
+    def _unknown_policy(self, exc: Exception) -> tuple[int, str]:
+        return logging.INFO, (
+            f"cannot tell the maxmemory-policy of redis at {self.location} "
+            f"({mask_text(str(exc)) or type(exc).__name__}); it must be noeviction, or "
+            "eviction under memory pressure resets limits (see docs/deployment.md)"
+        )
 
     @classmethod
     def check_url(cls, url: str) -> None:
