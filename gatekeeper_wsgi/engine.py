@@ -35,7 +35,7 @@ from gatekeeper_wsgi.errors import (
     Rejected,
     escape_controls,
 )
-from gatekeeper_wsgi.fileformats import read_file
+from gatekeeper_wsgi.fileformats import open_for_writing, read_file
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.limitindex import counts
 from gatekeeper_wsgi.monitor import Monitor, Stats
@@ -262,9 +262,10 @@ class GateKeeper:
         swapped in. An invalid file keeps the current configuration (logged, counted).
 
         Never raises. A file rewritten in place (same inode) within the last
-        ``_SETTLE_SECONDS`` may still be being written: this call then waits that long
-        once (it is not a request's check, which never waits) and swaps it in only if it
-        read the same then; an atomic rename is swapped in at once.
+        ``_SETTLE_SECONDS``, or still open for writing, may be half-written: this call then
+        waits that long once (it is not a request's check, which never waits) and swaps it
+        in only if it read the same then and no process is writing it; an atomic rename is
+        swapped in at once.
         """
         with self._reload_lock:
             if self._reload_file():
@@ -358,21 +359,28 @@ class GateKeeper:
 
         An inode other than the one the previous check found is a file renamed into
         place (created while that one still existed), complete: the atomic way. Content
-        rewritten in place is taken once its modification time is _SETTLE_SECONDS old,
-        or once a check that long after the first one read the same stamp and digest;
-        until then the next check comes due after _SETTLE_SECONDS, and nobody waits.
+        rewritten in place is taken once its modification time is _SETTLE_SECONDS old, or
+        once a check that long after the first one read the same stamp and digest - and
+        never while a process has the file open for writing (a writer that paused, however
+        long: :func:`~gatekeeper_wsgi.fileformats.open_for_writing`, where the system can
+        tell). Until then the next check comes due after _SETTLE_SECONDS, and nobody waits.
         """
         if stamp[2] != seen_inode:
             return True
-        if time.time() - stamp[0] / 1e9 >= _SETTLE_SECONDS:
-            return True
-        now = time.monotonic()
-        pending = self._pending
-        if pending is not None and pending[:2] == (stamp, digest):
-            if now - pending[2] >= _SETTLE_SECONDS:
+        file = self._file
+        assert file is not None
+        if not open_for_writing(file, stamp[2]):
+            if time.time() - stamp[0] / 1e9 >= _SETTLE_SECONDS:
                 return True
-        else:
-            self._pending = (stamp, digest, now)
+            now = time.monotonic()
+            pending = self._pending
+            if pending is not None and pending[:2] == (stamp, digest):
+                if now - pending[2] >= _SETTLE_SECONDS:
+                    return True
+            else:
+                self._pending = (stamp, digest, now)
+        elif self._pending is None or self._pending[:2] != (stamp, digest):
+            self._pending = (stamp, digest, time.monotonic())
         self._next_check = min(self._next_check, self._clock() + _SETTLE_SECONDS)
         return False
 

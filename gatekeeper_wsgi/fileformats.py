@@ -14,8 +14,10 @@ Every problem raises :class:`~gatekeeper_wsgi.errors.ConfigError` naming the fil
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import signal
 import stat
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -30,7 +32,7 @@ else:
     # Declared as a dependency for 3.10 only, so type checkers on newer Pythons may not see it.
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["MAX_FILE_BYTES", "load_file", "read_file"]
+__all__ = ["MAX_FILE_BYTES", "load_file", "open_for_writing", "read_file"]
 
 
 #: The largest configuration file read (SPEC §4.10); a larger one is a ConfigError.
@@ -97,6 +99,56 @@ def read_file(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
         return b"".join(chunks), status
     except OSError as exc:
         raise ConfigError("", f"cannot read file: {exc.strerror or exc}", file=file) from exc
+    finally:
+        os.close(descriptor)
+
+
+try:
+    import fcntl
+
+    # Linux: a read lease, and the signal its breaking sends (see open_for_writing).
+    _LEASE: tuple[int, int, int, int] | None = (
+        fcntl.F_SETLEASE,  # type: ignore[attr-defined, unused-ignore]
+        fcntl.F_SETSIG,  # type: ignore[attr-defined, unused-ignore]
+        fcntl.F_RDLCK,
+        fcntl.F_UNLCK,
+    )
+except (ImportError, AttributeError):  # pragma: no cover - not Linux
+    _LEASE = None
+
+
+def open_for_writing(path: str, inode: int) -> bool | None:
+    """Whether any process, this one included, has the file at ``path`` (of inode
+    ``inode``) open for writing right now: a writer rewriting it in place that may not be
+    done. None when this system cannot tell.
+
+    Linux refuses a read lease (``F_SETLEASE``) on a file that is open for writing
+    anywhere, so a lease taken and dropped at once says nobody is writing it. Only the
+    file's owner (or a process with ``CAP_LEASE``) may take one, on a file system that has
+    leases; otherwise, and off Linux: None. A writer that opens the file in the
+    microseconds the lease is held waits for it to be dropped, and this process is sent
+    the lease's signal, set to SIGURG, which is ignored unless the application handles it
+    (the default, SIGIO, would end the process).
+    """
+    if _LEASE is None:  # pragma: no cover - not Linux
+        return None
+    set_lease, set_signal, read_lease, unlock = _LEASE
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(descriptor).st_ino != inode:
+            return None  # replaced since it was read: the caller's next check sees it
+        fcntl.fcntl(descriptor, set_signal, signal.SIGURG)
+        try:
+            fcntl.fcntl(descriptor, set_lease, read_lease)
+        except OSError as exc:
+            return True if exc.errno in (errno.EAGAIN, errno.EBUSY) else None
+        fcntl.fcntl(descriptor, set_lease, unlock)
+        return False
+    except OSError:
+        return None
     finally:
         os.close(descriptor)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +21,7 @@ import pytest
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.config import MAX_SECONDS, build_config
 from gatekeeper_wsgi.errors import ConfigError, Rejected
-from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, load_file
+from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, load_file, open_for_writing
 from tests.conftest import FakeClock
 
 GOOD = "project = shop\nlimits.shop.concurrency = 1\n"
@@ -336,6 +338,61 @@ def test_a_file_rewritten_in_place_is_not_swapped_in_while_fresh(
     request(gk)
     assert concurrency(gk) == 2 and "shop/a" not in gk.config.limits
     assert gk.stats()["counters"]["reload_failed"] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read leases are Linux's")
+def test_a_writer_that_pauses_keeps_its_half_written_file_out(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A writer rewriting the file in place pauses longer than any settle time (its
+    modification time aged by hand) with the file still open: neither requests nor an
+    explicit reload() swap the half-written content in. Once it closes the file, it is."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD + "limits.shop/a.concurrency = 1\n", encoding="utf-8")
+    age(path, 10)
+    gk = reloading(path, clock)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("project = shop\n")  # a valid file, but not the whole of it
+        handle.flush()
+        age(path, 10)
+        for _ in range(5):
+            request(gk)
+        assert gk.reload() is False
+        assert "shop/a" in gk.config.limits and concurrency(gk) == 1
+        handle.write("limits.shop.concurrency = 2\n")
+    age(path, 10)
+    assert gk.reload() is True
+    assert concurrency(gk) == 2 and "shop/a" not in gk.config.limits
+    assert gk.stats()["counters"]["reload_failed"] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read leases are Linux's")
+def test_open_for_writing_sees_writers_of_any_process(tmp_path: Path) -> None:
+    """The probe: True while this or another process has the file open for writing,
+    False once nobody has, None for what it cannot tell (a FIFO, another inode)."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    inode = path.stat().st_ino
+    assert open_for_writing(str(path), inode) is False
+    with open(path, "a", encoding="utf-8"):
+        assert open_for_writing(str(path), inode) is True
+    assert open_for_writing(str(path), inode) is False
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"f = open({str(path)!r}, 'a'); print('open', flush=True); input()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "open\n"
+        assert open_for_writing(str(path), inode) is True
+    finally:
+        child.communicate("\n", timeout=30)
+    assert open_for_writing(str(path), inode) is False
+    assert open_for_writing(str(path), inode + 1) is None
+    fifo = tmp_path / "fifo.properties"
+    os.mkfifo(fifo)
+    assert open_for_writing(str(fifo), fifo.stat().st_ino) is None
 
 
 def test_an_emptied_file_is_not_swapped_in_while_fresh(tmp_path: Path, clock: FakeClock) -> None:
