@@ -795,6 +795,24 @@ def load_config(
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
 
 
+def located(error: ConfigError, file: str | None) -> ConfigError:
+    """``error`` (raised past validation, e.g. by a backend parsing its URL) with the file
+    and line of its key, when the configuration ``file`` holds that key; otherwise
+    ``error`` itself."""
+    if file is None or error.file is not None or not error.key:
+        return error
+    from gatekeeper_wsgi.fileformats import load_file
+
+    try:
+        _, lines = load_file(file)
+        line = lines.get(error.key)
+    except ConfigError:
+        return error  # the file changed meanwhile: say what is known
+    if line is None:
+        return error  # the key came from the settings the file was laid over
+    return ConfigError(error.key, error.problem, file=file, line=line)
+
+
 def check_limit(path: str, fields: Mapping[str, Any]) -> Limit:
     """One limit defined in code (a framework decorator) at ``path``, checked by the rules
     of a configured one; raises :class:`ConfigError` keyed ``limits.<path>.<field>``."""

@@ -27,7 +27,7 @@ from gatekeeper_wsgi.backends.base import (
     WaitingLine,
     unguarded,
 )
-from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config
+from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config, located
 from gatekeeper_wsgi.errors import (
     BackendError,
     CapacityError,
@@ -173,9 +173,12 @@ class GateKeeper:
         self._seen_inode: int | None = None if self._file_stamp is None else self._file_stamp[2]
         #: the request helpers (service, caller, request id) of the configuration in force
         self.identifier = Identifier(self.config)
-        self.backend = (
-            backend if backend is not None else backend_from_url(self.config.backend, self.config)
-        )
+        if backend is None:
+            try:
+                backend = backend_from_url(self.config.backend, self.config)
+            except ConfigError as exc:
+                raise located(exc, self._file) from exc
+        self.backend = backend
         self._check_adaptive(self.config)
         stages = self.monitor.stages
         self.backend.delay_stage = stages["delay_process"]

@@ -186,6 +186,15 @@ def test_status_of_an_unreachable_redis_fails_cleanly() -> None:
     assert "backend failed" in json.loads(out.getvalue())["error"]
 
 
+def test_status_of_a_malformed_backend_url_is_a_clear_error() -> None:
+    """A URL urlsplit refuses gives a message naming the backend (password masked), no
+    traceback."""
+    out = io.StringIO()
+    assert run_status("redis://:hunter2@[::1/0", as_json=False, out=out) == 2
+    assert out.getvalue().startswith("error: backend: malformed backend URL")
+    assert "hunter2" not in out.getvalue() and "Traceback" not in out.getvalue()
+
+
 @pytest.fixture(params=[param for param in BACKENDS if param.id != "memory"])
 def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A backend URL that other processes can read: shared file or Redis."""

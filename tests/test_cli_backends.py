@@ -36,6 +36,9 @@ BAD_URLS = [
     "unix:///tmp/redis.sock?db=zero",
     "memory://somewhere",
     "memcached://127.0.0.1:11211",
+    "redis://:hunter2@[::1/0",
+    "redis://127.0.0.1:9/notanumber",
+    "redis://127.0.0.1:9/-5",
 ]
 GOOD_URLS = [
     "memory",
@@ -90,3 +93,33 @@ def test_a_typo_in_a_redis_option_fails_at_start_up() -> None:
     """An unknown Redis URL option is refused when the app starts, not at its first request."""
     with pytest.raises(ConfigError, match="max_holdd"):
         GateKeeper({"backend": "redis://127.0.0.1:9/0?max_holdd=5"})
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("gk.toml", 'project = "shop"\n\nbackend = "redis://:hunter2@127.0.0.1:9/0?bogus=1"\n'),
+        ("gk.toml", '[gatekeeper]\nproject = "shop"\nbackend = "redis://:hunter2@[::1/0"\n'),
+        (
+            "gk.properties",
+            "project = shop\n# the backend\nbackend = shared:///{tmp}/gk.shm?sise=9\n",
+        ),
+        ("gk.properties", "project = shop\n\nbackend = redis://127.0.0.1:9/notanumber\n"),
+    ],
+)
+def test_a_bad_backend_url_in_a_file_names_the_file_and_line(
+    name: str, text: str, tmp_path: Path
+) -> None:
+    """What only the backend's own parsing finds (an unknown option, a malformed URL) is a
+    ConfigError at the file and line of ``backend`` too, at start-up and from `gatekeeper
+    check`, with the URL's password masked."""
+    path = tmp_path / name
+    path.write_text(text.replace("/{tmp}", str(tmp_path)), encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(str(path))
+    assert (info.value.file, info.value.line, info.value.key) == (str(path), 3, "backend")
+    assert "hunter2" not in str(info.value)
+    out = io.StringIO()
+    assert run_check(str(path), out) == 1
+    assert out.getvalue().startswith(f"error: {path}:3: backend: ")
+    assert "hunter2" not in out.getvalue()

@@ -44,17 +44,20 @@ def _backend_class(url: str) -> tuple[str, type[Backend]]:
     return scheme, cls
 
 
+def _check_syntax(url: str) -> None:
+    """ConfigError for a URL ``urlsplit`` refuses (before a backend's own parsing sees it)."""
+    try:
+        urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError("backend", f"malformed backend URL {mask_url(url)!r}: {exc}") from None
+
+
 def check_backend_url(url: str) -> None:
     """ConfigError for a backend URL that start-up would refuse (unknown scheme, bad or
     unknown options), parsed by the backend's own code; nothing is created or connected."""
     scheme, cls = _backend_class(url)
     if scheme != "memory":
-        try:
-            urlsplit(url)
-        except ValueError as exc:
-            raise ConfigError(
-                "backend", f"malformed backend URL {mask_url(url)!r}: {exc}"
-            ) from None
+        _check_syntax(url)
         cls.check_url(url)
 
 
@@ -66,5 +69,5 @@ def backend_from_url(url: str, config: Config | None = None) -> Backend:
     """
     scheme, cls = _backend_class(url)
     if scheme != "memory":
-        urlsplit(url)  # raises ValueError on malformed URLs before a backend sees them
+        _check_syntax(url)
     return cls.from_url(url, config)

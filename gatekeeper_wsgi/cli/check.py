@@ -7,7 +7,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from gatekeeper_wsgi.backends import check_backend_url
-from gatekeeper_wsgi.config import DEFAULT_MAX_KEYS, Config, Limit, load_config
+from gatekeeper_wsgi.config import (
+    DEFAULT_MAX_KEYS,
+    Config,
+    Limit,
+    config_file,
+    load_config,
+    located,
+)
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.limitindex import counts, inherit
 from gatekeeper_wsgi.redact import mask_text
@@ -142,7 +149,10 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
     try:
         config = load_config(source)
         # The backend's own parsing, as at start-up: bad or unknown URL options fail here.
-        check_backend_url(config.backend)
+        try:
+            check_backend_url(config.backend)
+        except ConfigError as exc:
+            raise located(exc, config_file(source)) from exc
     except ConfigError as exc:
         print(f"error: {mask_text(str(exc))}", file=errors)
         return 1
