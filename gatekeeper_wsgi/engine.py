@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from gatekeeper_wsgi.adaptive import AdaptiveReport
 from gatekeeper_wsgi.backends import backend_from_url
 from gatekeeper_wsgi.backends.base import (
     TOP_KEYS,
@@ -179,6 +180,9 @@ class GateKeeper:
             except ConfigError as exc:
                 raise located(exc, self._file) from exc
         self.backend = backend
+        #: what stats() last read from the backend (delayed releases pending, adaptive
+        #: limits), reported again while it fails
+        self._last_read: tuple[int, dict[str, AdaptiveReport]] = (0, {})
         self._check_adaptive(self.config)
         stages = self.monitor.stages
         self.backend.delay_stage = stages["delay_process"]
@@ -818,13 +822,17 @@ class GateKeeper:
         return self.backend.totals(limits, self._clock(), top=top, watch=watch)
 
     def stats(self) -> Stats:
-        """Counters, stage timings and adaptive limits (SPEC §7, §4.9)."""
-        snapshot = self.monitor.snapshot(self.backend.delayed_pending())
-        return Stats(
-            counters=snapshot["counters"],
-            stages=snapshot["stages"],
-            adaptive=self.backend.adaptive(),
-        )
+        """Counters, stage timings and adaptive limits (SPEC §7, §4.9). Always the dict:
+        while the backend fails (its failures are counted in ``backend_errors``), the
+        figures it holds are the ones last read."""
+        backend = self.backend
+        try:
+            self._last_read = (backend.delayed_pending(), backend.adaptive())
+        except BackendError as exc:
+            logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
+        delayed, adaptive = self._last_read
+        snapshot = self.monitor.snapshot(delayed)
+        return Stats(counters=snapshot["counters"], stages=snapshot["stages"], adaptive=adaptive)
 
     def close(self) -> None:
         """Release backend resources."""

@@ -257,6 +257,24 @@ def test_smaller_table_is_recreated_when_idle_and_refused_while_in_use(
     big.close()
 
 
+def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) -> None:
+    """stats() is SPEC §7's dict while the backend fails (a table too small for this
+    configuration, still held by another keeper): the backend's own figures as last read,
+    the failures counted."""
+    small = GateKeeper(config(table, {"shop": {"concurrency": 5}}))
+    held = small.admit("shop", "api", "c")
+    big_limits = {"shop": {"concurrency": 5}, "shop/api/*": {"concurrency": 1, "max_keys": 500_000}}
+    big = GateKeeper(config(table, big_limits, on_backend_error="reject"))
+    assert refused(big).code == "GK-BACKEND-UNAVAILABLE"
+    stats = big.stats()
+    assert set(stats) == {"counters", "stages", "adaptive"}
+    assert stats["counters"]["backend_errors"] >= 1
+    assert stats["counters"]["delayed_pending"] == 0 and stats["adaptive"] == {}
+    held.release(200)
+    small.close()
+    big.close()
+
+
 def test_other_layout_version_is_recreated_only_when_idle(table: Path) -> None:
     """A file of another layout version is re-created when it has no live leases, and
     reported (BackendError) while it has."""
