@@ -123,3 +123,43 @@ def test_a_bad_backend_url_in_a_file_names_the_file_and_line(
     assert run_check(str(path), out) == 1
     assert out.getvalue().startswith(f"error: {path}:3: backend: ")
     assert "hunter2" not in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("plant", "problem"),
+    [
+        (lambda path: path.symlink_to(path.with_name("real.shm")), "symbolic link"),
+        (lambda path: path.write_bytes(b"precious data, not a table\n"), "not a gatekeeper"),
+        (lambda path: (path.write_bytes(b""), path.chmod(0o666)), "writable by group and others"),
+    ],
+    ids=["symlink", "foreign file", "world-writable"],
+)
+def test_check_judges_an_existing_shared_file_as_start_up_does(
+    plant: Any, problem: str, tmp_path: Path
+) -> None:
+    """A file already at the shared path that start-up would refuse fails `gatekeeper
+    check` too, with the same reason, and is left as it was."""
+    (tmp_path / "real.shm").write_bytes(b"")
+    path = tmp_path / "gk.shm"
+    plant(path)
+    before = path.lstat()
+    url = f"shared://{path}"
+    status, output = checked({"backend": url})
+    assert status == 1 and problem in output
+    assert not starts(url)
+    after = path.lstat()
+    assert (after.st_mtime_ns, after.st_size, after.st_mode) == (
+        before.st_mtime_ns,
+        before.st_size,
+        before.st_mode,
+    )
+
+
+def test_check_accepts_an_existing_table(tmp_path: Path) -> None:
+    """A table the backend made (and one it left empty) passes the check."""
+    url = f"shared://{tmp_path}/gk.shm"
+    backend_from_url(url).close()
+    assert checked({"backend": url})[0] == 0
+    (tmp_path / "empty.shm").write_bytes(b"")
+    (tmp_path / "empty.shm").chmod(0o600)
+    assert checked({"backend": f"shared://{tmp_path}/empty.shm"})[0] == 0

@@ -32,9 +32,17 @@ from gatekeeper_wsgi.backends.base import (
     Slot,
 )
 from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
-from gatekeeper_wsgi.backends.shared.files import DEFAULT_MODE
+from gatekeeper_wsgi.backends.shared.files import DEFAULT_MODE, check_file
 from gatekeeper_wsgi.backends.shared.journal import HEADER_BLOCK
-from gatekeeper_wsgi.backends.shared.layout import H_HEAP_LEN, H_WAITING, MAX_REFS, NODE_HEAD, U32
+from gatekeeper_wsgi.backends.shared.layout import (
+    H_HEAP_LEN,
+    H_WAITING,
+    MAGIC,
+    MAGIC_INIT,
+    MAX_REFS,
+    NODE_HEAD,
+    U32,
+)
 from gatekeeper_wsgi.backends.shared.plans import Plan
 from gatekeeper_wsgi.backends.shared.reads import (
     read_adaptive,
@@ -212,7 +220,11 @@ class SharedBackend(Table):
 
     @classmethod
     def check_url(cls, url: str) -> None:
-        parse_url(url)
+        """ConfigError for what start-up would refuse, the file too when there is one (a
+        symbolic link, a file another user owns or can write, not a table); nothing is
+        created."""
+        path, options = parse_url(url)
+        check_file(path, options.get("mode", DEFAULT_MODE), (MAGIC, MAGIC_INIT))
 
     # --- public operations ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Collection
 
 from gatekeeper_wsgi.errors import ConfigError
 
@@ -52,20 +53,42 @@ def open_private(path: str, mode: int) -> int:
         except FileNotFoundError:
             continue
         except OSError as exc:
-            reason = (
-                "it is a symbolic link (never followed)"
-                if exc.errno == errno.ELOOP
-                else exc.strerror
-            )
-            raise ConfigError(
-                "backend", f"cannot open the shared table {path!r}: {reason}"
-            ) from exc
+            raise _unopenable(path, exc) from exc
         problem = _unfit(os.fstat(fd), mode)
         if problem is None:
             return fd
         os.close(fd)
         raise ConfigError("backend", f"refusing the shared table {path!r}: {problem}")
     raise ConfigError("backend", f"cannot open the shared table {path!r}: it keeps changing")
+
+
+def check_file(path: str, mode: int, magics: Collection[bytes]) -> None:
+    """ConfigError for a file at ``path`` that :func:`open_private` would refuse, or whose
+    first bytes are none of ``magics`` and not zeros (not a table: start-up would refuse
+    to overwrite it). Nothing is created or changed: no file there is fine."""
+    check_mode(path, mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _unopenable(path, exc) from exc
+    try:
+        problem = _unfit(os.fstat(fd), mode)
+        if problem is not None:
+            raise ConfigError("backend", f"refusing the shared table {path!r}: {problem}")
+        head = os.pread(fd, max(map(len, magics)), 0)
+        if head.strip(b"\0") and not head.startswith(tuple(magics)):
+            raise ConfigError(
+                "backend", f"{path!r} is not a gatekeeper shared table; it would not be used"
+            )
+    finally:
+        os.close(fd)
+
+
+def _unopenable(path: str, exc: OSError) -> ConfigError:
+    reason = "it is a symbolic link (never followed)" if exc.errno == errno.ELOOP else exc.strerror
+    return ConfigError("backend", f"cannot open the shared table {path!r}: {reason}")
 
 
 def _unfit(info: os.stat_result, mode: int) -> str | None:
