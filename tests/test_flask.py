@@ -579,14 +579,34 @@ def test_status_json_needs_the_token() -> None:
             assert response.status_code == 403
 
 
-def test_status_auth_callable_replaces_the_token() -> None:
-    """With auth=callable, it alone decides access to the dashboard."""
+def test_status_auth_callable_admits_besides_the_token() -> None:
+    """With auth=callable, whom it vouches for sees the dashboard, and the dashboard
+    token still works (a scraper), as Django admits staff or the token (SPEC §7); anyone
+    else is refused."""
     app, _ = status_app(auth=lambda: request.headers.get("X-Role") == "ops", url_prefix="/ops")
     with app.test_client() as client:
         with client.get("/ops/status.json", headers={"X-Role": "ops"}) as response:
             assert response.status_code == 200
-        with client.get("/ops/status.json?token=s3cret") as response:
+        with client.get("/ops/status.json", headers={"Authorization": "Bearer s3cret"}) as response:
+            assert response.status_code == 200
+        with client.get("/ops/status.json", headers={"X-Role": "guest"}) as response:
+            assert response.status_code == 401
+        with client.get("/ops/status.json", headers={"Authorization": "Bearer wrong"}) as response:
             assert response.status_code == 403
+
+
+def test_status_auth_callable_that_raises_leaves_the_token_to_decide() -> None:
+    """An auth hook that raises admits nobody by itself; the token still works."""
+
+    def broken() -> bool:
+        raise RuntimeError("session store down")
+
+    app, _ = status_app(auth=broken, url_prefix="/ops")
+    with app.test_client() as client:
+        with client.get("/ops/status.json") as response:
+            assert response.status_code == 401
+        with client.get("/ops/status.json", headers={"Authorization": "Bearer s3cret"}) as response:
+            assert response.status_code == 200
 
 
 def test_status_is_denied_without_token_or_auth() -> None:

@@ -351,10 +351,10 @@ class GateKeeper:
         """A blueprint serving the status JSON (``<url_prefix>/status.json``) and the HTML
         dashboard (``<url_prefix>/``), never limited themselves.
 
-        Access: ``auth()`` (called inside the request context) decides when given;
-        otherwise the ``dashboard.token`` setting must be sent as ``Authorization:
-        Bearer <token>`` or ``?token=<token>``; with neither, every request is denied.
-        Denied -> 403.
+        Access: whom ``auth()`` (called inside the request context) vouches for, and
+        whoever sends the ``dashboard.token`` setting as ``Authorization: Bearer <token>``
+        (or opens ``?token=<token>`` once, exchanged for a cookie); with neither an auth
+        hook nor a token, every request is denied. No credentials -> 401, wrong -> 403.
         """
         from .status import status_blueprint
 

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flask import Blueprint, abort, current_app, request
+from flask import Blueprint, current_app, request
 from werkzeug.wrappers import Response
 
 if TYPE_CHECKING:
     from .extension import GateKeeper
 
 __all__ = ["status_blueprint"]
+
+logger = logging.getLogger("gatekeeper")
 
 
 #: environ key telling the StatusApp that the blueprint's auth hook allowed the request
@@ -21,6 +24,16 @@ _ALLOWED_KEY = "gatekeeper.flask.allowed"
 
 def _allowed_by_hook(environ: Any) -> bool:
     return environ.get(_ALLOWED_KEY) is True
+
+
+def _vouched(auth: Callable[[], bool]) -> bool:
+    """Whether the application's auth hook admits this request (a hook that raises does
+    not: logged, and the token decides)."""
+    try:
+        return bool(auth())
+    except Exception:
+        logger.exception("gatekeeper: the status blueprint's auth hook raised; the token decides")
+        return False
 
 
 def status_blueprint(
@@ -34,10 +47,9 @@ def status_blueprint(
     blueprint = Blueprint(name, __name__, url_prefix=url_prefix)
 
     def serve(sub_path: str) -> Response:
-        # With an auth hook, it alone decides; without, the core StatusApp checks the
-        # dashboard token (one check for every integration: bearer, or link -> cookie).
-        if auth is not None and not auth():
-            abort(403)
+        # The auth hook admits whom it vouches for; anyone else may still show the
+        # dashboard token, which the core StatusApp checks (one check for every
+        # integration: bearer, or link -> cookie), as Django admits staff or the token.
         from gatekeeper_wsgi.status import StatusApp
 
         state = extension.state()
@@ -45,7 +57,7 @@ def status_blueprint(
         if status_app is None:
             status_app = state.status_app = StatusApp(state.gatekeeper, allow=_allowed_by_hook)
         environ = dict(request.environ)
-        environ[_ALLOWED_KEY] = auth is not None
+        environ[_ALLOWED_KEY] = auth is not None and _vouched(auth)
         path = request.path
         environ["SCRIPT_NAME"] = request.script_root + path[: len(path) - len(sub_path)]
         environ["PATH_INFO"] = sub_path
