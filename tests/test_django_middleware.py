@@ -202,6 +202,29 @@ def test_user_key_falls_back_to_remote_user(settings: Any) -> None:
 # -- release on close ------------------------------------------------------------------
 
 
+def test_a_streamed_response_the_test_client_leaves_unread_holds_its_slot(
+    settings: Any, client: Client
+) -> None:
+    """As docs/concepts.md says: Django's test client closes a streamed response only
+    once its content is read; dropped unread, it holds the slot until the cycle collector
+    takes it (the test response refers to itself), then releases it exactly once."""
+    import gc
+
+    configure_gatekeeper(settings, {"site/stream": {"concurrency": 1}})
+    keeper = get_gatekeeper()
+    first = client.get("/stream/")
+    assert first.status_code == 200
+    assert client.get("/stream/").status_code == 503
+    assert b"".join(first.streaming_content).startswith(b"first 1")  # read: closed
+    assert busy(keeper.inflight()) == {}
+    client.get("/stream/")  # dropped unread
+    gc.collect()
+    assert busy(keeper.inflight()) == {}
+    read = client.get("/stream/")
+    assert b"".join(read.streaming_content).startswith(b"first 1")
+    assert busy(keeper.inflight()) == {}
+
+
 def test_error_mid_stream_is_faulty_and_releases_after_the_delay(
     settings: Any, client: Client
 ) -> None:
