@@ -242,6 +242,35 @@ def test_declared_floors_work(wheel: Path, tmp_path: Path, floor_redis: str) -> 
     assert out.strip().endswith("floors work")
 
 
+def test_an_uninstalled_checkout_imports_contrib_packages(tmp_path: Path) -> None:
+    """``PYTHONPATH=<checkout>`` without any install: the plugins import under
+    gatekeeper_wsgi.contrib from the checkout's top-level ``contrib/``. (``-S`` with the
+    site-packages directories put on the path by hand: their ``.pth`` files, the editable
+    install's among them, are not run.)"""
+    import site
+
+    paths = [str(ROOT), *site.getsitepackages()]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            f"import sys; sys.path[:0] = {paths!r};"
+            "import gatekeeper_wsgi.contrib.django as d, gatekeeper_wsgi.contrib.flask as f;"
+            "print(d.__file__, f.__file__, '__editable__' in str(sys.meta_path))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    ).stdout.split()
+    assert out == [
+        str(ROOT / "contrib" / "django" / "__init__.py"),
+        str(ROOT / "contrib" / "flask" / "__init__.py"),
+        "False",
+    ]
+
+
 def test_source_checkout_imports_contrib_packages() -> None:
     """From the (editable) checkout both plugin packages import under gatekeeper_wsgi.contrib."""
     out = subprocess.run(
