@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import os
 import re
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ from werkzeug.serving import make_server
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from gatekeeper_wsgi.status import StatusApp
 
-CHROMIUM = "/usr/bin/chromium"
+#: the Chromium on the PATH (Debian's ``chromium``, elsewhere often ``chromium-browser``)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).parent / "artifacts"
 TOKEN = "dash-token"
 CHROMIUM_ARGS = [
@@ -45,8 +47,8 @@ def _chromium_or_skip() -> Any:
     """Playwright's sync API, or a skip (a failure when CI requires Chromium)."""
     required = os.environ.get("GATEKEEPER_REQUIRE_CHROMIUM") == "1"
     reason = None
-    if not os.path.exists(CHROMIUM):
-        reason = f"{CHROMIUM} not found (apt-get install chromium)"
+    if CHROMIUM is None:
+        reason = "no chromium on the PATH (apt-get install chromium)"
     try:
         from playwright import sync_api
     except ImportError:

@@ -7,6 +7,7 @@ expiry, delays, windows) the test polls until a deadline instead of assuming a d
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import multiprocessing
 import re
@@ -27,6 +28,7 @@ from werkzeug.test import Client  # noqa: E402
 from gatekeeper_wsgi import BackendError, GateKeeper, GateKeeperMiddleware, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends import backend_from_url  # noqa: E402
 from gatekeeper_wsgi.backends.redis import CircuitOpen, RedisBackend  # noqa: E402
+from gatekeeper_wsgi.cli import run_check  # noqa: E402
 from gatekeeper_wsgi.errors import ConfigError  # noqa: E402
 from gatekeeper_wsgi.resolve import resolve_route  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
@@ -341,6 +343,21 @@ def test_a_database_redis_does_not_have_is_a_config_error(redis_server: str) -> 
     with pytest.raises(ConfigError, match="DB index is out of range"):
         GateKeeper({"backend": f"{base}/99999"})
     GateKeeper({"backend": f"{base}/3?prefix=gk-db-{uuid.uuid4().hex[:6]}"}).close()
+
+
+def test_check_of_a_database_redis_does_not_have_fails_at_its_line(
+    redis_server: str, tmp_path: Path
+) -> None:
+    """`gatekeeper check` asks the server before it calls anything OK: a database it lacks
+    is an error at the file and line of ``backend``, and nothing is called OK."""
+    base = redis_server.rsplit("/", 1)[0]
+    path = tmp_path / "gk.properties"
+    path.write_text(f"project = shop\nbackend = {base}/99999\n", encoding="utf-8")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_check(str(path), out, err=err) == 1
+    assert err.getvalue().startswith(f"error: {path}:2: backend: ")
+    assert "DB index is out of range" in err.getvalue()
+    assert "OK" not in out.getvalue()
 
 
 def test_valkey_scheme_talks_to_the_same_server(redis_server: str) -> None:

@@ -153,6 +153,16 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
             check_backend_url(config.backend)
         except ConfigError as exc:
             raise located(exc, config_file(source)) from exc
+        # What the server itself says (its maxmemory-policy, a database it lacks), before
+        # anything is called OK.
+        report = None
+        if config.backend.split(":", 1)[0].lower() in ("redis", "rediss", "unix", "valkey"):
+            from gatekeeper_wsgi.backends.redis import check_report  # redis-py only when used
+
+            try:
+                report = check_report(config.backend, config)
+            except ConfigError as exc:
+                raise located(exc, config_file(source)) from exc
     except ConfigError as exc:
         print(f"error: {mask_text(str(exc))}", file=errors)
         return 1
@@ -164,14 +174,8 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
         f"caller header {config.caller.header}" + (" (required)" if config.caller.required else ""),
         file=out,
     )
-    if config.backend.split(":", 1)[0].lower() in ("redis", "rediss", "unix", "valkey"):
-        from gatekeeper_wsgi.backends.redis import check_report  # redis-py only when used
-
-        try:
-            print(check_report(config.backend, config), file=out)
-        except ConfigError as exc:
-            print(f"error: {mask_text(str(exc))}", file=errors)
-            return 1
+    if report is not None:
+        print(report, file=out)
     if config.reload.file:
         print(f"limits file: {config.reload.file}", file=out)
     if not config.limits:
