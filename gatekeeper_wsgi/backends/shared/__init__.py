@@ -26,7 +26,8 @@ table:
 - :mod:`.plans`: the per-request path: an admission (and its release) of slots admitted
   before, by the node offsets found then, while no key has left the table since;
 - :mod:`.table`: :class:`~.table.Table`: the file, its map and its locks, attaching,
-  initialising, damage and re-creation, fork handling, the structures of the current map;
+  initialising, damage and re-creation, a deleted or replaced file followed, fork
+  handling, the structures of the current map;
 - :mod:`.url`: the ``shared://`` URL and its options;
 - :mod:`.reads`: the status reads (in flight, totals, adaptive reports, usage);
 - :mod:`.backend`: :class:`SharedBackend`, on the table: the backend contract, admission

@@ -4,7 +4,8 @@ of the map, from attaching to a file to re-creating a damaged one.
 :class:`Table` owns what every call of :class:`~.backend.SharedBackend` passes through
 before and after it touches the structures: taking the thread and file locks and checking
 the table on the way in (:meth:`Table._enter`: size, magic, epoch, a killed process's
-journal), attaching and mapping the file (or initialising it, or re-creating it when
+journal; at most every :data:`PATH_CHECK_EVERY`, whether the path still names the open
+file), attaching and mapping the file (or initialising it, or re-creating it when
 damaged), rolling an unfinished update back and turning what went wrong into what may
 leave a backend (:meth:`Table._fail`), handling a fork, reclaiming dead processes'
 leases, closing. ``with table._transaction as mm:`` is one update,
@@ -97,6 +98,14 @@ _INSTANCES: weakref.WeakSet[Table] = weakref.WeakSet()
 _STATE_END = STATE.size
 #: serialises noticing a fork that bypassed the at-fork hook (threads race to notice)
 _FORK_LOCK = threading.Lock()
+#: Seconds between two looks at whether the path still names the file a process has open
+#: (deleted, or replaced by another file). A look is a ``stat`` (~1 µs) and every request
+#: enters the table twice: at most one per interval keeps it off the hot path (a clock read
+#: and a compare), and 0.1 s bounds how long a process that has not noticed yet counts in a
+#: file the others no longer use; a file is replaced by an accident (an operator, a
+#: tmpfiles cleaner), not once a second.
+PATH_CHECK_EVERY = 0.1
+_monotonic = time.monotonic
 
 
 def _after_fork_in_child() -> None:
@@ -134,7 +143,10 @@ class Table(Backend):
     ``O_CREAT|O_EXCL|O_NOFOLLOW``; an existing file is used only when ``fstat`` on the opened
     descriptor shows a regular file of this user (or of the group, with ``?mode=0660``) that
     nobody else may write; anything else is a ConfigError naming the path and why
-    (:mod:`.files`).
+    (:mod:`.files`). At most every :data:`PATH_CHECK_EVERY` a process looks whether the
+    path still names the file it has open; when the file was deleted or another put there,
+    it logs one ERROR and opens the file now at the path with the same checks (creating it
+    if there is none), so every process counts in one file again (:meth:`_follow_path`).
 
     **Damage.** Each lock acquisition checks the file size (one ``lseek``: the map is never
     touched past the end of a truncated file, which would be SIGBUS), the magic and the
@@ -188,6 +200,10 @@ class Table(Backend):
         #: the plans of the map (:mod:`.plans`), None while there is none
         self._plans: Plans | None = None
         self._closed = False
+        #: (device, inode) of the file open as ``_fd``, and when to look next whether the
+        #: path still names it (:meth:`_follow_path`)
+        self._file: tuple[int, int] | None = None
+        self._path_due = 0.0
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
@@ -225,7 +241,43 @@ class Table(Backend):
         self._last_deep_check = -1.0
 
     def _open(self) -> None:
-        self._fd = open_private(self.path, self._mode)
+        self._fd = fd = open_private(self.path, self._mode)
+        info = os.fstat(fd)
+        self._file = (info.st_dev, info.st_ino)
+        self._path_due = _monotonic() + PATH_CHECK_EVERY
+
+    def _follow_path(self) -> None:
+        """Open the file if none is open; if the path no longer names the open one (it was
+        deleted, or another file put there), log one ERROR and open the file now at the
+        path (created if there is none: as at start), so that this process counts in the
+        file every other process uses. Under the thread lock, before the file lock."""
+        if self._fd < 0:
+            self._open()
+            return
+        self._path_due = _monotonic() + PATH_CHECK_EVERY
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            what = "was deleted"
+        else:
+            if (info.st_dev, info.st_ino) == self._file:
+                return
+            what = "was replaced by another file"
+        logger.error(
+            "gatekeeper: shared table %s %s; opening the file now at the path (requests in "
+            "flight in the old file are not counted in it)",
+            self.path,
+            what,
+        )
+        fd = self._fd
+        self._unmap()
+        self._fd = -1
+        # The file at the path is not the one this process mapped (which may give its
+        # inode number to the next file created once closed): garbage there is no damage
+        # to re-create, and an empty file is new.
+        self._file = self._ours = None
+        os.close(fd)
+        self._open()  # a symlink or foreign file put there is refused, as at start
 
     def _unmap(self) -> None:
         if self._mm is not None:
@@ -244,6 +296,7 @@ class Table(Backend):
         self._mm = None
         self._plans = None
         self._fd = -1
+        self._file = None
         self._tlock = TurnLock()
         self._pid = os.getpid()
         self._reset_state()
@@ -282,9 +335,10 @@ class Table(Backend):
         except IndexError:
             turns.wait()
         try:
-            if fd < 0 or self._fd != fd:
-                if self._fd < 0:
-                    self._open()
+            # Whether the path still names the open file is looked at once per
+            # PATH_CHECK_EVERY: a clock read and a compare on the common path.
+            if fd < 0 or self._fd != fd or _monotonic() >= self._path_due:
+                self._follow_path()
                 size = file_size(self._fd)
             # filelock.lock_file's first try inlined (a call less on every update); it
             # waits, or raises why not, when that try fails.

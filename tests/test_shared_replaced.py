@@ -1,0 +1,258 @@
+"""The shared table's path deleted or given another file under running processes: each
+process notices within ``PATH_CHECK_EVERY`` (the clock injected here), logs one ERROR and
+counts in the file now at the path, so every process counts in one file again. Real files
+and real forked processes, no mocks.
+
+What must hold (SPEC §4.1, §4.6, §4.10): the in-flight count never exceeds the concurrency
+once the replacement is noticed; a symlink or foreign file put at the path is refused as at
+start, never followed nor overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import stat
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatekeeper_wsgi import GateKeeper, Rejected
+from gatekeeper_wsgi.backends.shared import table as table_module
+from tests.conftest import FakeClock
+
+DEADLINE = 20.0
+
+
+def settings_for(path: Path) -> dict[str, Any]:
+    return {
+        "project": "shop",
+        "backend": f"shared://{path}",
+        "on_backend_error": "reject",
+        "limits": {"shop": {"concurrency": 1}},
+    }
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    """The path of a table file that does not exist yet."""
+    return tmp_path / "x.shm"
+
+
+@pytest.fixture
+def path_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The clock the tables of this process (and of processes forked from it) time their
+    looks at the path by: the interval passes when the test advances it."""
+    clock = FakeClock()
+    monkeypatch.setattr(table_module, "_monotonic", clock)
+    return clock
+
+
+def _worker(path: str, conn: Connection) -> None:
+    """Process B: admits and releases as the test says, answering each command."""
+    gk = GateKeeper(settings_for(Path(path)))
+    held = []
+    while True:
+        command = conn.recv()
+        if command == "admit":
+            try:
+                held.append(gk.admit("shop", "api", "b"))
+            except Rejected as rejection:
+                conn.send(rejection.code)
+            else:
+                conn.send("admitted")
+        elif command == "release":
+            for admission in held:
+                admission.release(200)
+            held.clear()
+            conn.send("released")
+
+
+class Worker:
+    """A forked process on the table, driven through a pipe."""
+
+    def __init__(self, path: Path) -> None:
+        context = multiprocessing.get_context("fork")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker, args=(str(path), child), daemon=True)
+        self.process.start()
+
+    def __call__(self, command: str) -> str:
+        self.conn.send(command)
+        if not self.conn.poll(DEADLINE):
+            pytest.fail(f"the worker did not answer {command} (exit code {self.process.exitcode})")
+        answer: str = self.conn.recv()
+        return answer
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join(DEADLINE)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """The workers a test starts, stopped at its end."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+def busy(path: Path) -> dict[str, int]:
+    """What an observer process attaching to the file at ``path`` now counts in flight."""
+    observer = GateKeeper(settings_for(path))
+    try:
+        return {key: count for key, count in observer.inflight().items() if count}
+    finally:
+        observer.close()
+
+
+def refusal(gk: GateKeeper) -> str:
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", "api", "a")
+    return refused.value.code
+
+
+def path_errors(caplog: pytest.LogCaptureFixture, path: Path) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno >= logging.ERROR and str(path) in record.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("release_first", [True, False], ids=["released", "still-held"])
+def test_table_replaced_under_a_process_is_followed(
+    table: Path,
+    path_clock: FakeClock,
+    workers: list[Worker],
+    caplog: pytest.LogCaptureFixture,
+    release_first: bool,
+) -> None:
+    """A holds the only slot; the file is deleted and B, starting, creates a new one and
+    takes its slot. Once the interval has passed, A notices with one ERROR naming the path
+    and counts in B's file: refused while B holds the slot, admitted once B releases; the
+    release of A's lease from the old file leaves B's count alone."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
+    a = GateKeeper(settings_for(table))
+    old = a.admit("shop", "api", "a")
+    os.unlink(table)
+    b = Worker(table)
+    workers.append(b)
+    assert b("admit") == "admitted"
+    if release_first:
+        old.release(200)
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert refusal(a) == "GK-CONCURRENCY-LIMIT"
+    errors = path_errors(caplog, table)
+    assert len(errors) == 1, errors
+    assert "was replaced by another file" in errors[0]
+    if not release_first:
+        old.release(200)
+    assert busy(table) == {"shop": 1}
+    assert refusal(a) == "GK-CONCURRENCY-LIMIT"
+    assert b("release") == "released"
+    again = a.admit("shop", "api", "a")
+    assert busy(table) == {"shop": 1}
+    assert b("admit") == "GK-CONCURRENCY-LIMIT"
+    again.release(200)
+    assert busy(table) == {}
+    assert len(path_errors(caplog, table)) == 1
+    a.close()
+
+
+def test_table_renamed_over_is_followed(
+    table: Path, path_clock: FakeClock, workers: list[Worker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new table renamed over the path (the file A has open stays, unnamed): A notices
+    it was replaced, with one ERROR, and counts in the new one with B."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
+    a = GateKeeper(settings_for(table))
+    a.admit("shop", "api", "a").release(200)
+    fresh = table.with_name("fresh.shm")
+    GateKeeper(settings_for(fresh)).close()
+    os.rename(fresh, table)
+    b = Worker(table)
+    workers.append(b)
+    assert b("admit") == "admitted"
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert refusal(a) == "GK-CONCURRENCY-LIMIT"
+    errors = path_errors(caplog, table)
+    assert len(errors) == 1, errors
+    assert "was replaced by another file" in errors[0]
+    a.close()
+
+
+def test_deleted_table_is_created_again(
+    table: Path, path_clock: FakeClock, workers: list[Worker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The path deleted and nobody creating it again: A's next operation after the interval
+    creates it (private, as at start), with one ERROR, and a process starting then counts
+    in it with A."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
+    a = GateKeeper(settings_for(table))
+    old = a.admit("shop", "api", "a")
+    os.unlink(table)
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    new = a.admit("shop", "api", "a")  # the old file's lease is not counted in the new one
+    assert stat.S_IMODE(table.stat().st_mode) == 0o600
+    errors = path_errors(caplog, table)
+    assert len(errors) == 1, errors
+    assert "was deleted" in errors[0]
+    b = Worker(table)
+    workers.append(b)
+    assert b("admit") == "GK-CONCURRENCY-LIMIT"
+    old.release(200)
+    assert b("admit") == "GK-CONCURRENCY-LIMIT"
+    new.release(200)
+    assert b("admit") == "admitted"
+    assert busy(table) == {"shop": 1}
+    a.close()
+
+
+def test_symlink_put_at_the_path_is_refused_not_followed(
+    tmp_path: Path, table: Path, path_clock: FakeClock
+) -> None:
+    """A symlink put at the path of a running table is refused on every operation
+    (on_backend_error decides: GK-BACKEND-UNAVAILABLE here), its target untouched; once it
+    is gone, the table is created again and counts."""
+    a = GateKeeper(settings_for(table))
+    a.admit("shop", "api", "a").release(200)
+    target = tmp_path / "precious"
+    target.write_bytes(b"precious")
+    target.chmod(0o600)
+    os.unlink(table)
+    table.symlink_to(target)
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert [refusal(a) for _ in range(3)] == ["GK-BACKEND-UNAVAILABLE"] * 3
+    assert target.read_bytes() == b"precious"
+    assert table.is_symlink()
+    table.unlink()
+    admission = a.admit("shop", "api", "a")
+    assert table.is_file() and not table.is_symlink()
+    assert refusal(a) == "GK-CONCURRENCY-LIMIT"
+    admission.release(200)
+    assert target.read_bytes() == b"precious"
+    a.close()
+
+
+def test_foreign_file_put_at_the_path_is_refused_untouched(
+    table: Path, path_clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another file of this user put at the path is no table: refused (on_backend_error
+    decides), never overwritten."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
+    a = GateKeeper(settings_for(table))
+    a.admit("shop", "api", "a").release(200)
+    os.unlink(table)
+    table.write_bytes(b"somebody's data" * 100)
+    table.chmod(0o600)
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert [refusal(a) for _ in range(2)] == ["GK-BACKEND-UNAVAILABLE"] * 2
+    assert table.read_bytes() == b"somebody's data" * 100
+    assert any("not a gatekeeper shared table" in message for message in caplog.messages)
+    a.close()
