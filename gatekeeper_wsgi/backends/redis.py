@@ -64,6 +64,7 @@ from gatekeeper_wsgi.backends.base import (
     KeyUsage,
     LimitTotals,
     Slot,
+    WaitingLine,
 )
 from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.errors import BackendError, ConfigError, LimitKind
@@ -549,6 +550,72 @@ class _Outbox:
             thread.join(timeout=1.0)
 
 
+#: How long (seconds) a queued waiter may go without looking at its line before the others
+#: count it as gone (its process died or hangs): a live one looks every poll_interval.
+WAITER_GONE_AFTER = 1.0
+
+
+class _Ticket(NamedTuple):
+    """A waiter's place: its line (sorted set), the line's signs of life (hash), its id."""
+
+    line: str
+    life: str
+    id: str
+
+
+class _RedisLine(WaitingLine[_Ticket]):
+    """The queues' lines of every process on this Redis (SPEC §4.4, ``lua/queue.lua``): a
+    waiter may take its slots only when it is the first live waiter of its limit path, in
+    the order the waiters joined across processes and hosts, and a line holds at most
+    ``size`` of them. A waiter looks again every ``poll_interval`` (a release on another
+    host notifies nobody here), at once after a release of its own process. A waiter whose
+    process died is dropped once it has not looked for :data:`WAITER_GONE_AFTER`."""
+
+    def __init__(self, backend: RedisBackend) -> None:
+        self._backend = backend
+        self._script: Script = backend.client.register_script(_load_script("queue.lua"))
+        self._gone_after_us = round(WAITER_GONE_AFTER * 1_000_000)
+        self._cond = threading.Condition()
+
+    def after_fork(self) -> None:
+        self._cond = threading.Condition()  # it may have been held by another thread
+
+    def _call(self, ticket: _Ticket, op: str, size: int = 0) -> int:
+        try:
+            answer = self._script(
+                keys=[ticket.line, ticket.life], args=[op, ticket.id, size, self._gone_after_us]
+            )
+        except Exception as exc:  # redis-py's: an outage, which on_backend_error decides
+            raise self._backend.backend_error(exc) from exc
+        return int(answer)
+
+    def join(self, key: str, size: int) -> _Ticket | None:
+        tag = f"{self._backend.prefix}:{{{key.split('/', 1)[0]}}}"
+        ticket = _Ticket(f"{tag}:q:{key}", f"{tag}:w:{key}", os.urandom(12).hex())
+        return ticket if self._call(ticket, "join", size) else None
+
+    def admit(self, ticket: _Ticket, slots: Sequence[Slot], now: float) -> Grant | Denial | None:
+        if not self._call(ticket, "first"):
+            return None
+        return self._backend.acquire(slots, now)
+
+    def sleep(self, ticket: _Ticket, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(min(timeout, self._backend.poll_interval))
+
+    def leave(self, ticket: _Ticket) -> None:
+        try:
+            self._call(ticket, "leave")
+        except BackendError as exc:
+            # Not this request's failure: the place is dropped as gone once it stops looking.
+            logger.warning("gatekeeper: leaving a queue line failed: %s", exc)
+        self.wake()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
 class RedisBackend(Backend):
     """Counters in Redis, exact across hosts; one round trip a request waits for.
 
@@ -583,7 +650,8 @@ class RedisBackend(Backend):
     ends, its last delayed release matures or its window empties), so state is bounded by
     the traffic of one ``max_hold`` / window rather than by a key count. Replication can
     lose acknowledged writes on failover, so a limit may over-admit briefly then.
-    Queued waiters poll (``local = False``), so the queue is FIFO per process only.
+    Queued waiters wait in one line per limit path for every process on this Redis, FIFO
+    across hosts (:class:`_RedisLine`), and look again every ``poll_interval``.
     """
 
     local = False
@@ -649,11 +717,20 @@ class RedisBackend(Backend):
         # more than the round trip it wraps.
         self._local = threading.local()
         self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._line: _RedisLine | None = None
         _BACKENDS.add(self)
 
     def _after_fork(self) -> None:
         self._outbox.after_fork()
         self._delayed_lock = threading.Lock()
+        if self._line is not None:
+            self._line.after_fork()
+
+    def waiting_line(self) -> _RedisLine:
+        """One line per queued limit path for every process on this Redis."""
+        if self._line is None:
+            self._line = _RedisLine(self)
+        return self._line
 
     @property
     def label(self) -> str:
