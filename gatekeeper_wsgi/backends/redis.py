@@ -170,8 +170,8 @@ class _Input(NamedTuple):
     """What gate.lua needs about the slots of one route, packed once (redis-py would encode
     every argument anew on every call, which costs more than the round trip)."""
 
-    #: per slot: its path's sorted set, then a wildcard limit's totals set and delayed set,
-    #: and an adaptive slot's hash (see gate.lua)
+    #: per slot: its path's sorted set, then a wildcard limit's totals, delayed and tracked
+    #: sets, and an adaptive slot's hash (see gate.lua)
     keys: list[str]
     key_bulks: list[bytes]  #: the same, packed
     spec_words: list[str]  #: every slot's spec (see gate.lua)
@@ -589,9 +589,12 @@ class RedisBackend(Backend):
     persistence, more than 10 000 waiting) end by lease expiry. Status reads
     (:meth:`inflight`) send the waiting releases first, so they count exactly.
 
-    ``max_keys`` is not counted here: idle keys expire instead (a key when its last lease
-    ends, its last delayed release matures or its window empties), so state is bounded by
-    the traffic of one ``max_hold`` / window rather than by a key count. Replication can
+    ``max_keys`` is counted as on the other backends: a wildcard limit's tracked set (see
+    :meth:`tracking_key`) holds its keys; a new key evicts an idle one (nothing in flight,
+    its window empty) or, none found among the 16 that end soonest, is refused by that limit
+    (:class:`~gatekeeper_wsgi.errors.CapacityError`, nothing taken). Idle keys also expire
+    by themselves (a key when its last lease ends, its last delayed release matures or its
+    window empties). Replication can
     lose acknowledged writes on failover, so a limit may over-admit briefly then.
     Queued waiters poll (``local = False``), so the queue is FIFO per process only.
     """

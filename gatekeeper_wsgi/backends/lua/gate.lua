@@ -28,9 +28,17 @@
 -- Every member carries its own end, so a lease that expires by max_hold (a crashed holder)
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
+-- And its tracked set, the keys it tracks (max_keys, SPEC 4.5): <path> scored by when that
+-- key is idle at the latest (its admission's lease end or window end, pushed further by each
+-- admission and by a delayed release to when it matures; never lowered, so an upper bound).
+-- A new key finds room among max_keys, else evicts an idle one (the keys scored before now,
+-- then the first idle of the 16 that end soonest, looked at in their own sets), else the
+-- admission is refused with nothing taken. It lives at least as long as the totals set, so
+-- an admission reads its expiry only when the totals set's needs pushing; a delayed release
+-- cuts it to the longer of the totals and delayed sets.
 -- A limit without a wildcard has one concrete path, its own: its sorted set already holds
--- all it would, so it has neither (the client passes that set alone, and its codes and
--- specs tell the script so).
+-- all it would, so it has none of these (the client passes that set alone, and its codes
+-- and specs tell the script so).
 --
 -- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
 -- limit ('limit', which admissions enforce), its controller's state as the client wrote it
@@ -46,7 +54,7 @@
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
 --            owns in KEYS order: window in ms * 4, + 2 for a wildcard limit's slot (it
---            has three keys), + 1 when its window entry is given back (a limit that
+--            has four keys), + 1 when its window entry is given back (a limit that
 --            counts only some statuses, and this response's was not one);
 --            an adaptive slot's code is "<code>:" or, with the request's sample,
 --            "<code>:<latency in us>:<faulty 1/0>";
@@ -63,21 +71,24 @@
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
---   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>",
---   or for an enforced concurrency slot without a rate its concurrency alone (one
---   tonumber, no pattern to match), as -2 - concurrency for a wildcard limit's slot
+--   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>
+--   [<max_keys>, a wildcard limit's]", or for an enforced concurrency slot without a rate
+--   its concurrency alone (one tonumber, no pattern to match), or for a wildcard limit's
+--   "<-2 - concurrency> <max_keys>"
 -- (Specs in words keep the command short: the client packs each argument anew.)
 -- KEYS: the keys of the releases in order, then those of the admission: per slot its
--- path's sorted set, then a wildcard limit's totals set and delayed set, then an adaptive
--- slot's hash. (A limit without a wildcard used to send its set three times: each KEYS
--- entry costs the script an interned string and a table slot, ~900 instructions.)
+-- path's sorted set, then a wildcard limit's totals, delayed and tracked sets, then an
+-- adaptive slot's hash. (A limit without a wildcard used to send its set three times: each
+-- KEYS entry costs the script an interned string and a table slot, ~900 instructions.)
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
 -- {1, {shadowed slot indexes}, {slot indexes whose full window was not extended}}
 -- (0-based); a refused one
 -- {0, refusing slot index (0-based), kind (1 concurrency, 2 rate), retry after (us),
--- the limit in force}. When releases claimed adaptive windows, the answer is wrapped:
+-- the limit in force}; one refused because a wildcard limit's max_keys keys are all busy
+-- {3, slot index, kind (2 when a key is held by its window alone), retry after (us),
+-- max_keys}. When releases claimed adaptive windows, the answer is wrapped:
 -- {2, answer, claim, ...}, each claim {hash, claim id, latency us, in flight, faulty,
 -- now us, s, n, sum, drops, peak} (the window's values before that sample).
 
