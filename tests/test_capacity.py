@@ -27,7 +27,8 @@ from gatekeeper_wsgi.errors import Rejected
 from tests.conftest import FakeClock, busy
 from tests.servers import wait_until
 
-#: The backends that refuse a key they cannot track.
+#: The backends that refuse a key they cannot track, driven by the FakeClock (Redis counts
+#: by its own TIME: tests/test_redis_capacity.py covers it in real time).
 CAPACITY_BACKENDS = ["memory", "shared"]
 #: The backends of the spray property test.
 SPRAY_BACKENDS = CAPACITY_BACKENDS

@@ -187,9 +187,10 @@ def test_hash_tags_put_all_keys_of_a_project_in_one_cluster_slot(prefixed: str) 
     for key in keys:
         match = re.fullmatch(rf"{re.escape(prefix)}:\{{([a-z]+)\}}:z:(\1(/.*)?)", key)
         assert match, key
-    # and one totals set per configured limit and project
+    # and one totals set and one tracked set per configured wildcard limit and project
+    wildcards = ["*", "*", "*/login/*", "*/login/*", "*/*/batch"]
     assert sorted(key.split("}", 1)[1] for key in every if ":z:" not in key) == sorted(
-        [":t:*", ":t:*", ":t:*/login/*", ":t:*/login/*", ":t:*/*/batch"]
+        [f":{kind}:{path}" for path in wildcards for kind in "tk"]
     )
     slots: dict[str, set[int]] = {}
     for key in every:

@@ -45,10 +45,11 @@ def keys_under(gk: GateKeeper, kind: str) -> set[str]:
 
 
 def test_per_slot_commands_for_three_levels_and_a_rate(own_redis: ControlledRedis) -> None:
-    """Three concurrency levels and a rate, one request at a time: per request 18 commands
+    """Three concurrency levels and a rate, one request at a time: per request 19 commands
     (24 before): per level a count, an add and an expiry at admission and a removal at release
     (the plain levels do not look at what is left: nothing is marked), the rate level's second
-    count, the wildcard level's totals add, expiry check and removal, and the two cleanups of
+    count, the wildcard level's totals add, expiry check and removal, its tracked set's add
+    (max_keys: a known key, so nothing more), and the two cleanups of
     one admission in 16; no give-back check of its own. The rate key's release rides along
     with the next admission on it, whose expiry covers what is left, so only the last one
     looks at what is left and cuts the key's life to its window. Nothing is left but the rate
@@ -72,13 +73,14 @@ def test_per_slot_commands_for_three_levels_and_a_rate(own_redis: ControlledRedi
         assert calls == {
             "time": requests + 1,  # the last release looks at the rate key by itself
             "zcount": 4 * requests,
-            "zadd": 4 * requests,
+            "zadd": 5 * requests,
             "pexpire": 3 * requests + 1,
             "pttl": requests,
             "zrem": 4 * requests,
             "zrange": 1,
         }
         assert keys_under(gk, "t") == {"shop/orders/*"}
+        assert keys_under(gk, "k") == {"shop/orders/*"}  # its tracked keys (max_keys)
         assert keys_under(gk, "z") == {"shop/orders/c"}  # idle exact keys are gone
         assert keys_under(gk, "d") == set()
     finally:

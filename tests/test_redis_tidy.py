@@ -354,8 +354,15 @@ def test_a_matured_delayed_release_leaves_no_key_past_its_delay(
         }
         kinds = {key.split("}:", 1)[1].split(":", 1)[0] for key in lives}
         # Every kind of key a delayed release touches is there (a wildcard's totals set
-        # without a rate was emptied of its last lease: gone), and none outlives it.
-        expected = {"z"} if limit_path == "shop/work" else {"z", "d", "t"} if rate else {"z", "d"}
+        # without a rate was emptied of its last lease: gone; its tracked set holds the
+        # delayed key), and none outlives it.
+        expected = (
+            {"z"}
+            if limit_path == "shop/work"
+            else {"z", "d", "t", "k"}
+            if rate
+            else {"z", "d", "k"}
+        )
         assert kinds == expected
         assert all(0 < life <= 2_001 for life in lives.values()), lives
     finally:

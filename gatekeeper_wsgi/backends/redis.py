@@ -67,7 +67,7 @@ from gatekeeper_wsgi.backends.base import (
     WaitingLine,
 )
 from gatekeeper_wsgi.config import Config, Limit
-from gatekeeper_wsgi.errors import BackendError, ConfigError, LimitKind
+from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
 from gatekeeper_wsgi.redact import mask_text, mask_url
 
 __all__ = ["RedisBackend", "check_report"]
@@ -171,8 +171,8 @@ class _Input(NamedTuple):
     """What gate.lua needs about the slots of one route, packed once (redis-py would encode
     every argument anew on every call, which costs more than the round trip)."""
 
-    #: per slot: its path's sorted set, then a wildcard limit's totals set and delayed set,
-    #: and an adaptive slot's hash (see gate.lua)
+    #: per slot: its path's sorted set, then a wildcard limit's totals, delayed and tracked
+    #: sets, and an adaptive slot's hash (see gate.lua)
     keys: list[str]
     key_bulks: list[bytes]  #: the same, packed
     spec_words: list[str]  #: every slot's spec (see gate.lua)
@@ -335,7 +335,17 @@ class _Breaker:
 
 
 def _denial(result: list[Any]) -> Denial:
-    """The Denial of a refusing gate.lua answer {0, slot, kind, retry after in us}."""
+    """The Denial of a refusing gate.lua answer {0, slot, kind, retry after in us}; a
+    {3, slot, kind, retry after in us, max_keys} answer (a new key of a wildcard limit whose
+    tracked keys are all busy) raises CapacityError for that slot instead."""
+    if result[0] == 3:
+        raise CapacityError(
+            int(result[1]),
+            f"it tracks max_keys={int(result[4])} keys and none is idle (each has a request "
+            "in flight or an entry in its rate window); raise max_keys",
+            retry_after=max(1, int(result[3])) / 1e6,
+            kind=_KINDS[int(result[2])],
+        )
     return Denial(int(result[1]), _KINDS[int(result[2])], max(0, int(result[3])) / 1e6)
 
 
@@ -646,9 +656,12 @@ class RedisBackend(Backend):
     persistence, more than 10 000 waiting) end by lease expiry. Status reads
     (:meth:`inflight`) send the waiting releases first, so they count exactly.
 
-    ``max_keys`` is not counted here: idle keys expire instead (a key when its last lease
-    ends, its last delayed release matures or its window empties), so state is bounded by
-    the traffic of one ``max_hold`` / window rather than by a key count. Replication can
+    ``max_keys`` is counted as on the other backends: a wildcard limit's tracked set (see
+    :meth:`tracking_key`) holds its keys; a new key evicts an idle one (nothing in flight,
+    its window empty) or, none found among the 16 that end soonest, is refused by that limit
+    (:class:`~gatekeeper_wsgi.errors.CapacityError`, nothing taken). Idle keys also expire
+    by themselves (a key when its last lease ends, its last delayed release matures or its
+    window empties). Replication can
     lose acknowledged writes on failover, so a limit may over-admit briefly then.
     Queued waiters wait in one line per limit path for every process on this Redis, FIFO
     across hosts (:class:`_RedisLine`), and look again every ``poll_interval``.
@@ -890,6 +903,12 @@ class RedisBackend(Backend):
         totals set."""
         return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:d:{limit_path}"
 
+    def tracking_key(self, limit_path: str, path: str) -> str:
+        """The tracked set of configured wildcard limit ``limit_path`` for its concrete
+        ``path``: the keys it tracks, at most its ``max_keys`` (see ``lua/gate.lua``),
+        beside its totals set."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:k:{limit_path}"
+
     def adaptive_key(self, path: str) -> str:
         """The hash of an adaptive limit at concrete ``path``: its limit in force, its
         controller's state and the window being gathered (see ``lua/gate.lua``)."""
@@ -917,11 +936,15 @@ class RedisBackend(Backend):
             quota = 0 if rate is None else rate.limit
             own = self.key_of(slot.key)
             # A limit without a wildcard has one concrete path: its own set holds all its
-            # totals would (read there by totals()), so it has no totals and delayed sets
-            # and sends its one key (each KEYS entry costs the script a string and a slot).
+            # totals would (read there by totals()), so it has no totals, delayed and
+            # tracked sets and sends its one key (each KEYS entry costs the script a string
+            # and a slot).
             if limit.wildcard:
                 keys += (own, self.totals_key(limit.path, slot.key))
-                keys.append(self.delayed_key(limit.path, slot.key))
+                keys += (
+                    self.delayed_key(limit.path, slot.key),
+                    self.tracking_key(limit.path, slot.key),
+                )
             else:
                 keys.append(own)
             if limit.adaptive is not None:
@@ -930,15 +953,18 @@ class RedisBackend(Backend):
                 keys.append(self.adaptive_key(slot.key))
                 self._adaptive[keys[-1]] = (limit.adaptive, slot.key)
             wildcard = 2 if limit.wildcard else 0
+            # A wildcard limit's spec ends with its max_keys.
+            max_keys = f" {limit.max_keys}" if wildcard else ""
             if quota or not slot.enforce or limit.adaptive is not None or concurrency == "-1":
                 flags = int(slot.enforce) + wildcard
-                specs.append(f"{concurrency} {quota} {window_us} {flags}")
+                specs.append(f"{concurrency} {quota} {window_us} {flags}{max_keys}")
             elif wildcard:
-                # An enforced concurrency slot without a rate, the commonest: its limit
-                # alone, which the script reads without matching a pattern (negative:
-                # a wildcard limit's, with three keys).
-                specs.append(str(-2 - int(concurrency)))
+                # An enforced concurrency slot without a rate of a wildcard limit (four
+                # keys): -2 - its limit, and its max_keys.
+                specs.append(f"{-2 - int(concurrency)}{max_keys}")
             else:
+                # An enforced concurrency slot without a rate, the commonest: its limit
+                # alone, which the script reads without matching a pattern.
                 specs.append(concurrency)
             values.append(-(-window_us // 1000) * 4 + wildcard)
             if limit.count is not None and rate is not None:
@@ -973,7 +999,7 @@ class RedisBackend(Backend):
         if result == 1:
             return _RedisGrant(slots, (), lease, input, input.reserved)
         if result[0] != 1:
-            if result[2] == 1:
+            if result[0] == 0 and result[2] == 1:
                 self._contended_until = time.monotonic() + _CONTENDED_FOR
                 if int(result[1]) in input.adaptive:
                     self._remember(slots[int(result[1])].key, int(result[4]))

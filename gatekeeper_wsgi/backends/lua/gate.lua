@@ -28,9 +28,17 @@
 -- Every member carries its own end, so a lease that expires by max_hold (a crashed holder)
 -- leaves the totals as it leaves the counts, and one ZREMRANGEBYSCORE [-now, now] drops
 -- whatever ended. Readers count only what is live, so nothing left unpruned is counted.
+-- And its tracked set, the keys it tracks (max_keys, SPEC 4.5): <path> scored by when that
+-- key is idle at the latest (its admission's lease end or window end, pushed further by each
+-- admission and by a delayed release to when it matures; never lowered, so an upper bound).
+-- A new key finds room among max_keys, else evicts an idle one (the keys scored before now,
+-- then the first idle of the 16 that end soonest, looked at in their own sets), else the
+-- admission is refused with nothing taken. It lives at least as long as the totals set, so
+-- an admission reads its expiry only when the totals set's needs pushing; a delayed release
+-- cuts it to the longer of the totals and delayed sets.
 -- A limit without a wildcard has one concrete path, its own: its sorted set already holds
--- all it would, so it has neither (the client passes that set alone, and its codes and
--- specs tell the script so).
+-- all it would, so it has none of these (the client passes that set alone, and its codes
+-- and specs tell the script so).
 --
 -- An adaptive limit (concurrency = "auto") has a third key per path, a hash: its current
 -- limit ('limit', which admissions enforce), its controller's state as the client wrote it
@@ -46,7 +54,7 @@
 -- ARGV[1]  R, the number of releases; then R release specs, one per release, in words:
 --            "<lease> <delay in us (0: free now)> <code> <code> ...", one code per slot it
 --            owns in KEYS order: window in ms * 4, + 2 for a wildcard limit's slot (it
---            has three keys), + 1 when its window entry is given back (a limit that
+--            has four keys), + 1 when its window entry is given back (a limit that
 --            counts only some statuses, and this response's was not one);
 --            an adaptive slot's code is "<code>:" or, with the request's sample,
 --            "<code>:<latency in us>:<faulty 1/0>";
@@ -63,21 +71,24 @@
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
---   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>",
---   or for an enforced concurrency slot without a rate its concurrency alone (one
---   tonumber, no pattern to match), as -2 - concurrency for a wildcard limit's slot
+--   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>
+--   [<max_keys>, a wildcard limit's]", or for an enforced concurrency slot without a rate
+--   its concurrency alone (one tonumber, no pattern to match), or for a wildcard limit's
+--   "<-2 - concurrency> <max_keys>"
 -- (Specs in words keep the command short: the client packs each argument anew.)
 -- KEYS: the keys of the releases in order, then those of the admission: per slot its
--- path's sorted set, then a wildcard limit's totals set and delayed set, then an adaptive
--- slot's hash. (A limit without a wildcard used to send its set three times: each KEYS
--- entry costs the script an interned string and a table slot, ~900 instructions.)
+-- path's sorted set, then a wildcard limit's totals, delayed and tracked sets, then an
+-- adaptive slot's hash. (A limit without a wildcard used to send its set three times: each
+-- KEYS entry costs the script an interned string and a table slot, ~900 instructions.)
 --
 -- Returns 1 after releases alone, and for an admission admitted plainly; an admission
 -- admitted with shadow slots over their limits gets
 -- {1, {shadowed slot indexes}, {slot indexes whose full window was not extended}}
 -- (0-based); a refused one
 -- {0, refusing slot index (0-based), kind (1 concurrency, 2 rate), retry after (us),
--- the limit in force}. When releases claimed adaptive windows, the answer is wrapped:
+-- the limit in force}; one refused because a wildcard limit's max_keys keys are all busy
+-- {3, slot index, kind (2 when a key is held by its window alone), retry after (us),
+-- max_keys}. When releases claimed adaptive windows, the answer is wrapped:
 -- {2, answer, claim, ...}, each claim {hash, claim id, latency us, in flight, faulty,
 -- now us, s, n, sum, drops, peak} (the window's values before that sample).
 
@@ -234,11 +245,11 @@ for r = 2, releases + 1 do
       code = code + 0
     end
     local key = KEYS[k]
-    local totals, delayed
+    local totals, delayed, tracking
     local tracked = code % 4 >= 2 -- a wildcard limit's slot: it has a totals set
     if tracked then
-      totals, delayed = KEYS[k + 1], KEYS[k + 2]
-      k = k + 3
+      totals, delayed, tracking = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+      k = k + 4
     else
       k = k + 1
     end
@@ -343,6 +354,7 @@ for r = 2, releases + 1 do
           -- leaves it behind no longer than its delay, not 1.125 x max_hold after the last
           -- admission.
           local last = call('ZRANGE', totals, '-1', '-1', 'WITHSCORES')
+          local totals_ms = 0 -- how long the totals set lives on (0: gone)
           if last[2] then -- else emptied: gone
             local ends = tonumber(last[2])
             local lowest = tonumber(call('ZRANGE', totals, '0', '0', 'WITHSCORES')[2])
@@ -352,15 +364,26 @@ for r = 2, releases + 1 do
             if ends <= t then
               call('DEL', totals) -- nothing of it is live: readers would skip it all
             else
-              call('PEXPIRE', totals, format('%d', floor((ends - t) / 1000) + 1))
+              totals_ms = floor((ends - t) / 1000) + 1
+              call('PEXPIRE', totals, format('%d', totals_ms))
             end
           end
           call('ZREMRANGEBYSCORE', delayed, '-inf', format('%d', t))
           call('ZADD', delayed, matures, member)
           local life_ms = floor(delay / 1000) + 1
-          if call('PTTL', delayed) < life_ms then
+          local delayed_ms = call('PTTL', delayed)
+          if delayed_ms < life_ms then
+            delayed_ms = life_ms
             call('PEXPIRE', delayed, format('%d', life_ms))
           end
+          -- The key stays live until the delay matures: its tracked set says so, and lives
+          -- as long as the totals and delayed sets, which hold whatever of the limit is
+          -- live, and not longer (as they, cut to their latest member).
+          call('ZADD', tracking, 'GT', matures, path)
+          if totals_ms > delayed_ms then
+            delayed_ms = totals_ms
+          end
+          call('PEXPIRE', tracking, format('%d', delayed_ms))
         end
         -- The key lives as long as its latest member and not longer: when this was its last
         -- lease, it vanishes as the delay matures, not max_hold later (settled at the end).
@@ -431,6 +454,9 @@ end
 -- --- admission (when one follows), in a block every answer leaves by break: each goes
 -- through the end of the call, where the settles still waiting are done.
 local result = 1
+-- The keys this admission added to its tracked sets (set, path, ...): taken out again if
+-- it is refused after all.
+local added
 local a = releases + 2
 repeat
   if #ARGV < a then
@@ -465,20 +491,24 @@ repeat
     local concurrency = tonumber(spec)
     local quota, window, enforce = 0, 0, true
     local at, width = kk, 1
-    if concurrency then
-      -- An enforced concurrency slot without a rate: its limit alone, or -2 - its limit
-      -- for a wildcard limit's slot (three keys).
-      if concurrency < 0 then
+    local max_keys -- a wildcard limit's, as text: read only when a new key comes
+    if not concurrency then
+      -- An enforced concurrency slot without a rate of a wildcard limit (four keys):
+      -- -2 - its limit, and its max_keys.
+      concurrency, max_keys = match(spec, '^(%-%d+) (%d+)$')
+      if concurrency then
         concurrency = -2 - concurrency
-        width = 3
+        width = 4
       end
-    else
+    end
+    if not concurrency then
       local flags
-      concurrency, quota, window, flags = match(spec, '^(%S+) (%d+) (%d+) (%d)$')
+      concurrency, quota, window, flags, max_keys =
+        match(spec, '^(%S+) (%d+) (%d+) (%d) ?(%d*)$')
       flags = flags + 0
       enforce = flags % 2 == 1
       if flags >= 2 then
-        width = 3
+        width = 4
       end
       if byte(concurrency, 1) == 97 then
         -- 'a<initial>': adaptive; the limit in force is the one its hash holds
@@ -538,6 +568,89 @@ repeat
       over, full = over or {}, full or {}
       over[i] = true
       full[i] = true
+    end
+    if width > 2 then
+      -- A wildcard limit's slot: its key must be among the max_keys it tracks (SPEC 4.5).
+      -- The tracked set holds them, each scored by when it is idle at the latest (its
+      -- leases end, its window empties: pushed by each admission, and by a delayed release
+      -- to when it matures). One ZADD GT both pushes a known key's score and says (1) that
+      -- the key is new; a peek adds nothing.
+      local tracking = KEYS[at + 3]
+      local path = sub(key, find(key, '}:z:', 1, true) + 4)
+      local life = quota > 0 and window > hold and window or hold
+      local live = format('%d', t + life)
+      local new
+      if lease == '' then
+        new = not call('ZSCORE', tracking, path)
+      else
+        new = call('ZADD', tracking, 'GT', live, path) == 1
+      end
+      if new then
+        local count = call('ZCARD', tracking)
+        local limit = max_keys + 0
+        if lease == '' then
+          count = count + 1 -- as if added
+        end
+        if count > limit then
+          -- Room: first the keys sure to be idle by now, then, of the 16 that end soonest,
+          -- the first found idle (nothing in flight, its window empty: so evicting loses
+          -- nothing). A busy one goes to the back, CLOCK-like, so the next look sees
+          -- others; its score stays an upper bound of when it is idle.
+          count = count - call('ZREMRANGEBYSCORE', tracking, '-inf', now_s)
+          local soonest -- us until a key idle but for its window is idle
+          if count > limit then
+            local base = sub(key, 1, find(key, '}:z:', 1, true) + 3)
+            local look = call('ZRANGE', tracking, '0', '15')
+            for j = 1, #look do
+              local other = look[j]
+              if other ~= path then
+                local set = base .. other
+                local busy = call('ZCOUNT', set, after, BELOW) > 0
+                if not busy and quota > 0 then
+                  -- The newest window entry scores lowest (MINUS when it was taken).
+                  local newest = call('ZRANGE', set, '0', '0', 'WITHSCORES')[2]
+                  if newest and window - t - newest > 0 then
+                    busy = true
+                    if not soonest or window - t - newest < soonest then
+                      soonest = window - t - newest
+                    end
+                  end
+                end
+                if not busy then
+                  if lease ~= '' then
+                    call('ZREM', tracking, other)
+                  end
+                  count = count - 1
+                  break
+                end
+                if lease ~= '' then
+                  call('ZADD', tracking, 'GT', live, other)
+                end
+              end
+            end
+          end
+          if count > limit then
+            -- None idle: refused by this limit, nothing taken (CapacityError).
+            if lease ~= '' then
+              call('ZREM', tracking, path)
+            end
+            result = {3, i - 1, soonest and 2 or 1, soonest or 1000000, limit}
+            break
+          end
+        end
+        if lease ~= '' then
+          -- The set outlives its latest member, and its totals set (see below): the same
+          -- expiry pushed an eighth further.
+          local life_ms = floor(life / 1000) + 1
+          life_ms = life_ms + floor(life_ms / 8)
+          if call('PTTL', tracking) < life_ms then
+            call('PEXPIRE', tracking, format('%d', life_ms))
+          end
+          added = added or {}
+          added[#added + 1] = tracking
+          added[#added + 1] = path
+        end
+      end
     end
   end
 
@@ -618,7 +731,14 @@ repeat
     -- further than needed, so most admissions find it long enough and only read it (a first
     -- admission finds none: -1).
     if tracked and call('PTTL', totals) < ttl then
-      call('PEXPIRE', totals, format('%d', ttl + floor(ttl / 8)))
+      local life_s = format('%d', ttl + floor(ttl / 8))
+      call('PEXPIRE', totals, life_s)
+      -- The tracked set lives at least as long as the totals set (a new key sets it so as
+      -- well), so a totals set long enough says it is too: read only with it.
+      local tracking = KEYS[at + 3]
+      if call('PTTL', tracking) < ttl + floor(ttl / 8) then
+        call('PEXPIRE', tracking, life_s)
+      end
     end
   end
   if result ~= 1 or not over then
@@ -635,6 +755,13 @@ repeat
   end
   result = {1, shadowed, unrecorded}
 until true
+
+if added and result ~= 1 and result[1] ~= 1 then
+  -- Refused (or a give-back's tombstone found) after its new keys were added: out again.
+  for i = 1, #added, 2 do
+    call('ZREM', added[i], added[i + 1])
+  end
+end
 
 -- --- the end of every call: the settles still waiting (see unsettled), then the answer,
 -- with the claims made (if any).
