@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -23,6 +24,7 @@ pytest.importorskip("redis")
 import redis
 
 from gatekeeper_wsgi import GateKeeper, Rejected
+from gatekeeper_wsgi.backends import redis as redis_backend
 from tests.servers import DEADLINE, wait_until
 
 pytestmark = pytest.mark.redis
@@ -178,3 +180,37 @@ def test_a_waiter_that_times_out_leaves_the_line(prefixed: str) -> None:
     finally:
         held.release(200)
         holder.close()
+
+
+def test_a_newcomer_lines_up_behind_the_waiters(prefixed: str, monkeypatch: Any) -> None:
+    """A request that finds the slot free while the line has a waiter (one that has not
+    looked yet) does not take it: it lines up behind, and gets in only once the waiter
+    ahead has left."""
+    monkeypatch.setattr(redis_backend, "WAITER_GONE_AFTER", 3600.0)  # the waiter stays live
+    gk = GateKeeper(settings(prefixed))
+    line = gk.backend.waiting_line()
+    first = line.join(PATH, 10)  # a waiter of another process, in effect: it never looks
+    assert first is not None
+    admitted = threading.Event()
+    outcome: list[str] = []
+
+    def newcomer() -> None:
+        try:
+            gk.admit("shop", "api", "newcomer").release(200)
+            outcome.append("admitted")
+        except Rejected as rejected:
+            outcome.append(rejected.code)
+        admitted.set()
+
+    thread = threading.Thread(target=newcomer)
+    thread.start()
+    try:
+        wait_until(lambda: line_length(prefixed) == 2, what="the newcomer in line")
+        assert not admitted.is_set()  # the slot is free, yet it waits behind the first
+        line.leave(first)
+        assert admitted.wait(DEADLINE)
+        assert outcome == ["admitted"]
+    finally:
+        thread.join(DEADLINE)
+        gk.close()
+    assert line_length(prefixed) == 0

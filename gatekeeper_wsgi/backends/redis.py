@@ -600,14 +600,15 @@ class _RedisLine(WaitingLine[_Ticket]):
         return int(answer)
 
     def join(self, key: str, size: int) -> _Ticket | None:
-        tag = f"{self._backend.prefix}:{{{key.split('/', 1)[0]}}}"
-        ticket = _Ticket(f"{tag}:q:{key}", f"{tag}:w:{key}", os.urandom(12).hex())
+        line = self._backend.line_key(key)
+        life = f"{line[: len(line) - len(key) - 3]}:w:{key}"  # ...:q:<key> -> ...:w:<key>
+        ticket = _Ticket(line, life, os.urandom(12).hex())
         return ticket if self._call(ticket, "join", size) else None
 
     def admit(self, ticket: _Ticket, slots: Sequence[Slot], now: float) -> Grant | Denial | None:
         if not self._call(ticket, "first"):
             return None
-        return self._backend.acquire(slots, now)
+        return self._backend.acquire_turn(slots, now)
 
     def sleep(self, ticket: _Ticket, timeout: float) -> None:
         with self._cond:
@@ -903,6 +904,11 @@ class RedisBackend(Backend):
         totals set."""
         return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:d:{limit_path}"
 
+    def line_key(self, path: str) -> str:
+        """The queue line of concrete ``path`` (``lua/queue.lua``): its waiters' tickets in
+        the order they joined; ``lua/gate.lua`` reads it beside the path's sorted set."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:q:{path}"
+
     def tracking_key(self, limit_path: str, path: str) -> str:
         """The tracked set of configured wildcard limit ``limit_path`` for its concrete
         ``path``: the keys it tracks, at most its ``max_keys`` (see ``lua/gate.lua``),
@@ -955,8 +961,16 @@ class RedisBackend(Backend):
             wildcard = 2 if limit.wildcard else 0
             # A wildcard limit's spec ends with its max_keys.
             max_keys = f" {limit.max_keys}" if wildcard else ""
-            if quota or not slot.enforce or limit.adaptive is not None or concurrency == "-1":
-                flags = int(slot.enforce) + wildcard
+            # An enforced slot of a limit with a queue: newcomers line up behind its waiters.
+            queued = 4 if limit.queue is not None and slot.enforce else 0
+            if (
+                quota
+                or queued
+                or not slot.enforce
+                or limit.adaptive is not None
+                or concurrency == "-1"
+            ):
+                flags = int(slot.enforce) + wildcard + queued
                 specs.append(f"{concurrency} {quota} {window_us} {flags}{max_keys}")
             elif wildcard:
                 # An enforced concurrency slot without a rate of a wildcard limit (four
@@ -985,10 +999,19 @@ class RedisBackend(Backend):
     # --- admission ------------------------------------------------------------------------
 
     def acquire(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        return self._acquire(slots, False)
+
+    def acquire_turn(self, slots: Sequence[Slot], now: float) -> Grant | Denial:
+        """:meth:`acquire` for the first waiter of a line (:class:`_RedisLine`), which the
+        waiters of its queued limits do not bar."""
+        return self._acquire(slots, True)
+
+    def _acquire(self, slots: Sequence[Slot], turn: bool) -> Grant | Denial:
         lease = f"{_token}{next(_sequence):x}"
         input = self._input(slots)
         try:
-            result, retried = self._call_with_releases(input, lease)
+            # '^': the line's turn (gate.lua lets it past the waiters of queued limits).
+            result, retried = self._call_with_releases(input, "^" + lease if turn else lease)
         except BackendError as exc:
             if not isinstance(exc, CircuitOpen):
                 # The script may have run before the connection broke (give the lease back

@@ -71,7 +71,9 @@
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
 --   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
---   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot>
+--   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot
+--   + 4 for a limit with a queue (a newcomer is refused while its path's line has waiters,
+--   so it lines up behind them; the lease id "^<lease>" is a waiter's turn, not barred)>
 --   [<max_keys>, a wildcard limit's]", or for an enforced concurrency slot without a rate
 --   its concurrency alone (one tonumber, no pattern to match), or for a wildcard limit's
 --   "<-2 - concurrency> <max_keys>"
@@ -468,6 +470,11 @@ repeat
   end
   local t = now
   local lease = ARGV[a]
+  -- '^<lease>': the first waiter of a line takes its turn, which the line does not bar.
+  local turn = byte(lease, 1) == 94
+  if turn then
+    lease = sub(lease, 2)
+  end
   local hold = ARGV[a + 1] + 0
   local hold_ms = floor(hold / 1000) + 1
   -- The scores and bounds every slot uses, as text once (see format above).
@@ -501,15 +508,17 @@ repeat
         width = 4
       end
     end
+    local queued = false
     if not concurrency then
       local flags
       concurrency, quota, window, flags, max_keys =
         match(spec, '^(%S+) (%d+) (%d+) (%d) ?(%d*)$')
       flags = flags + 0
       enforce = flags % 2 == 1
-      if flags >= 2 then
+      if flags % 4 >= 2 then
         width = 4
       end
+      queued = flags >= 4
       if byte(concurrency, 1) == 97 then
         -- 'a<initial>': adaptive; the limit in force is the one its hash holds
         concurrency = tonumber(call('HGET', KEYS[kk + width], 'limit'))
@@ -523,6 +532,16 @@ repeat
     end
     kk = kk + width
     local key = KEYS[at]
+    if queued and not turn then
+      -- A limit with a queue: a newcomer lines up behind the waiters of the path's line
+      -- (lua/queue.lua; the key beside this one, same hash tag), even when a slot is free:
+      -- refused as full, it joins the line.
+      local mark = find(key, '}:z:', 1, true)
+      if call('ZCARD', sub(key, 1, mark) .. ':q:' .. sub(key, mark + 4)) > 0 then
+        result = {0, i - 1, 1, 0, concurrency}
+        break
+      end
+    end
     local held
     local entries = 0
     if quota > 0 then
