@@ -242,6 +242,20 @@ def test_declared_floors_work(wheel: Path, tmp_path: Path, floor_redis: str) -> 
     assert out.strip().endswith("floors work")
 
 
+def contrib_imported(cwd: Path, *flags: str, prelude: str = "") -> list[str]:
+    """Where a fresh interpreter (``flags``, ``prelude`` code first) finds both plugin
+    packages: their names and files, and whether the editable install's finder ran."""
+    code = (
+        prelude + "import gatekeeper_wsgi.contrib.django as d, gatekeeper_wsgi.contrib.flask as f;"
+        "print(d.__name__, f.__name__, d.__file__, f.__file__, "
+        "'__editable__' in str(sys.meta_path))"
+    )
+    done = subprocess.run(
+        [sys.executable, *flags, "-c", code], check=True, capture_output=True, text=True, cwd=cwd
+    )
+    return done.stdout.split()
+
+
 def test_an_uninstalled_checkout_imports_contrib_packages(tmp_path: Path) -> None:
     """``PYTHONPATH=<checkout>`` without any install: the plugins import under
     gatekeeper_wsgi.contrib from the checkout's top-level ``contrib/``. (``-S`` with the
@@ -250,21 +264,8 @@ def test_an_uninstalled_checkout_imports_contrib_packages(tmp_path: Path) -> Non
     import site
 
     paths = [str(ROOT), *site.getsitepackages()]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-S",
-            "-c",
-            f"import sys; sys.path[:0] = {paths!r};"
-            "import gatekeeper_wsgi.contrib.django as d, gatekeeper_wsgi.contrib.flask as f;"
-            "print(d.__file__, f.__file__, '__editable__' in str(sys.meta_path))",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    ).stdout.split()
-    assert out == [
+    out = contrib_imported(tmp_path, "-S", prelude=f"import sys; sys.path[:0] = {paths!r};")
+    assert out[2:] == [
         str(ROOT / "contrib" / "django" / "__init__.py"),
         str(ROOT / "contrib" / "flask" / "__init__.py"),
         "False",
@@ -273,16 +274,5 @@ def test_an_uninstalled_checkout_imports_contrib_packages(tmp_path: Path) -> Non
 
 def test_source_checkout_imports_contrib_packages() -> None:
     """From the (editable) checkout both plugin packages import under gatekeeper_wsgi.contrib."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import gatekeeper_wsgi.contrib.django as d, gatekeeper_wsgi.contrib.flask as f;"
-            "print(d.__name__, f.__name__)",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    ).stdout.split()
-    assert out == ["gatekeeper_wsgi.contrib.django", "gatekeeper_wsgi.contrib.flask"]
+    out = contrib_imported(ROOT, prelude="import sys;")
+    assert out[:2] == ["gatekeeper_wsgi.contrib.django", "gatekeeper_wsgi.contrib.flask"]

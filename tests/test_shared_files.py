@@ -172,9 +172,9 @@ def test_fifo_directory_and_device_are_refused_without_blocking(tmp_path: Path) 
 # --- a broken table under a running worker -------------------------------------------------
 
 
-def _worker(path: str, conn: Connection) -> None:
+def _worker(path: str, conn: Connection, settings: dict[str, Any] | None = None) -> None:
     """A worker process: runs the commands the test sends, answers each, and reports the
-    ERROR records it logged."""
+    ERROR records it logged (``settings``: :func:`settings_for` the path, by default)."""
     errors: list[str] = []
 
     class Collect(logging.Handler):
@@ -183,7 +183,7 @@ def _worker(path: str, conn: Connection) -> None:
                 errors.append(record.getMessage())
 
     logging.getLogger("gatekeeper").addHandler(Collect())
-    gk = GateKeeper(settings_for(Path(path)))
+    gk = GateKeeper(settings or settings_for(Path(path)))
     held = []
     while True:
         command, *args = conn.recv()
@@ -208,10 +208,12 @@ def _worker(path: str, conn: Connection) -> None:
 class Worker:
     """A forked worker process driven through a pipe."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, settings: dict[str, Any] | None = None) -> None:
         context = multiprocessing.get_context("fork")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker, args=(str(path), child), daemon=True)
+        self.process = context.Process(
+            target=_worker, args=(str(path), child, settings), daemon=True
+        )
         self.process.start()
 
     def __call__(self, *command: str) -> Any:

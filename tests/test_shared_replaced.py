@@ -11,11 +11,9 @@ start, never followed nor overwritten.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import stat
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,7 @@ import pytest
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends.shared import table as table_module
 from tests.conftest import FakeClock
-
-DEADLINE = 20.0
+from tests.test_shared_files import Worker
 
 
 def settings_for(path: Path) -> dict[str, Any]:
@@ -50,47 +47,6 @@ def path_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     clock = FakeClock()
     monkeypatch.setattr(table_module, "_monotonic", clock)
     return clock
-
-
-def _worker(path: str, conn: Connection) -> None:
-    """Process B: admits and releases as the test says, answering each command."""
-    gk = GateKeeper(settings_for(Path(path)))
-    held = []
-    while True:
-        command = conn.recv()
-        if command == "admit":
-            try:
-                held.append(gk.admit("shop", "api", "b"))
-            except Rejected as rejection:
-                conn.send(rejection.code)
-            else:
-                conn.send("admitted")
-        elif command == "release":
-            for admission in held:
-                admission.release(200)
-            held.clear()
-            conn.send("released")
-
-
-class Worker:
-    """A forked process on the table, driven through a pipe."""
-
-    def __init__(self, path: Path) -> None:
-        context = multiprocessing.get_context("fork")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker, args=(str(path), child), daemon=True)
-        self.process.start()
-
-    def __call__(self, command: str) -> str:
-        self.conn.send(command)
-        if not self.conn.poll(DEADLINE):
-            pytest.fail(f"the worker did not answer {command} (exit code {self.process.exitcode})")
-        answer: str = self.conn.recv()
-        return answer
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.join(DEADLINE)
 
 
 @pytest.fixture
@@ -141,9 +97,9 @@ def test_table_replaced_under_a_process_is_followed(
     a = GateKeeper(settings_for(table))
     old = a.admit("shop", "api", "a")
     os.unlink(table)
-    b = Worker(table)
+    b = Worker(table, settings_for(table))
     workers.append(b)
-    assert b("admit") == "admitted"
+    assert b("admit", "api", "b") == "admitted"
     if release_first:
         old.release(200)
     path_clock.advance(table_module.PATH_CHECK_EVERY)
@@ -158,7 +114,7 @@ def test_table_replaced_under_a_process_is_followed(
     assert b("release") == "released"
     again = a.admit("shop", "api", "a")
     assert busy(table) == {"shop": 1}
-    assert b("admit") == "GK-CONCURRENCY-LIMIT"
+    assert b("admit", "api", "b") == "GK-CONCURRENCY-LIMIT"
     again.release(200)
     assert busy(table) == {}
     assert len(path_errors(caplog, table)) == 1
@@ -176,9 +132,9 @@ def test_table_renamed_over_is_followed(
     fresh = table.with_name("fresh.shm")
     GateKeeper(settings_for(fresh)).close()
     os.rename(fresh, table)
-    b = Worker(table)
+    b = Worker(table, settings_for(table))
     workers.append(b)
-    assert b("admit") == "admitted"
+    assert b("admit", "api", "b") == "admitted"
     path_clock.advance(table_module.PATH_CHECK_EVERY)
     assert refusal(a) == "GK-CONCURRENCY-LIMIT"
     errors = path_errors(caplog, table)
@@ -203,13 +159,13 @@ def test_deleted_table_is_created_again(
     errors = path_errors(caplog, table)
     assert len(errors) == 1, errors
     assert "was deleted" in errors[0]
-    b = Worker(table)
+    b = Worker(table, settings_for(table))
     workers.append(b)
-    assert b("admit") == "GK-CONCURRENCY-LIMIT"
+    assert b("admit", "api", "b") == "GK-CONCURRENCY-LIMIT"
     old.release(200)
-    assert b("admit") == "GK-CONCURRENCY-LIMIT"
+    assert b("admit", "api", "b") == "GK-CONCURRENCY-LIMIT"
     new.release(200)
-    assert b("admit") == "admitted"
+    assert b("admit", "api", "b") == "admitted"
     assert busy(table) == {"shop": 1}
     a.close()
 
