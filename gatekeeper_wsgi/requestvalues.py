@@ -68,7 +68,8 @@ def ip_segment(value: object, ipv6_prefix: int) -> str:
     An IPv4 address counts as itself; an IPv6 address by its network of ``ipv6_prefix``
     bits, written ``2001:db8::-64`` (``/`` separates path segments), so one host cannot
     spray the 2^64 addresses of its /64; an IPv4-mapped IPv6 address (``::ffff:10.0.0.7``)
-    as its IPv4 address. Anything else is made safe by :func:`key_segment`.
+    as its IPv4 address; one in brackets (``[2001:db8::7]``) as without. Anything else is
+    made safe by :func:`key_segment`.
     """
     if not isinstance(value, str) or len(value) > _ADDRESS_CHARS:
         return key_segment(value if isinstance(value, str) else None)
@@ -81,8 +82,10 @@ def ip_segment(value: object, ipv6_prefix: int) -> str:
 
 
 def _network(value: str, ipv6_prefix: int) -> str:
+    # A proxy may write an IPv6 address as in a URL, in brackets: the same address.
+    text = value[1:-1] if value[:1] == "[" and value[-1:] == "]" else value
     try:
-        address = ipaddress.ip_address(value)
+        address = ipaddress.ip_address(text)
     except ValueError:
         return key_segment(value)
     if isinstance(address, ipaddress.IPv4Address):

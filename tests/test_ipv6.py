@@ -84,6 +84,7 @@ def test_addresses_of_one_network_share_a_limit(gk: GateKeeper) -> None:
     held = [gk.admit("shop", "login", "anonymous", {"REMOTE_ADDR": "2001:db8::1"})]
     assert not admitted(gk, "2001:db8::ffff:abcd:1")
     assert not admitted(gk, "2001:DB8:0:0:0:0:0:2")
+    assert not admitted(gk, "[2001:db8::3]")  # as a proxy may write it, in brackets
     held.append(gk.admit("shop", "login", "anonymous", {"REMOTE_ADDR": "2001:db8:0:1::1"}))
     assert busy(gk) == {"shop/login/2001:db8::-64": 1, "shop/login/2001:db8:0:1::-64": 1}
     for admission in held:
