@@ -12,6 +12,7 @@ rules::
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from typing import Any
@@ -183,22 +184,65 @@ def _redact_multipart(text: str, fields: frozenset[str]) -> str:
     return _MULTIPART_PART.sub(part, text)
 
 
-def redact_body(body: bytes, content_type: str, fields: frozenset[str]) -> bytes:
+_CHARSET = re.compile(r";\s*charset\s*=\s*\"?([A-Za-z0-9._-]+)", re.IGNORECASE)
+_WIDE_BOMS = (
+    ("utf-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
+    ("utf-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
+)
+
+
+def _wide_codec(body: bytes, content_type: str) -> tuple[str, bool] | None:
+    """The codec of a body in an encoding in which ASCII is not ASCII bytes (UTF-16,
+    UTF-32), which the field rules would not see through, and whether the body says so
+    itself (its charset or byte order mark) rather than its NUL bytes suggesting it
+    (ASCII text in UTF-16 has one in every other byte). None for any other body."""
+    charset = _CHARSET.search(content_type)
+    if charset is not None and charset.group(1).lower().startswith(("utf-16", "utf-32")):
+        return charset.group(1).lower(), True
+    for codec, marks in _WIDE_BOMS:
+        if body.startswith(marks):
+            return codec, True
+    if b"\x00" in body[:64]:
+        return ("utf-16-le" if body[1:2] == b"\x00" else "utf-16-be"), False
+    return None
+
+
+def _redact_text(text: str, mimetype: str, fields: frozenset[str]) -> str:
+    if mimetype == "application/x-www-form-urlencoded":
+        return redact_query(text, fields)
+    if mimetype.startswith("multipart/"):
+        return _redact_multipart(text, fields)
+    if "json" in mimetype:
+        return _redact_json_text(text, fields)
+    return _redact_multipart(_redact_json_members(redact_query(text, fields), fields), fields)
+
+
+def redact_body(body: bytes, content_type: str, fields: frozenset[str]) -> bytes | None:
     """The logged part of a request body with the values of secret fields replaced:
     urlencoded forms, JSON (also when cut short), multipart forms; a body of another type
-    is searched with the form and JSON rules both, since a client may label it wrongly."""
+    is searched with the form and JSON rules both, since a client may label it wrongly.
+    A body in UTF-16 or UTF-32 is redacted as text and written back in its encoding; None
+    when it says it is one but does not decode as such (its fields cannot be found: it
+    must not be logged)."""
     if not body:
         return body
-    # latin-1 maps bytes to characters one to one, so the bytes that are not redacted
-    # come back exactly, whatever their encoding.
-    text = body.decode("latin-1")
     mimetype = content_type.partition(";")[0].strip().lower()
-    if mimetype == "application/x-www-form-urlencoded":
-        text = redact_query(text, fields)
-    elif mimetype.startswith("multipart/"):
-        text = _redact_multipart(text, fields)
-    elif "json" in mimetype:
-        text = _redact_json_text(text, fields)
-    else:
-        text = _redact_multipart(_redact_json_members(redact_query(text, fields), fields), fields)
-    return text.encode("latin-1", "replace")
+    wide = _wide_codec(body, content_type)
+    if wide is not None:
+        codec, declared = wide
+        try:
+            # A body cut at the cap may end inside a character: that part stays as it is.
+            decoder = codecs.getincrementaldecoder(codec)()
+            text = decoder.decode(body)
+            tail: bytes = decoder.getstate()[0]
+        except (UnicodeError, LookupError):
+            if declared:
+                return None
+        else:
+            redacted = _redact_text(text, mimetype, fields)
+            # Nothing secret: the bytes exactly as sent (a binary body with NUL bytes
+            # that merely decodes is not rewritten).
+            return body if redacted == text else redacted.encode(codec) + tail
+    # latin-1 maps bytes to characters one to one, so the bytes that are not redacted
+    # come back exactly, whatever their (ASCII-compatible) encoding.
+    return _redact_text(body.decode("latin-1"), mimetype, fields).encode("latin-1", "replace")

@@ -10,7 +10,9 @@ path, query, headers, body up to ``rejected_log.body_bytes``) with secrets redac
      "Content-Type": "application/json", ...}, "body": "{...}", "body_truncated": false}
 
 ``path`` is percent-encoded (exactly what goes on the request line); a body that is not
-UTF-8 is written as ``body_b64`` instead of ``body``.
+UTF-8 is written as ``body_b64`` instead of ``body``. A body in UTF-16/UTF-32 is redacted in
+its encoding; one that is compressed (``Content-Encoding``) or does not decode is left out
+(``"body_omitted": why``, ``"body_truncated": true``), as its secret fields cannot be found.
 
 Secrets never reach the line (SPEC §4.8, rules in :mod:`gatekeeper_wsgi.redact`): the
 values of secret headers and of secret form / JSON / query fields are written as
@@ -242,7 +244,15 @@ def rejection_record(
     redact = frozenset(name.lower() for name in settings.redact_headers)
     fields = SECRET_FIELDS | {name.lower() for name in settings.redact_fields}
     body, truncated = _body(environ, settings.body_bytes)
-    body = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
+    omitted = None
+    encoding = str(environ.get("HTTP_CONTENT_ENCODING") or "").strip().lower()
+    if body and encoding not in ("", "identity"):
+        omitted = f"Content-Encoding {encoding[:32]!r}: its fields cannot be looked at"
+    else:
+        redacted = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
+        if redacted is None:
+            omitted = "not text in its declared encoding: its fields cannot be looked at"
+        body = redacted or b""
     path, path_cut = _cut(_request_path(environ), URL_PART_CAP)
     query, query_cut = _cut(str(environ.get("QUERY_STRING", "")), URL_PART_CAP)
     headers, headers_cut = _headers(environ, redact, fields)
@@ -264,6 +274,12 @@ def rejection_record(
         record["query_truncated"] = True
     if headers_cut:
         record["headers_truncated"] = headers_cut
+    if omitted is not None:
+        # Secrets never reach the log (SPEC §4.8): a body whose secret fields cannot be
+        # found is left out, and replay skips the record as it skips a cut body.
+        record["body_omitted"] = omitted
+        record["body_truncated"] = True
+        return record
     try:
         record["body"] = body.decode("utf-8")
     except UnicodeDecodeError:

@@ -4,7 +4,9 @@ status JSON and the CLI."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import gzip
 import io
 import json
 import logging
@@ -159,6 +161,82 @@ def test_multipart_and_mislabelled_bodies_are_redacted() -> None:
     assert SECRET not in record["body"] and "alice" in record["body"]
     plain = record_of(method="POST", data=f"password={SECRET}", content_type="text/plain")
     assert plain["body"] == "password=[redacted]"
+
+
+def logged_bytes(record: dict[str, Any]) -> bytes:
+    """Everything of a record's body that reaches the log, as bytes."""
+    if "body_b64" in record:
+        return base64.b64decode(record["body_b64"])
+    return str(record.get("body", "")).encode()
+
+
+@pytest.mark.parametrize(
+    ("codec", "content_type"),
+    [
+        ("utf-16", "application/json; charset=utf-16"),
+        ("utf-16", "application/json"),  # its byte order mark says so
+        ("utf-16-le", "application/json"),  # nor that: its NUL bytes do
+        ("utf-16-be", "text/plain"),
+        ("utf-32", "application/json"),
+        ("utf-16-le", "application/x-www-form-urlencoded; charset=UTF-16LE"),
+    ],
+)
+def test_a_body_in_utf16_or_utf32_is_redacted_in_its_encoding(
+    codec: str, content_type: str
+) -> None:
+    """ASCII-incompatible encodings hide no field: the secret is redacted, the rest is
+    logged in the body's own encoding (so replay sends it as it came)."""
+    if "urlencoded" in content_type:
+        text = f"user=alice&password={SECRET}"
+    else:
+        text = json.dumps({"user": "alice", "password": SECRET})
+    record = record_of(method="POST", data=text.encode(codec), content_type=content_type)
+    logged = logged_bytes(record)
+    assert SECRET.encode(codec)[2:] not in logged and SECRET.encode() not in logged
+    decoded = logged.decode(codec)
+    assert SECRET not in decoded and "alice" in decoded and REDACTED in decoded
+    assert "body_omitted" not in record
+
+
+def test_a_utf16_body_cut_inside_a_character_is_redacted() -> None:
+    """The cap may cut a UTF-16 body at an odd byte, inside the secret: what is logged of
+    it is still redacted."""
+    body = json.dumps({"user": "alice", "password": SECRET}).encode("utf-16-le")
+    cut_at = body.index(SECRET.encode("utf-16-le")) + 7
+    record = record_of(
+        {"rejected_log": {"body_bytes": cut_at}},
+        method="POST",
+        data=body,
+        content_type="application/json",
+    )
+    assert record["body_truncated"] is True
+    logged = logged_bytes(record)
+    assert SECRET[:3].encode("utf-16-le") not in logged
+    assert REDACTED in logged[: len(logged) // 2 * 2].decode("utf-16-le")
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+def test_a_compressed_body_is_left_out(encoding: str) -> None:
+    """A body sent with a Content-Encoding cannot be searched for fields: it is not
+    logged at all (and replay skips the record)."""
+    body = gzip.compress(json.dumps({"password": SECRET}).encode())
+    record = record_of(
+        method="POST",
+        data=body,
+        content_type="application/json",
+        headers={"Content-Encoding": encoding},
+    )
+    assert "body" not in record and "body_b64" not in record
+    assert encoding in record["body_omitted"] and record["body_truncated"] is True
+
+
+def test_a_body_that_does_not_decode_in_its_charset_is_left_out() -> None:
+    """Declared UTF-16 but cut to nonsense (a lone surrogate): left out, not logged raw."""
+    record = record_of(
+        method="POST", data=b"\x00\xd8\x41\x00", content_type="application/json; charset=utf-16-le"
+    )
+    assert "body" not in record and "body_b64" not in record
+    assert "cannot be looked at" in record["body_omitted"]
 
 
 def test_referer_query_is_redacted() -> None:
