@@ -105,6 +105,17 @@ def test_query_answers_restricted_once_the_window_is_full(client: Client) -> Non
         assert "restricted by frs/login/*" in msg
 
 
+def test_a_rate_on_the_biz_id_is_one_budget_for_all_its_keys() -> None:
+    """A rate on frs/<biz_id> itself (docs/frs.md): once its budget is used, by any keys,
+    every key is restricted by it - a verdict (200, 1), not an overloaded endpoint."""
+    client = memory_client({"frs/login": {"rate": "2/minute"}, "frs/login/*": {"rate": "5/minute"}})
+    assert post(client, xml_request("update", key="alice"))[:2] == (200, 0)
+    assert post(client, xml_request("update", key="bob"))[:2] == (200, 0)
+    status, result, msg = post(client, xml_request("update", key="carol"))
+    assert (status, result) == (200, 1)
+    assert "restricted by frs/login (2/minute)" in msg
+
+
 def test_restricted_update_records_nothing(keeper: GateKeeper, client: Client) -> None:
     """Updates refused while restricted do not extend the window: no rejection is counted
     against the key's future beyond the five recorded uses."""
