@@ -51,6 +51,12 @@ def record_of(config: dict[str, Any] | None = None, **builder: Any) -> dict[str,
     return rejection_record(env, rejected, "rid", build_config(config or {}))
 
 
+def json_posted(body: str | bytes, body_bytes: int) -> dict[str, Any]:
+    """The record of a JSON POST of ``body``, logged up to ``body_bytes``."""
+    config = {"rejected_log": {"body_bytes": body_bytes}}
+    return record_of(config, method="POST", data=body, content_type="application/json")
+
+
 @pytest.mark.parametrize(
     "header",
     [
@@ -129,12 +135,7 @@ def test_json_body_is_redacted_nested_and_when_cut_short() -> None:
         "items": [1, 2],
     }
     cut_at = payload.index(SECRET) + 4
-    cut = record_of(
-        {"rejected_log": {"body_bytes": cut_at}},
-        method="POST",
-        data=payload,
-        content_type="application/json",
-    )
+    cut = json_posted(payload, body_bytes=cut_at)
     assert cut["body_truncated"] is True
     assert SECRET[:4] not in cut["body"]
     assert '"password": "[redacted]"' in cut["body"]
@@ -203,12 +204,7 @@ def test_a_utf16_body_cut_inside_a_character_is_redacted() -> None:
     it is still redacted."""
     body = json.dumps({"user": "alice", "password": SECRET}).encode("utf-16-le")
     cut_at = body.index(SECRET.encode("utf-16-le")) + 7
-    record = record_of(
-        {"rejected_log": {"body_bytes": cut_at}},
-        method="POST",
-        data=body,
-        content_type="application/json",
-    )
+    record = json_posted(body, body_bytes=cut_at)
     assert record["body_truncated"] is True
     logged = logged_bytes(record)
     assert SECRET[:3].encode("utf-16-le") not in logged
