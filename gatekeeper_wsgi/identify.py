@@ -89,8 +89,15 @@ class Identifier:
         """The ``routes`` table's service for this path, else its first segment."""
         path = environ.get("PATH_INFO") or "/"
         if self._adapter is not None:
+            # PEP 3333 hands the path's bytes over as latin-1; the rules are text, matched
+            # on the path decoded as UTF-8, as werkzeug (and so Flask) decodes it.
+            # (A path that is no latin-1 string, against PEP 3333, is matched as best it can.)
+            if not path.isascii():
+                text = path.encode("latin-1", "replace").decode("utf-8", "replace")
+            else:
+                text = path
             try:
-                endpoint, _ = self._adapter.match(path, method=environ.get("REQUEST_METHOD"))
+                endpoint, _ = self._adapter.match(text, method=environ.get("REQUEST_METHOD"))
                 return str(endpoint)
             except (HTTPException, RequestRedirect):
                 pass

@@ -200,7 +200,10 @@ class GateKeeperMiddleware:
         except Rejected as rejected:
             status, headers, body = gate.fault(identifier, environ, rejected)
             start_response(status, headers)
-            return [body]
+            # A HEAD response carries the headers of the GET and no content (RFC 9110
+            # 9.3.2): some servers send whatever the app returns, which would be read as
+            # the start of the next response on a kept-alive connection.
+            return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
         # Admitted: run the app. The admission is released when the response is exhausted
         # or closed (or, failing both, garbage collected). In this method rather than a
         # helper of its own: a call per request costs ~600 instructions.

@@ -346,6 +346,40 @@ def test_routes_table_names_services_by_werkzeug_rules(make: Any) -> None:
     assert all_zero(mw.gatekeeper)
 
 
+def test_a_routes_rule_with_non_ascii_text_matches_as_in_werkzeug(make: Any) -> None:
+    """A rule of non-ASCII text matches the path werkzeug would match it on (PEP 3333's
+    latin-1 string decoded as UTF-8), also under a mount: its limit applies."""
+    app = Seen()
+    mw = make(
+        app,
+        {
+            "project": "shop",
+            "routes": {"/café/<int:id>": "cafe"},
+            "limits": {"shop/cafe": {"concurrency": 1}},
+        },
+    )
+    fetch(mw, "/caf%C3%A9/1")
+    assert app.identity[1] == "cafe"
+    held = start(mw, "/caf%C3%A9/2")
+    assert fetch(mw, "/caf%C3%A9/3").status_code == 503
+    held.close()
+    assert all_zero(mw.gatekeeper)
+
+
+def test_a_refused_head_request_gets_the_headers_and_no_content(make: Any) -> None:
+    """RFC 9110: a HEAD answer has no content, even a fault's; it keeps the fault's status
+    and headers (a server that sent the body would desync a kept-alive connection)."""
+    mw = make(Seen(), {"project": "shop", "limits": {"shop": {"concurrency": 0}}})
+    seen: list[Any] = []
+    for method in ("HEAD", "GET"):
+        environ = EnvironBuilder(path="/x", method=method).get_environ()
+        body = b"".join(mw(environ, lambda status, headers, *_: seen.append((status, headers))))
+        assert seen[-1][0].startswith("503")
+        assert header(seen[-1][1], "Retry-After") is not None
+        assert (body == b"") == (method == "HEAD")
+    assert all_zero(mw.gatekeeper)
+
+
 def test_hostile_first_segment_is_digested_not_echoed(make: Any) -> None:
     """A path segment that is not a plain name is counted under a digest, never verbatim."""
     app = Seen()
