@@ -170,12 +170,13 @@ def test_deleted_table_is_created_again(
     a.close()
 
 
-def test_symlink_put_at_the_path_is_refused_not_followed(
-    tmp_path: Path, table: Path, path_clock: FakeClock
+def test_symlink_put_at_the_path_is_never_followed(
+    tmp_path: Path, table: Path, path_clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A symlink put at the path of a running table is refused on every operation
-    (on_backend_error decides: GK-BACKEND-UNAVAILABLE here), its target untouched; once it
-    is gone, the table is created again and counts."""
+    """A symlink put at the path of a running table is never followed: the process keeps
+    counting in the file it has open (one ERROR says so), the target is untouched; once the
+    symlink is gone, the table is created again at the path and counts."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
     a = GateKeeper(settings_for(table))
     a.admit("shop", "api", "a").release(200)
     target = tmp_path / "precious"
@@ -183,16 +184,52 @@ def test_symlink_put_at_the_path_is_refused_not_followed(
     target.chmod(0o600)
     os.unlink(table)
     table.symlink_to(target)
-    path_clock.advance(table_module.PATH_CHECK_EVERY)
-    assert [refusal(a) for _ in range(3)] == ["GK-BACKEND-UNAVAILABLE"] * 3
+    for _ in range(3):
+        path_clock.advance(table_module.PATH_CHECK_EVERY)
+        held = a.admit("shop", "api", "a")
+        assert refusal(a) == "GK-CONCURRENCY-LIMIT"  # counted, in the file it has open
+        held.release(200)
+    assert len(path_errors(caplog, table)) == 1
     assert target.read_bytes() == b"precious"
     assert table.is_symlink()
     table.unlink()
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
     admission = a.admit("shop", "api", "a")
     assert table.is_file() and not table.is_symlink()
     assert refusal(a) == "GK-CONCURRENCY-LIMIT"
     admission.release(200)
     assert target.read_bytes() == b"precious"
+    a.close()
+
+
+@pytest.mark.parametrize("blocker", ["directory", "fifo"])
+def test_table_moved_away_and_back_loses_no_release(
+    table: Path, path_clock: FakeClock, blocker: str
+) -> None:
+    """The file moved away, something unusable put at the path while a request is in
+    flight, then the file moved back: the request's release still reaches the file it was
+    admitted in, so once the file is back the limit admits again and nothing stays held."""
+    a = GateKeeper(settings_for(table))
+    held = a.admit("shop", "api", "a")
+    away = table.with_name("moved-away.shm")
+    os.rename(table, away)
+    if blocker == "directory":
+        table.mkdir()
+    else:
+        os.mkfifo(table)
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert refusal(a) == "GK-CONCURRENCY-LIMIT"  # still counting in the file it has open
+    held.release(200)
+    if blocker == "directory":
+        table.rmdir()
+    else:
+        table.unlink()
+    os.rename(away, table)
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    admission = a.admit("shop", "api", "a")
+    assert busy(table) == {"shop": 1}
+    admission.release(200)
+    assert busy(table) == {}
     a.close()
 
 

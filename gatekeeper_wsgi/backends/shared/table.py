@@ -204,6 +204,8 @@ class Table(Backend):
         #: path still names it (:meth:`_follow_path`)
         self._file: tuple[int, int] | None = None
         self._path_due = 0.0
+        #: the path names nothing usable (said once): the open file is kept meanwhile
+        self._unusable_path = False
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
@@ -241,7 +243,11 @@ class Table(Backend):
         self._last_deep_check = -1.0
 
     def _open(self) -> None:
-        self._fd = fd = open_private(self.path, self._mode)
+        self._use(open_private(self.path, self._mode))
+
+    def _use(self, fd: int) -> None:
+        """Make ``fd`` (opened by :func:`.files.open_private`) the table's descriptor."""
+        self._fd = fd
         info = os.fstat(fd)
         self._file = (info.st_dev, info.st_ino)
         self._path_due = _monotonic() + PATH_CHECK_EVERY
@@ -250,9 +256,13 @@ class Table(Backend):
         """Open the file if none is open; if the path no longer names the open one (it was
         deleted, or another file put there), log one ERROR and open the file now at the
         path (created if there is none: as at start), so that this process counts in the
-        file every other process uses. Under the thread lock, before the file lock."""
+        file every other process uses. Nothing usable there (a directory, a FIFO, a
+        symlink, a file another user owns or can write): this process keeps counting in
+        the file it has open - its leases there must still be released there, or they
+        would stay counted should that file come back - and says so once. Under the
+        thread lock, before the file lock."""
         if self._fd < 0:
-            self._open()
+            self._use(open_private(self.path, self._mode))
             return
         self._path_due = _monotonic() + PATH_CHECK_EVERY
         try:
@@ -261,23 +271,37 @@ class Table(Backend):
             what = "was deleted"
         else:
             if (info.st_dev, info.st_ino) == self._file:
+                self._unusable_path = False
                 return
             what = "was replaced by another file"
+        try:
+            fd = open_private(self.path, self._mode)  # refused as at start: never followed
+        except ConfigError as exc:
+            if not self._unusable_path:
+                self._unusable_path = True
+                logger.error(
+                    "gatekeeper: shared table %s %s, which cannot be used (%s); this "
+                    "process keeps counting in the file it has open until a usable one is "
+                    "there",
+                    self.path,
+                    what,
+                    exc.problem,
+                )
+            return
+        self._unusable_path = False
         logger.error(
             "gatekeeper: shared table %s %s; opening the file now at the path (requests in "
             "flight in the old file are not counted in it)",
             self.path,
             what,
         )
-        fd = self._fd
+        old = self._fd
         self._unmap()
-        self._fd = -1
-        # The file at the path is not the one this process mapped (which may give its
-        # inode number to the next file created once closed): garbage there is no damage
-        # to re-create, and an empty file is new.
-        self._file = self._ours = None
-        os.close(fd)
-        self._open()  # a symlink or foreign file put there is refused, as at start
+        # The file at the path is not the one this process mapped: garbage there is no
+        # damage to re-create, and an empty file is new.
+        self._ours = None
+        os.close(old)
+        self._use(fd)
 
     def _unmap(self) -> None:
         if self._mm is not None:
