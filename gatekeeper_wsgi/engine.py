@@ -441,7 +441,10 @@ class GateKeeper:
                 queued = self._queued_slot(slots) if self._waiting else None
                 if queued is not None:
                     queueing = True
-                    grant = self._wait(slots, queued, now)
+                    grant = self._wait(
+                        slots, queued, now, (project, service, caller, environ, user)
+                    )
+                    route, slots, delay = self._resolved(route, slots, delay)
                 else:
                     try:
                         result = self._acquire(slots, now)
@@ -451,7 +454,10 @@ class GateKeeper:
                         raise self._failure(exc)  # noqa: B904 - its cause is set
                     if isinstance(result, Denial):
                         queueing = True
-                        grant = self._refused(slots, result, now)
+                        grant = self._refused(
+                            slots, result, now, (project, service, caller, environ, user)
+                        )
+                        route, slots, delay = self._resolved(route, slots, delay)
                     else:
                         grant = result
                 # A grant for fewer slots than asked left untrackable shadow slots out.
@@ -561,11 +567,32 @@ class GateKeeper:
         would have raised it (see ``backends.base.unguarded``)."""
         return exc if isinstance(exc, BackendError) else self.backend.backend_error(exc)
 
-    def _refused(self, slots: tuple[Slot, ...], denial: Denial, now: float) -> Grant:
+    def _refused(
+        self, slots: tuple[Slot, ...], denial: Denial, now: float, request: _Request
+    ) -> Grant:
         slot = slots[denial.at]
         if slot.limit.queue is not None:
-            return self._wait(slots, slot, now)
+            return self._wait(slots, slot, now, request)
         raise self._rejection(slot, denial)
+
+    def _resolve_now(self, request: _Request) -> _Resolution:
+        """The route, slots and delay of ``request`` (project, service, caller, environ,
+        user) under the configuration in force now, as :meth:`admit` resolves them."""
+        project, service, caller, environ, user = request
+        try:
+            route = self._routes[(project, service)]
+        except KeyError:
+            route = self._route(project, service)
+        if route.caller_candidates:
+            slots, caller_delay = route.caller_level(caller, environ, user)
+            return route, slots, route.delay if caller_delay is None else caller_delay
+        return route, route.slots, route.delay
+
+    def _resolved(self, route: Route, slots: tuple[Slot, ...], delay: float) -> _Resolution:
+        """What a wait of this thread ended on: the request resolved again when a reload
+        swapped the configuration while it waited (see :meth:`_wait`), else as it was."""
+        again: _Resolution | None = self._waited.__dict__.pop("again", None)
+        return (route, slots, delay) if again is None else again
 
     def _rejection(self, slot: Slot, denial: Denial, *, counted: bool = True) -> Rejected:
         limit = slot.limit
@@ -704,9 +731,17 @@ class GateKeeper:
                 return slot
         return None
 
-    def _wait(self, slots: tuple[Slot, ...], queued: Slot | None, now: float) -> Grant:
+    def _wait(
+        self, slots: tuple[Slot, ...], queued: Slot | None, now: float, request: _Request
+    ) -> Grant:
         """Wait in the line of ``queued`` (SPEC §4.4) until first and admitted; raises the
-        queue's faults, or the refusal of a limit without a queue."""
+        queue's faults, or the refusal of a limit without a queue.
+
+        A reload that swaps the configuration while the request waits (a limit lowered,
+        removed, given no queue) applies to it at once: its slots are resolved again under
+        the configuration in force (handed to :meth:`admit` by :meth:`_resolved`), so a
+        waiter is never admitted past a limit no longer in force (SPEC §4.1). It keeps its
+        place in its line, and the size and wait it joined with."""
         assert queued is not None and queued.limit.queue is not None
         spec = queued.limit.queue
         backend = self.backend
@@ -725,10 +760,16 @@ class GateKeeper:
         with self._cond:
             self._waiting += 1
         entered = time.perf_counter()
+        config = self.config
+        self._waited.__dict__.pop("again", None)  # left by a wait of this thread that raised
         try:
             while True:
                 retry_hint = None
                 now = clock()
+                if self.config is not config:
+                    config = self.config
+                    again = self._waited.again = self._resolve_now(request)
+                    slots = again[1]
                 try:
                     result = line.admit(ticket, slots, now)
                 except CapacityError as exc:
@@ -837,6 +878,13 @@ class GateKeeper:
     def close(self) -> None:
         """Release backend resources."""
         self.backend.close()
+
+
+#: what :meth:`GateKeeper.admit` resolves a request's slots from: (project, service,
+#: caller, environ, user)
+_Request = tuple[str, str, str, Mapping[str, Any], "str | None"]
+#: a request's route, slots and delay under one configuration
+_Resolution = tuple[Route, tuple[Slot, ...], float]
 
 
 class _Place:

@@ -3,13 +3,16 @@ time only, so a dashboard's ``decide`` mean is not inflated by seconds spent que
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.errors import Rejected
+from tests.servers import wait_until
 
 SETTINGS: dict[str, Any] = {
     "project": "shop",
@@ -81,3 +84,54 @@ def test_a_queue_timeout_is_timed_as_a_wait_too() -> None:
     assert len(waits) == 1 and len(decide) == 1
     holder.release(200)
     gk.close()
+
+
+def test_a_reload_that_lowers_the_limit_applies_to_the_waiters(tmp_path: Path) -> None:
+    """Two requests wait behind a limit of 2; a reload lowers it to 1. When one holder
+    ends, no waiter gets in while the other is still in flight (the limit in force is 1);
+    once it ends too, the waiters get in one at a time."""
+    path = tmp_path / "gatekeeper.toml"
+
+    def limit(concurrency: int) -> None:
+        replacement = tmp_path / "next.toml"
+        replacement.write_text(
+            '[gatekeeper]\nproject = "shop"\n[gatekeeper.limits."shop/slow"]\n'
+            f"concurrency = {concurrency}\nqueue = {{ size = 5, wait = 30.0 }}\n",
+            encoding="utf-8",
+        )
+        os.replace(replacement, path)
+
+    limit(2)
+    gk = GateKeeper(str(path))
+    holders = [gk.admit("shop", "slow", "a") for _ in range(2)]
+    admitted: list[Any] = []
+    go = threading.Event()
+
+    def waiter() -> None:
+        admission = gk.admit("shop", "slow", "w")
+        with gk._cond:
+            admitted.append(admission)
+        go.wait(30)
+        admission.release(200)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    wait_until_queued(gk, 2)
+    limit(1)
+    assert gk.reload() is True
+    holders[0].release(200)
+
+    def every_waiter_looked() -> bool:
+        with gk._cond:
+            return all(place.seen == gk._wakes for place in gk._queues.get("shop/slow", ()))
+
+    wait_until(every_waiter_looked, what="the waiters to look after the release")
+    assert admitted == [] and gk.inflight() == {"shop/slow": 1}
+    holders[1].release(200)
+    wait_until(lambda: len(admitted) == 1, what="one waiter admitted")
+    assert gk.inflight() == {"shop/slow": 1}
+    go.set()
+    for thread in threads:
+        thread.join(30)
+    assert len(admitted) == 2 and not any(gk.inflight().values())
