@@ -499,9 +499,10 @@ repeat
     local quota, window, enforce = 0, 0, true
     local at, width = kk, 1
     local max_keys -- a wildcard limit's, as text: read only when a new key comes
-    if not concurrency then
+    if not concurrency and byte(spec, 1) == 45 then
       -- An enforced concurrency slot without a rate of a wildcard limit (four keys):
-      -- -2 - its limit, and its max_keys.
+      -- -2 - its limit, and its max_keys. (Only a spec starting with '-' is tried: a
+      -- rate slot's would fail the match on every request.)
       concurrency, max_keys = match(spec, '^(%-%d+) (%d+)$')
       if concurrency then
         concurrency = -2 - concurrency
