@@ -600,9 +600,8 @@ class _RedisLine(WaitingLine[_Ticket]):
         return int(answer)
 
     def join(self, key: str, size: int) -> _Ticket | None:
-        line = self._backend.line_key(key)
-        life = f"{line[: len(line) - len(key) - 3]}:w:{key}"  # ...:q:<key> -> ...:w:<key>
-        ticket = _Ticket(line, life, os.urandom(12).hex())
+        backend = self._backend
+        ticket = _Ticket(backend.line_key(key), backend.line_key(key, "w"), os.urandom(12).hex())
         return ticket if self._call(ticket, "join", size) else None
 
     def admit(self, ticket: _Ticket, slots: Sequence[Slot], now: float) -> Grant | Denial | None:
@@ -904,10 +903,11 @@ class RedisBackend(Backend):
         totals set."""
         return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:d:{limit_path}"
 
-    def line_key(self, path: str) -> str:
+    def line_key(self, path: str, kind: str = "q") -> str:
         """The queue line of concrete ``path`` (``lua/queue.lua``): its waiters' tickets in
-        the order they joined; ``lua/gate.lua`` reads it beside the path's sorted set."""
-        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:q:{path}"
+        the order they joined (``lua/gate.lua`` reads it beside the path's sorted set);
+        with ``kind`` "w", the line's hash of when each ticket last looked."""
+        return f"{self.prefix}:{{{path.split('/', 1)[0]}}}:{kind}:{path}"
 
     def tracking_key(self, limit_path: str, path: str) -> str:
         """The tracked set of configured wildcard limit ``limit_path`` for its concrete
