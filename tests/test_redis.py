@@ -445,6 +445,61 @@ def test_hung_redis_then_recovery_is_automatic(own_redis: ControlledRedis) -> No
     held.release(200)
 
 
+def test_a_frozen_redis_costs_one_timeout_not_a_second_connection(
+    own_redis: ControlledRedis,
+) -> None:
+    """The request threads' connections are blocking sockets whose timeouts the kernel
+    keeps (no poll before each send and receive): a frozen Redis still fails the call with
+    a timeout, and a timeout is not sent again on a new connection (a retry would double
+    the request's wait, and would show as one more connection once Redis thaws)."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05",
+        {"shop/work": {"concurrency": 1}},
+    )
+    try:
+        backend = gk.backend
+        assert isinstance(backend, RedisBackend)
+        gk.admit("shop", "work", "c").release(200)
+        sock = backend._local.connection._sock
+        assert sock.gettimeout() is None  # blocking: the kernel times it out
+        slots = resolve_route(gk.config, "shop", "work").slots
+        connections = backend.client.info("stats")["total_connections_received"]
+        own_redis.pause()
+        try:
+            with pytest.raises(BackendError) as failed:
+                backend.acquire(slots, 0.0)
+        finally:
+            own_redis.resume()
+        assert isinstance(failed.value.__cause__, redis.exceptions.TimeoutError)
+        # The info call itself is the one connection more: the timed-out call made none.
+        assert backend.client.info("stats")["total_connections_received"] == connections
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("timeout", [0.2, 0.0000001])
+def test_the_kernel_keeps_socket_timeout(own_redis: ControlledRedis, timeout: float) -> None:
+    """socket_timeout is what the kernel enforces on a request thread's connection, however
+    small: never rounded down to 0, which the kernel reads as no timeout at all."""
+    import socket
+    import struct
+
+    gk = keeper(f"{own_redis.url}?socket_timeout={timeout}", {"shop/work": {"concurrency": 1}})
+    try:
+        backend = gk.backend
+        assert isinstance(backend, RedisBackend)
+        connection = backend._connect()
+        connection.connect()
+        sock = connection._sock
+        assert sock.gettimeout() is None
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            seconds, micros = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
+            # The kernel keeps it in clock ticks: rounded up to one, at most.
+            assert timeout <= seconds + micros / 1e6 < timeout + 0.011
+    finally:
+        gk.close()
+
+
 def test_releases_failed_in_an_outage_are_replayed(own_redis: ControlledRedis) -> None:
     """Slots admitted before an outage and released during it come back right after,
     without waiting for their leases (max_hold 300 s) to expire."""
