@@ -24,6 +24,7 @@ from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.rejectlog import log_rejected
+from gatekeeper_wsgi.requestvalues import remember
 from gatekeeper_wsgi.resolve import Route
 
 if TYPE_CHECKING:
@@ -32,11 +33,13 @@ if TYPE_CHECKING:
 __all__ = [
     "ADMISSION_KEY",
     "BODY_SCAN_LIMIT",
+    "DECLARED_LENGTHS",
     "IDENTITY_KEY",
     "REQUEST_ID_KEY",
     "Gate",
     "Identify",
     "ResponseWatch",
+    "declared_length",
 ]
 
 #: environ key holding the request's Admission; its presence means "already counted".
@@ -53,6 +56,17 @@ BODY_SCAN_LIMIT = 64 * 1024
 
 #: identify(environ) -> (project, service), or None to leave the request unlimited
 Identify = Callable[["WSGIEnvironment"], "tuple[str, str] | None"]
+
+#: Content-Length value -> its length, or None when not a plain number (most responses
+#: repeat a few: read by subscript on the WSGI hot path, filled by declared_length).
+DECLARED_LENGTHS: dict[str, int | None] = {}
+
+
+def declared_length(value: str) -> int | None:
+    """The body length a ``Content-Length`` value declares, None unless a plain number."""
+    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
+    length = int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+    return remember(DECLARED_LENGTHS, value, length, len(value))
 
 
 class ResponseWatch:
@@ -173,11 +187,19 @@ class ResponseWatch:
         if left != _FINISHED:  # else finished already (a second call would do nothing)
             self.finish()
 
-    async def astream(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def astream(
+        self, content: AsyncIterator[bytes], length: int | None = None
+    ) -> AsyncIterator[bytes]:
         """The async form of :meth:`stream` (with ``finish_on_error``)."""
+        left = -1 if length is None else length
         try:
             async for chunk in content:
                 self.chunk(chunk)
+                if left >= 0:
+                    left -= len(chunk)
+                    if left <= 0:
+                        left = _FINISHED
+                        self.finish()
                 yield chunk
         except (GeneratorExit, asyncio.CancelledError):
             raise
@@ -185,7 +207,8 @@ class ResponseWatch:
             self.faulty = True
             self.finish()
             raise
-        self.finish()
+        if left != _FINISHED:
+            self.finish()
 
 
 class Gate:

@@ -19,20 +19,23 @@ re-exported here, where they were first defined.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from werkzeug.wsgi import FileWrapper
 
 from gatekeeper_wsgi.engine import ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.kernel import (
     ADMISSION_KEY,
     BODY_SCAN_LIMIT,
+    DECLARED_LENGTHS,
     IDENTITY_KEY,
     REQUEST_ID_KEY,
     Gate,
     Identify,
     ResponseWatch,
+    declared_length,
 )
 from gatekeeper_wsgi.requestvalues import remember
 
@@ -97,9 +100,9 @@ class _WatchedResponse(ResponseWatch):
             for name, value in self._headers:
                 if name in _CONTENT_LENGTH:
                     try:  # a subscript: most responses repeat a few lengths
-                        length = _LENGTHS[value]
+                        length = DECLARED_LENGTHS[value]
                     except KeyError:
-                        length = _length(value)
+                        length = declared_length(value)
                     break
         return self.stream(inner, False, length)
 
@@ -130,14 +133,6 @@ _CONTENT_LENGTH = frozenset(("Content-Length", "content-length", "Content-length
 
 # Status line -> code: a few distinct lines, parsed once (int() on each one is measurable).
 _STATUS_CODES: dict[str, int] = {}
-# Content-Length value -> its length, or None when not a plain number.
-_LENGTHS: dict[str, int | None] = {}
-
-
-def _length(value: str) -> int | None:
-    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
-    length = int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
-    return remember(_LENGTHS, value, length, len(value))
 
 
 def _status_code(status: str) -> int:
@@ -210,64 +205,18 @@ class GateKeeperMiddleware:
         response = _WatchedResponse(admission)
         response._start_response = start_response
         response._headers = ()
-        file_wrapper = environ.get("wsgi.file_wrapper")
-        made: list[object] | None = None
-        if file_wrapper is not None and not isinstance(file_wrapper, type):
-            # A function-style file_wrapper (uWSGI's returns the very file it is given, and
-            # sends it with sendfile only if the app returns that object): what it made is
-            # recorded, so that object can be recognised and handed back untouched.
-            made = []
-            environ["wsgi.file_wrapper"] = _recording(file_wrapper, made)
+        if "wsgi.file_wrapper" in environ:
+            # A file is read through the watch like any body, not handed to the server's
+            # sendfile: its end must be seen, or the slot would come back only when the
+            # server closes the response - after it wrote its access log (gunicorn), after
+            # its event loop sent the last byte (waitress) - and a client that has the
+            # whole file could be refused its next request by it (SPEC 4.2).
+            environ["wsgi.file_wrapper"] = FileWrapper
         try:
             result = response._inner = self.app(environ, response.start_response)
         except BaseException:
             admission.release(response.status, True)
             raise
-        if file_wrapper is not None and admission.route.timeout_body is None:
-            if made is None:
-                is_file = isinstance(result, file_wrapper)
-            else:
-                environ["wsgi.file_wrapper"] = file_wrapper
-                is_file = any(result is each for each in made)
-            if is_file and _hook_close(result, response):
-                # Handed back untouched, so the server can still send the file efficiently;
-                # the hook holds the watch, which so lives (and is collected) with `result`.
-                response._inner = ()
-                return result
         if type(result) is list or hasattr(result, "__len__"):
             response.__class__ = _SizedWatchedResponse
         return response
-
-
-def _recording(file_wrapper: Callable[..., Any], made: list[object]) -> Callable[..., Any]:
-    """``file_wrapper``, remembering in ``made`` what it returned."""
-
-    def wrap(filelike: Any, *args: Any, **kwargs: Any) -> Any:
-        result = file_wrapper(filelike, *args, **kwargs)
-        made.append(result)
-        return result
-
-    return wrap
-
-
-def _hook_close(result: Any, watch: ResponseWatch) -> bool:
-    """Make a ``wsgi.file_wrapper`` object release on close (or, an object whose
-    ``close`` cannot be replaced - a plain file - when it is collected, as a server drops
-    it right after closing it); False if neither can be done."""
-    inner_close = getattr(result, "close", None)
-
-    def close() -> None:
-        try:
-            if inner_close is not None:
-                inner_close()
-        finally:
-            watch.finish()
-
-    try:
-        result.close = close
-    except AttributeError:
-        try:
-            weakref.finalize(result, watch.finish)
-        except TypeError:
-            return False
-    return True

@@ -1,6 +1,7 @@
 """The Django middleware under a real gunicorn process (one worker, 8 threads) serving the
 test project to concurrent clients: the concurrency limit is exact as the app itself
-observes it, and every in-flight count returns to zero."""
+observes it, every in-flight count returns to zero, and a FileResponse read whole never
+refuses the client's next request."""
 
 from __future__ import annotations
 
@@ -84,3 +85,11 @@ def test_status_view_reports_inflight_under_gunicorn(server: Gunicorn) -> None:
     holder.join(DEADLINE)
     server.json_when(OBSERVED, all_zero)
     assert status_json(server)["stats"]["counters"]["admitted"] == 1
+
+
+def test_a_file_response_read_whole_never_refuses_the_next_request(server: Gunicorn) -> None:
+    """A FileResponse (concurrency 1) read to its end, then the next at once on a fresh
+    connection, 100 times: every one is admitted. Its slot comes back as its last byte is
+    handed out, not when gunicorn closes it after writing its access log."""
+    bodies = [server.request("/file/") for _ in range(100)]
+    assert bodies == [(200, b"file body " * 100)] * 100

@@ -270,12 +270,19 @@ def test_file_response_is_released_on_close(settings: Any, client: Client) -> No
     assert busy(get_gatekeeper()) == {}
 
 
-def test_file_response_keeps_the_servers_file_wrapper(settings: Any) -> None:
-    """Under WSGI a FileResponse still uses `wsgi.file_wrapper` and releases on its close."""
+def test_file_response_is_read_through_the_watch_not_the_servers_file_wrapper(
+    settings: Any,
+) -> None:
+    """Under WSGI a FileResponse is not handed to the server's `wsgi.file_wrapper`
+    (sendfile, whose end nothing sees before the server's close, which may come after the
+    client has the whole file and sent its next request): Django iterates it through the
+    watch, and its slot comes back once its Content-Length is handed out, before close."""
     configure_gatekeeper(settings, {"site/file": {"concurrency": 1}})
+    handed: list[object] = []
 
     class FileWrapper:
         def __init__(self, filelike: Any, block_size: int = 8192) -> None:
+            handed.append(filelike)
             self.filelike = filelike
 
         def __iter__(self) -> Iterator[bytes]:
@@ -293,11 +300,18 @@ def test_file_response_keeps_the_servers_file_wrapper(settings: Any) -> None:
         "wsgi.input": io.BytesIO(),
         "wsgi.file_wrapper": FileWrapper,
     }
-    result = WSGIHandler()(environ, lambda status, headers, exc_info=None: None)
-    assert isinstance(result, FileWrapper)
+    headers: list[tuple[str, str]] = []
+    result = WSGIHandler()(environ, lambda status, given, exc_info=None: headers.extend(given))
+    assert handed == [] and not isinstance(result, FileWrapper)
+    assert ("Content-Length", "1000") in headers
     assert busy(get_gatekeeper()) == {"site/file": 1}
-    assert b"".join(result) == b"file body " * 100
-    result.close()
+    body = b""
+    for chunk in result:
+        body += chunk
+        if len(body) == 1000:
+            assert busy(get_gatekeeper()) == {}  # the last byte handed out, before close
+    assert body == b"file body " * 100
+    result.close()  # type: ignore[attr-defined]
     assert busy(get_gatekeeper()) == {}
 
 

@@ -717,7 +717,10 @@ class FileApp:
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if environ["PATH_INFO"] != "/case":
             return ok_app(environ, start_response)
-        start_response(self.status, [("Content-Type", "application/octet-stream")])
+        headers = [("Content-Type", "application/octet-stream")]
+        if "test.length" in environ:
+            headers.append(("Content-Length", environ["test.length"]))
+        start_response(self.status, headers)
         wrapper = environ["wsgi.file_wrapper"](environ["test.file"], 4)
         self.returned.append(wrapper)
         return wrapper  # type: ignore[no-any-return]
@@ -729,16 +732,31 @@ def file_environ(file: io.BytesIO, wrapper: type = FileWrapper) -> WSGIEnvironme
     return environ
 
 
-def test_file_wrapper_passes_through_and_releases_on_close(make: Any) -> None:
-    """A file_wrapper reaches the server as the same object; close frees file and slot."""
+class ServersFileWrapper(FileWrapper):
+    """A server's own class-style file_wrapper (gunicorn's, waitress's): it would send the
+    file with sendfile, unseen by the middleware."""
+
+
+def test_a_file_response_is_read_through_the_watch(make: Any) -> None:
+    """An app's file_wrapper response is watched like any body (the app gets a wrapper that
+    reads the file in blocks, not the server's sendfile one): its slot comes back as soon as
+    its declared length is handed out - before the server could write the end and the
+    client send its next request - and close() closes the file, once."""
     app = FileApp()
     with another_request_in_flight(make(app, HOLD)) as mw:
         file = io.BytesIO(b"file contents")
-        result = mw(file_environ(file), StartResponseRecorder())
-        assert result is app.returned[0]
-        assert type(result) is FileWrapper
+        environ = file_environ(file, ServersFileWrapper)
+        environ["test.length"] = "13"
+        recorder = StartResponseRecorder()
+        result = mw(environ, recorder)
+        assert type(app.returned[0]) is FileWrapper  # not the server's class
+        assert result is not app.returned[0]
         assert_holding(mw)
-        assert b"".join(result) == b"file contents"
+        chunks = iter(result)
+        assert [next(chunks) for _ in range(3)] == [b"file", b" con", b"tent"]
+        assert_holding(mw)
+        assert next(chunks) == b"s"  # the 13th byte: handed out, released
+        assert_released_once(mw)
         assert not file.closed
         result.close()  # type: ignore[attr-defined]
         assert file.closed
@@ -753,37 +771,33 @@ def uwsgi_style_file_wrapper(filelike: Any, block_size: int = 8192) -> Any:
     return filelike
 
 
-def test_function_file_wrapper_passes_through_and_releases(make: Any) -> None:
-    """A function-style file_wrapper's object (a plain file, whose close() cannot be
-    replaced) reaches the server untouched; the slot comes back once the server closes
-    and drops it, once; the app sees the server's function again afterwards."""
+def test_a_function_style_file_wrapper_is_not_handed_to_the_app(make: Any) -> None:
+    """Under uWSGI's function-style file_wrapper the app gets a block-reading wrapper too
+    (iterating the plain file would hand out lines); read to its end, the slot comes back."""
     app = FileApp()
     with another_request_in_flight(make(app, HOLD)) as mw:
-        file = io.BytesIO(b"file contents")
+        file = io.BytesIO(b"line one\nline two\n")
         environ = file_environ(file, uwsgi_style_file_wrapper)  # type: ignore[arg-type]
-        result = mw(environ, StartResponseRecorder())
-        assert result is file
-        assert environ["wsgi.file_wrapper"] is uwsgi_style_file_wrapper
-        assert_holding(mw)
-        assert b"".join(result) == b"file contents"
-        result.close()  # type: ignore[attr-defined]
-        del result, file, environ
-        app.returned.clear()
-        assert_released_once(mw)
-
-
-def test_function_file_wrapper_does_not_pass_other_results_through(make: Any) -> None:
-    """With a function-style file_wrapper, a body the wrapper did not make is watched as
-    any other: released when read to its end."""
-    with another_request_in_flight(make(ok_app, HOLD)) as mw:
-        environ = file_environ(io.BytesIO(b""), uwsgi_style_file_wrapper)  # type: ignore[arg-type]
-        environ["PATH_INFO"] = "/other"
         recorder = StartResponseRecorder()
         result = mw(environ, recorder)
-        assert not isinstance(result, list)
+        assert result is not file
         assert_holding(mw)
-        assert drain(result, recorder) == b"hello world"
+        assert list(result) == [b"line", b" one", b"\nlin", b"e tw", b"o\n"]  # blocks of 4
         assert_released_once(mw)
+        result.close()  # type: ignore[attr-defined]
+        assert file.closed
+        assert_released_once(mw)
+
+
+def test_an_exempt_request_keeps_the_servers_file_wrapper() -> None:
+    """An exempt request (identify() answers None) is not watched: the app gets
+    the server's own file_wrapper, and the server its object back (its sendfile)."""
+    app = FileApp()
+    mw = GateKeeperMiddleware(app, {"project": "shop"}, identify=lambda environ: None)
+    file = io.BytesIO(b"abc")
+    result = mw(file_environ(file, ServersFileWrapper), StartResponseRecorder())
+    assert type(result) is ServersFileWrapper
+    assert result is app.returned[0]
 
 
 def test_file_wrapper_through_client_releases_once(make: Any) -> None:
@@ -796,35 +810,6 @@ def test_file_wrapper_through_client_releases_once(make: Any) -> None:
             environ_overrides={"wsgi.file_wrapper": FileWrapper, "test.file": file},
         )
         assert response.data == b"0123456789"
-        assert file.closed
-        assert_released_once(mw)
-
-
-class SlottedWrapper:
-    """A server's file wrapper whose close cannot be replaced (no instance dict)."""
-
-    __slots__ = ("file", "size")
-
-    def __init__(self, file: io.BytesIO, size: int = 8192) -> None:
-        self.file = file
-        self.size = size
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(lambda: self.file.read(self.size), b"")
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def test_file_wrapper_that_cannot_be_hooked_is_still_released(make: Any) -> None:
-    """A file wrapper the middleware cannot hook is wrapped instead; the slot still comes back."""
-    with another_request_in_flight(make(FileApp(), HOLD)) as mw:
-        file = io.BytesIO(b"abcdefgh")
-        recorder = StartResponseRecorder()
-        result = mw(file_environ(file, SlottedWrapper), recorder)
-        assert_holding(mw)
-        assert drain(result, recorder) == b"abcdefgh"
-        result.close()  # type: ignore[attr-defined]
         assert file.closed
         assert_released_once(mw)
 

@@ -15,7 +15,13 @@ from django.urls import Resolver404, get_urlconf, resolve
 
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.identify import Identifier
-from gatekeeper_wsgi.kernel import ADMISSION_KEY, REQUEST_ID_KEY, Gate, ResponseWatch
+from gatekeeper_wsgi.kernel import (
+    ADMISSION_KEY,
+    REQUEST_ID_KEY,
+    Gate,
+    ResponseWatch,
+    declared_length,
+)
 from gatekeeper_wsgi.naming import UNRESOLVED
 from gatekeeper_wsgi.naming import name_segment as service_segment
 from gatekeeper_wsgi.requestvalues import remember
@@ -238,20 +244,25 @@ class GateKeeperMiddleware:
         """Feed the response to the watch and release on its close."""
         watch.headers(response.status_code, response.items())
         if isinstance(response, StreamingHttpResponse):
-            if getattr(response, "file_to_stream", None) is None or watch.scans_body:
-                # An error mid-stream releases at once: Django's ASGI handler skips
-                # close() when a stream raises.
-                content = response.streaming_content
-                # Django's streaming_content is an async iterator exactly when is_async;
-                # a cast, not isinstance(AsyncIterator), which costs ~0.4 µs per response.
-                if response.is_async:
-                    response.streaming_content = watch.astream(
-                        cast("AsyncIterator[bytes]", content)
-                    )
-                else:
-                    response.streaming_content = watch.stream(
-                        cast("Iterator[bytes]", content), finish_on_error=True
-                    )
+            # A FileResponse too: setting its streaming content drops its file_to_stream,
+            # so Django's WSGI handler does not hand the file to the server's
+            # wsgi.file_wrapper (sendfile), whose end nothing would see before the server's
+            # close() (SPEC 4.2; see GateKeeperMiddleware). Released once the declared
+            # Content-Length is handed out, or when exhausted; an error mid-stream releases
+            # at once: Django's ASGI handler skips close() when a stream raises.
+            content = response.streaming_content
+            declared = response.headers.get("Content-Length")
+            length = None if declared is None else declared_length(declared)
+            # Django's streaming_content is an async iterator exactly when is_async;
+            # a cast, not isinstance(AsyncIterator), which costs ~0.4 µs per response.
+            if response.is_async:
+                response.streaming_content = watch.astream(
+                    cast("AsyncIterator[bytes]", content), length
+                )
+            else:
+                response.streaming_content = watch.stream(
+                    cast("Iterator[bytes]", content), True, length
+                )
         elif isinstance(response, HttpResponse):
             if watch.scans_body:
                 watch.chunk(response.content)

@@ -32,5 +32,6 @@ GATEKEEPER = {
     "limits": {
         "site/hold": {"concurrency": 3},
         "site/observe": {"concurrency": 3},
+        "site/file": {"concurrency": 1},
     },
 }
