@@ -113,7 +113,7 @@ def test_held_slots_really_limit_and_come_back_after_disconnect(server: Gunicorn
 
 
 def test_clients_leaving_a_file_download_give_their_slots_back(server: Gunicorn) -> None:
-    """file_wrapper (sendfile) downloads free their slots when clients leave midway."""
+    """file_wrapper downloads free their slots when clients leave midway."""
     idle(server)
     socks = [open_stream(server, "/file", f"f{n}", read=512 * 1024) for n in range(4)]
     wait_for(server, lambda counts: counts.get("demo/file") == 4)

@@ -165,8 +165,9 @@ class GateKeeperMiddleware:
     whichever is first (a closer on ``response._resource_closers``), whatever the
     response: streamed
     (``StreamingHttpResponse`` content is wrapped, so timeout markers are scanned as it
-    streams and an error mid-stream counts as faulty), ``FileResponse`` (passed through
-    untouched, keeping ``wsgi.file_wrapper``, unless a body marker must be scanned),
+    streams and an error mid-stream counts as faulty), ``FileResponse`` (streamed through the
+    watch too, not handed to the server's ``wsgi.file_wrapper``, whose sendfile end nothing
+    would see; released once its ``Content-Length`` is handed out),
     500 responses Django made from exceptions in views or other middleware (faulty, so
     ``delay`` applies), and responses short-circuited by middleware below. A response
     dropped without ``close()`` releases when it is garbage collected.
