@@ -790,7 +790,7 @@ def load_config(
         return build_config(settings)
     from gatekeeper_wsgi.fileformats import load_file
 
-    file_settings, lines = load_file(file, data)
+    file_settings, lines = load_file(file, data, settings_keys=TOP_LEVEL)
     merged = merge_settings(settings, file_settings)
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
 
@@ -804,7 +804,7 @@ def located(error: ConfigError, file: str | None) -> ConfigError:
     from gatekeeper_wsgi.fileformats import load_file
 
     try:
-        _, lines = load_file(file)
+        _, lines = load_file(file, settings_keys=TOP_LEVEL)
         line = lines.get(error.key)
     except ConfigError:
         return error  # the file changed meanwhile: say what is known

@@ -20,7 +20,7 @@ import re
 import signal
 import stat
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,12 +154,18 @@ def open_for_writing(path: str, inode: int) -> bool | None:
 
 
 def load_file(
-    path: str | os.PathLike[str], data: bytes | None = None
+    path: str | os.PathLike[str],
+    data: bytes | None = None,
+    *,
+    settings_keys: Collection[str] = (),
 ) -> tuple[dict[str, Any], Mapping[str, int]]:
     """Read a .toml or .properties configuration file into the settings-dict shape of SPEC §3.
 
     Returns (settings, lines): lines maps a dotted key to its 1-based line number.
     ``data`` is the file's content when the caller has read it already (:func:`read_file`).
+    ``settings_keys`` are the settings' top-level keys: in a TOML file with a
+    ``[gatekeeper]`` table, one of them beside that table (where it would be ignored) is
+    an error, while other tables of a file shared with other settings are left alone.
     Any problem, however malformed the content, is a ConfigError naming the file.
     """
     file = str(path)
@@ -175,7 +181,7 @@ def load_file(
         ) from exc
     try:
         if suffix == ".toml":
-            return _load_toml(text, file)
+            return _load_toml(text, file, settings_keys)
         return _load_properties(text, file)
     except RecursionError as exc:
         raise ConfigError("", "nested too deeply", file=file) from exc
@@ -371,7 +377,9 @@ _TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
 _SETTINGS_TABLE = "gatekeeper"
 
 
-def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]:
+def _load_toml(
+    text: str, file: str, settings_keys: Collection[str]
+) -> tuple[dict[str, Any], Mapping[str, int]]:
     try:
         document: dict[str, Any] = tomllib.loads(text)
     except RecursionError as exc:
@@ -415,6 +423,17 @@ def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]
                 file=file,
                 line=located.get(_SETTINGS_TABLE),
             )
+        # In document order, so the first one in the file is reported.
+        for key in document:
+            if key in settings_keys:
+                located = _TomlLocator(text, ()).locate()
+                raise ConfigError(
+                    key,
+                    f"beside the [{_SETTINGS_TABLE}] table, where it would be ignored; "
+                    f"move it under [{_SETTINGS_TABLE}]",
+                    file=file,
+                    line=located.get(key),
+                )
     return settings, _LazyLines(_TomlLocator(text, prefix).locate)
 
 

@@ -648,6 +648,45 @@ INVALID_FILES: list[tuple[str, str, str, int, str]] = [
         3,
         "limits.shop/login.key: 'key' is only valid on the caller level",
     ),
+    (
+        "TOML limits table beside [gatekeeper]",
+        "gatekeeper.toml",
+        """\
+        [gatekeeper]
+        project = "shop"
+
+        [limits.shop]
+        concurrency = 10
+        """,
+        4,
+        "limits: beside the [gatekeeper] table, where it would be ignored; "
+        "move it under [gatekeeper]",
+    ),
+    (
+        "TOML top-level key before [gatekeeper]",
+        "gatekeeper.toml",
+        """\
+        # operators' file
+        backend = "redis://cache:6379/0"
+
+        [gatekeeper]
+        project = "shop"
+        """,
+        2,
+        "backend: beside the [gatekeeper] table",
+    ),
+    (
+        "TOML dotted key beside [gatekeeper]",
+        "gatekeeper.toml",
+        """\
+        project = "shop"
+        limits.shop.concurrency = 3
+        [gatekeeper.limits.shop]
+        concurrency = 10
+        """,
+        1,
+        "project: beside the [gatekeeper] table",
+    ),
 ]
 
 
@@ -666,6 +705,41 @@ def test_invalid_files_name_file_and_line(
     assert (error.file, error.line) == (str(path), line)
     assert str(error).startswith(f"{path}:{line}: ")
     assert expected in str(error)
+
+
+def test_toml_other_tables_beside_gatekeeper_are_allowed(tmp_path: Path) -> None:
+    """A TOML file shared with other settings keeps its own tables beside [gatekeeper]."""
+    path = write(
+        tmp_path,
+        "app.toml",
+        """\
+        title = "shop site"
+
+        [database]
+        url = "postgres://db/shop"
+
+        [gatekeeper]
+        project = "shop"
+
+        [gatekeeper.limits.shop]
+        concurrency = 10
+
+        [tool.other]
+        mode = "unrelated"
+        """,
+    )
+    config = GateKeeper(path).config
+    assert config.project == "shop"
+    assert config.limits["shop"].concurrency == 10
+    assert config.mode == "enforce"
+
+
+def test_toml_without_gatekeeper_table_still_refuses_unknown_keys(tmp_path: Path) -> None:
+    """Without a [gatekeeper] table, every top-level key is a setting: unknown ones fail."""
+    path = write(tmp_path, "gatekeeper.toml", 'project = "shop"\n\n[database]\nurl = "x"\n')
+    with pytest.raises(ConfigError, match="unknown key 'database'") as info:
+        GateKeeper(path)
+    assert (info.value.file, info.value.line) == (str(path), 3)
 
 
 def test_unsupported_file_type(tmp_path: Path) -> None:
