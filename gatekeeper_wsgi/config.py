@@ -667,12 +667,22 @@ class _Checker:
         """The ``adaptive`` table; in .properties files ``vegas, min=2, max=50``."""
         if isinstance(value, str):
             table: dict[str, object] = {}
+            given: dict[str, str] = {}  # name -> the part that set it
             for item in self.items(key, value):
                 assert isinstance(item, str)
                 name, sep, text = item.partition("=")
                 if not sep:
                     name, text = "algorithm", item
-                table[name.strip()] = text.strip()
+                name = name.strip()
+                if name in given:
+                    # "Last wins" would hide which one the operator meant.
+                    raise self.error(
+                        f"{key}.{name}",
+                        f"given twice: {shown(given[name])}, {shown(item)}; "
+                        f"expected each of {', '.join(ADAPTIVE_FIELDS)} at most once",
+                    )
+                given[name] = item
+                table[name] = text.strip()
             value = table
         spec = self.mapping(key, value)
         for name in spec:
