@@ -372,7 +372,7 @@ INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
         {"limits": {"shop": {"concurrency": 1, "timeout_status": [504, 999]}}},
         "limits.shop.timeout_status",
         "999",
-        "HTTP status codes 100..599",
+        "expected an integer >= 100 and <= 599",
     ),
     (
         "count without rate",
@@ -740,6 +740,84 @@ def test_toml_without_gatekeeper_table_still_refuses_unknown_keys(tmp_path: Path
     with pytest.raises(ConfigError, match="unknown key 'database'") as info:
         GateKeeper(path)
     assert (info.value.file, info.value.line) == (str(path), 3)
+
+
+HUGE = "9" * 5000
+BIG = 10**13
+
+
+def _shop(**fields: Any) -> dict[str, Any]:
+    return {"limits": {"shop": {"concurrency": 1, **fields}}}
+
+
+@pytest.mark.parametrize(
+    ("text", "settings"),
+    [
+        ("limits.shop.concurrency = 9999999999999", _shop(concurrency=BIG)),
+        (f"limits.shop.concurrency = {HUGE}", _shop(concurrency=BIG)),
+        ("limits.shop.concurrency = -9999999999999", _shop(concurrency=-BIG)),
+        ("reload.every_requests = 9999999999999", {"reload": {"every_requests": BIG}}),
+        (
+            "limits.shop/*/*.concurrency = 1\nlimits.shop/*/*.max_keys = 99999999999999",
+            {"limits": {"shop/*/*": {"concurrency": 1, "max_keys": BIG}}},
+        ),
+        ("ipv6_prefix = 9999999999999", {"ipv6_prefix": BIG}),
+        ("rejected_log.queue_size = 9999999999999", {"rejected_log": {"queue_size": BIG}}),
+        (
+            "limits.shop.concurrency = 1\nlimits.shop.timeout_status = 9999999999999",
+            _shop(timeout_status=[BIG]),
+        ),
+        (
+            "limits.shop.concurrency = 1\nlimits.shop.queue = 99999999999999, 1",
+            _shop(queue={"size": BIG, "wait": 1}),
+        ),
+        (
+            "limits.shop.concurrency = auto\nlimits.shop.adaptive = max=99999999999999",
+            _shop(concurrency="auto", adaptive={"max": BIG}),
+        ),
+    ],
+    ids=[
+        "13 digits",
+        "5000 digits",
+        "negative",
+        "every_requests",
+        "max_keys",
+        "ipv6_prefix",
+        "queue_size",
+        "timeout_status",
+        "queue size",
+        "adaptive max",
+    ],
+)
+def test_long_integers_in_files_state_the_bound_of_the_dict_form(
+    tmp_path: Path, text: str, settings: dict[str, Any]
+) -> None:
+    """An integer of many digits in a file is refused with the bound the dict form states."""
+    expected = config_error(settings)
+    path = write(tmp_path, "gatekeeper.properties", f"project = shop\n{text}\n")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(path)
+    error = info.value
+    assert (error.key, error.file, error.line) == (expected.key, str(path), text.count("\n") + 2)
+    assert error.problem.partition(", got")[0] == expected.problem.partition(", got")[0]
+    assert len(str(error)) < 400
+
+
+def test_long_concurrency_message(tmp_path: Path) -> None:
+    """A 13-digit concurrency says the real bound, 10**9."""
+    path = write(tmp_path, "gatekeeper.properties", "limits.shop.concurrency = 9999999999999\n")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(path)
+    assert str(info.value) == (
+        f"{path}:1: limits.shop.concurrency: "
+        "expected an integer >= 0 and <= 1000000000, got '9999999999999'"
+    )
+
+
+def test_leading_zeros_do_not_make_an_integer_long(tmp_path: Path) -> None:
+    """Zeros before the digits are not counted as digits: 0000000000000005 is 5."""
+    path = write(tmp_path, "gatekeeper.properties", "limits.shop.concurrency = 0000000000000005\n")
+    assert GateKeeper(path).config.limits["shop"].concurrency == 5
 
 
 def test_unsupported_file_type(tmp_path: Path) -> None:
