@@ -697,13 +697,8 @@ class _Checker:
         algorithm = self.choice(
             f"{key}.algorithm", spec.get("algorithm", default.algorithm), ALGORITHMS
         )
-        low = self.integer(f"{key}.min", spec.get("min", default.min), 1)
-        high = self.integer(f"{key}.max", spec.get("max", max(low, default.max)), 1)
-        if high > _ADAPTIVE_MAX:
-            # Not quoted: a 5000-digit number cannot even be printed.
-            raise self.error(
-                f"{key}.max", f"expected an integer <= {_ADAPTIVE_MAX}, got a larger one"
-            )
+        low = self.integer(f"{key}.min", spec.get("min", default.min), 1, _ADAPTIVE_MAX)
+        high = self.integer(f"{key}.max", spec.get("max", max(low, default.max)), 1, _ADAPTIVE_MAX)
         if high < low:
             raise self.bad(f"{key}.max", spec["max"], f"an integer >= min ({low})")
         if "initial" in spec:

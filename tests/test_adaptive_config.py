@@ -77,6 +77,11 @@ def test_default_initial_moves_into_the_given_bounds() -> None:
             "<= 1000000",
         ),
         ({"concurrency": "auto", "adaptive": {"min": True}}, "limits.shop.adaptive.min", ">= 1"),
+        (
+            {"concurrency": "auto", "adaptive": {"min": 2000000}},
+            "limits.shop.adaptive.min",
+            "expected an integer >= 1 and <= 1000000, got 2000000",
+        ),
     ],
 )
 def test_invalid_adaptive_settings_name_key_and_expectation(
