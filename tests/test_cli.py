@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import shutil
 import subprocess
 import sys
@@ -475,6 +476,10 @@ def test_replay_rejects_bad_arguments(rejected_log: Path, tmp_path: Path) -> Non
     assert run_replay(rejected_log, "ftp://host", out=io.StringIO()) == 2
     assert run_replay(rejected_log, "http://127.0.0.1:1", rate="fast", out=io.StringIO()) == 2
     assert run_replay(tmp_path / "none.log", "http://127.0.0.1:1", out=io.StringIO()) == 2
+    for timeout in (math.inf, math.nan, -1.0, 0.0):
+        assert (
+            run_replay(rejected_log, "http://127.0.0.1:1", timeout=timeout, out=io.StringIO()) == 2
+        )
     assert parse_rate("30/m") == 0.5
     assert parse_rate("5") == 5.0
 

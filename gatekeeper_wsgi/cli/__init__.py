@@ -23,7 +23,13 @@ from typing import TextIO
 
 from gatekeeper_wsgi.cli.check import ConfigInput, limit_tree, run_check
 from gatekeeper_wsgi.cli.options import COMMANDS, Command, Option, add_commands
-from gatekeeper_wsgi.cli.replay import ReplayRequest, parse_header, parse_rate, run_replay
+from gatekeeper_wsgi.cli.replay import (
+    ReplayRequest,
+    parse_header,
+    parse_rate,
+    parse_timeout,
+    run_replay,
+)
 from gatekeeper_wsgi.cli.status import run_status
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "main",
     "parse_header",
     "parse_rate",
+    "parse_timeout",
     "run_check",
     "run_command",
     "run_replay",

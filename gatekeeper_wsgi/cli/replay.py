@@ -18,7 +18,18 @@ from urllib.parse import urlsplit
 from gatekeeper_wsgi.cli.status import printable
 from gatekeeper_wsgi.redact import REDACTED
 
-__all__ = ["REPLAY_EPILOG", "ReplayRequest", "parse_header", "parse_rate", "run_replay"]
+__all__ = [
+    "MAX_TIMEOUT",
+    "REPLAY_EPILOG",
+    "ReplayRequest",
+    "parse_header",
+    "parse_rate",
+    "parse_timeout",
+    "run_replay",
+]
+
+#: The longest ``--timeout`` per request, in seconds (a day): longer is a typo.
+MAX_TIMEOUT = 86400.0
 
 REPLAY_EPILOG = (
     "Secrets are never logged, so they are not replayed: a redacted header (Authorization, "
@@ -58,6 +69,26 @@ def parse_rate(text: str | float) -> float:
         value = float(match.group(1)) / _RATE_UNITS[match.group(2) or "s"]
     if not value > 0:
         raise ValueError(f"the rate must be above 0, got {text!r}")
+    return value
+
+
+def parse_timeout(text: str | float) -> float:
+    """Seconds per request from ``"2.5"``: above 0, at most :data:`MAX_TIMEOUT`;
+    ValueError otherwise (``inf``, ``nan`` and ``1e400`` included)."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(
+                f"expected a number of seconds like '10' or '2.5', got {text!r}"
+            ) from None
+    # Written so that nan, which compares false with everything, is refused too.
+    if not 0 < value <= MAX_TIMEOUT:
+        raise ValueError(
+            f"the timeout must be above 0 and at most {MAX_TIMEOUT:g} seconds (a day), got {text!r}"
+        )
     return value
 
 
@@ -176,7 +207,7 @@ def run_replay(
     dry_run: bool = False,
     out: TextIO,
     headers: Sequence[tuple[str, str]] = (),
-    timeout: float = 10.0,
+    timeout: float | str = 10.0,
     send_truncated: bool = False,
 ) -> int:
     """Send the requests of a rejected-request log again to ``to_url``.
@@ -192,6 +223,7 @@ def run_replay(
         return 2
     try:
         per_second = None if rate is None else parse_rate(rate)
+        timeout = parse_timeout(timeout)
     except ValueError as exc:
         print(f"error: {exc}", file=out)
         return 2
