@@ -32,7 +32,7 @@ else:
     # Declared as a dependency for 3.10 only, so type checkers on newer Pythons may not see it.
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["MAX_FILE_BYTES", "load_file", "open_for_writing", "read_file"]
+__all__ = ["MAX_FILE_BYTES", "file_kind", "load_file", "open_for_writing", "read_file"]
 
 
 #: The largest configuration file read (SPEC §4.10); a larger one is a ConfigError.
@@ -50,7 +50,8 @@ def _check_suffix(file: str) -> str:
     return suffix
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, by its ``st_mode``: ``"a directory"``."""
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
@@ -81,7 +82,7 @@ def read_file(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
             raise ConfigError(
-                "", f"cannot read file: {_kind(status.st_mode)}, not a regular file", file=file
+                "", f"cannot read file: {file_kind(status.st_mode)}, not a regular file", file=file
             )
         too_big = ConfigError(
             "", f"cannot read file: larger than {MAX_FILE_BYTES >> 20} MiB", file=file

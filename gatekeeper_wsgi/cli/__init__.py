@@ -75,7 +75,7 @@ def run_command(
             print("error: pass --backend URL (or --config FILE naming one)", file=err)
             return 2
         return run_status(
-            args.backend, as_json=args.json, out=out, config=config, show_all=args.all
+            args.backend, as_json=args.json, out=out, err=err, config=config, show_all=args.all
         )
     return run_replay(
         args.log,
@@ -83,6 +83,7 @@ def run_command(
         rate=args.rate,
         dry_run=args.dry_run,
         out=out,
+        err=err,
         headers=args.header,
         timeout=args.timeout,
         send_truncated=args.send_truncated,
