@@ -93,8 +93,11 @@ MAX_WINDOW = 366 * 86400.0
 MAX_LOGGED_BODY = 16 * 1024
 #: The longest the rejected-log queue may be configured.
 MAX_LOG_QUEUE = 1_000_000
-# ASCII digits only, and few of them (str.isdigit and \d accept "٣").
-_INTEGER_RE = re.compile(r"\s*[+-]?[0-9]{1,12}\s*", re.ASCII)
+# ASCII digits only (str.isdigit and \d accept "٣"): a sign, leading zeros, the digits
+# that count (none for 0). Unambiguous, so matching a long string costs linear time.
+_INTEGER_RE = re.compile(r"\s*([+-]?)(?=[0-9])0*([1-9][0-9]*)?\s*", re.ASCII)
+# More digits than this are out of every integer setting's range: int() is not even tried.
+_MAX_INTEGER_DIGITS = 12
 _NUMBER_RE = re.compile(
     r"\s*\+?(?:[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12})(?:[eE][+-]?[0-9]{1,3})?\s*", re.ASCII
 )
@@ -348,17 +351,22 @@ class _Checker:
         raise self.bad(key, value, "true or false")
 
     def integer(self, key: str, value: object, minimum: int, maximum: int = MAX_INTEGER) -> int:
-        number: int | None = None
+        number: int | float | None = None
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
-        elif isinstance(value, str) and _INTEGER_RE.fullmatch(value):
-            # At most 12 ASCII digits: int() of thousands of digits is slow, then refused.
-            number = int(value)
+        elif isinstance(value, str) and (match := _INTEGER_RE.fullmatch(value)):
+            sign, digits = match.group(1), match.group(2) or "0"
+            if len(digits) <= _MAX_INTEGER_DIGITS:
+                number = int(sign + digits)
+            else:
+                # int() of thousands of digits is slow, then refused; the sign says which
+                # bound it is beyond, so the message is the one a dict's int gets.
+                number = -math.inf if sign == "-" else math.inf
         if number is None or number < minimum:
             raise self.bad(key, value, f"an integer >= {minimum}")
         if number > maximum:
             raise self.bad(key, value, f"an integer >= {minimum} and <= {maximum}")
-        return number
+        return int(number)
 
     def number(
         self, key: str, value: object, *, positive: bool = False, maximum: float = MAX_SECONDS
@@ -393,10 +401,7 @@ class _Checker:
     def statuses(self, key: str, value: object) -> frozenset[int]:
         result = []
         for item in self.items(key, value):
-            status = self.integer(key, item, 100)
-            if status > 599:
-                raise self.bad(key, item, "HTTP status codes 100..599")
-            result.append(status)
+            result.append(self.integer(key, item, 100, maximum=599))
         if not result:
             raise self.bad(key, value, "a non-empty list of HTTP status codes")
         return frozenset(result)
@@ -667,12 +672,22 @@ class _Checker:
         """The ``adaptive`` table; in .properties files ``vegas, min=2, max=50``."""
         if isinstance(value, str):
             table: dict[str, object] = {}
+            given: dict[str, str] = {}  # name -> the part that set it
             for item in self.items(key, value):
                 assert isinstance(item, str)
                 name, sep, text = item.partition("=")
                 if not sep:
                     name, text = "algorithm", item
-                table[name.strip()] = text.strip()
+                name = name.strip()
+                if name in given:
+                    # "Last wins" would hide which one the operator meant.
+                    raise self.error(
+                        f"{key}.{name}",
+                        f"given twice: {shown(given[name])}, {shown(item)}; "
+                        f"expected each of {', '.join(ADAPTIVE_FIELDS)} at most once",
+                    )
+                given[name] = item
+                table[name] = text.strip()
             value = table
         spec = self.mapping(key, value)
         for name in spec:
@@ -682,13 +697,8 @@ class _Checker:
         algorithm = self.choice(
             f"{key}.algorithm", spec.get("algorithm", default.algorithm), ALGORITHMS
         )
-        low = self.integer(f"{key}.min", spec.get("min", default.min), 1)
-        high = self.integer(f"{key}.max", spec.get("max", max(low, default.max)), 1)
-        if high > _ADAPTIVE_MAX:
-            # Not quoted: a 5000-digit number cannot even be printed.
-            raise self.error(
-                f"{key}.max", f"expected an integer <= {_ADAPTIVE_MAX}, got a larger one"
-            )
+        low = self.integer(f"{key}.min", spec.get("min", default.min), 1, _ADAPTIVE_MAX)
+        high = self.integer(f"{key}.max", spec.get("max", max(low, default.max)), 1, _ADAPTIVE_MAX)
         if high < low:
             raise self.bad(f"{key}.max", spec["max"], f"an integer >= min ({low})")
         if "initial" in spec:
@@ -790,7 +800,7 @@ def load_config(
         return build_config(settings)
     from gatekeeper_wsgi.fileformats import load_file
 
-    file_settings, lines = load_file(file, data)
+    file_settings, lines = load_file(file, data, settings_keys=TOP_LEVEL)
     merged = merge_settings(settings, file_settings)
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
 
@@ -804,7 +814,7 @@ def located(error: ConfigError, file: str | None) -> ConfigError:
     from gatekeeper_wsgi.fileformats import load_file
 
     try:
-        _, lines = load_file(file)
+        _, lines = load_file(file, settings_keys=TOP_LEVEL)
         line = lines.get(error.key)
     except ConfigError:
         return error  # the file changed meanwhile: say what is known

@@ -20,7 +20,7 @@ import re
 import signal
 import stat
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ else:
     # Declared as a dependency for 3.10 only, so type checkers on newer Pythons may not see it.
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
-__all__ = ["MAX_FILE_BYTES", "load_file", "open_for_writing", "read_file"]
+__all__ = ["MAX_FILE_BYTES", "file_kind", "load_file", "open_for_writing", "read_file"]
 
 
 #: The largest configuration file read (SPEC §4.10); a larger one is a ConfigError.
@@ -50,7 +50,8 @@ def _check_suffix(file: str) -> str:
     return suffix
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, by its ``st_mode``: ``"a directory"``."""
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
@@ -81,7 +82,7 @@ def read_file(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
             raise ConfigError(
-                "", f"cannot read file: {_kind(status.st_mode)}, not a regular file", file=file
+                "", f"cannot read file: {file_kind(status.st_mode)}, not a regular file", file=file
             )
         too_big = ConfigError(
             "", f"cannot read file: larger than {MAX_FILE_BYTES >> 20} MiB", file=file
@@ -154,12 +155,18 @@ def open_for_writing(path: str, inode: int) -> bool | None:
 
 
 def load_file(
-    path: str | os.PathLike[str], data: bytes | None = None
+    path: str | os.PathLike[str],
+    data: bytes | None = None,
+    *,
+    settings_keys: Collection[str] = (),
 ) -> tuple[dict[str, Any], Mapping[str, int]]:
     """Read a .toml or .properties configuration file into the settings-dict shape of SPEC §3.
 
     Returns (settings, lines): lines maps a dotted key to its 1-based line number.
     ``data`` is the file's content when the caller has read it already (:func:`read_file`).
+    ``settings_keys`` are the settings' top-level keys: in a TOML file with a
+    ``[gatekeeper]`` table, one of them beside that table (where it would be ignored) is
+    an error, while other tables of a file shared with other settings are left alone.
     Any problem, however malformed the content, is a ConfigError naming the file.
     """
     file = str(path)
@@ -175,7 +182,7 @@ def load_file(
         ) from exc
     try:
         if suffix == ".toml":
-            return _load_toml(text, file)
+            return _load_toml(text, file, settings_keys)
         return _load_properties(text, file)
     except RecursionError as exc:
         raise ConfigError("", "nested too deeply", file=file) from exc
@@ -371,7 +378,9 @@ _TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
 _SETTINGS_TABLE = "gatekeeper"
 
 
-def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]:
+def _load_toml(
+    text: str, file: str, settings_keys: Collection[str]
+) -> tuple[dict[str, Any], Mapping[str, int]]:
     try:
         document: dict[str, Any] = tomllib.loads(text)
     except RecursionError as exc:
@@ -415,6 +424,17 @@ def _load_toml(text: str, file: str) -> tuple[dict[str, Any], Mapping[str, int]]
                 file=file,
                 line=located.get(_SETTINGS_TABLE),
             )
+        # In document order, so the first one in the file is reported.
+        for key in document:
+            if key in settings_keys:
+                located = _TomlLocator(text, ()).locate()
+                raise ConfigError(
+                    key,
+                    f"beside the [{_SETTINGS_TABLE}] table, where it would be ignored; "
+                    f"move it under [{_SETTINGS_TABLE}]",
+                    file=file,
+                    line=located.get(key),
+                )
     return settings, _LazyLines(_TomlLocator(text, prefix).locate)
 
 

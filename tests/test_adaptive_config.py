@@ -77,6 +77,11 @@ def test_default_initial_moves_into_the_given_bounds() -> None:
             "<= 1000000",
         ),
         ({"concurrency": "auto", "adaptive": {"min": True}}, "limits.shop.adaptive.min", ">= 1"),
+        (
+            {"concurrency": "auto", "adaptive": {"min": 2000000}},
+            "limits.shop.adaptive.min",
+            "expected an integer >= 1 and <= 1000000, got 2000000",
+        ),
     ],
 )
 def test_invalid_adaptive_settings_name_key_and_expectation(
@@ -121,6 +126,32 @@ def test_properties_error_names_file_and_line(tmp_path: Path) -> None:
         load_config(str(file))
     assert info.value.line == 3
     assert "gk.properties" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "key", "words"),
+    [
+        ("vegas, min=2, min=50, algorithm=aimd", "limits.shop.adaptive.min", "'min=2', 'min=50'"),
+        ("vegas, max=50, max=60", "limits.shop.adaptive.max", "'max=50', 'max=60'"),
+        ("initial=4, initial = 5", "limits.shop.adaptive.initial", "'initial=4', 'initial = 5'"),
+        ("vegas, gradient", "limits.shop.adaptive.algorithm", "'vegas', 'gradient'"),
+        ("vegas, min=2, algorithm=aimd", "limits.shop.adaptive.algorithm", "'vegas', 'algorithm"),
+        ("algorithm=aimd, vegas", "limits.shop.adaptive.algorithm", "'algorithm=aimd', 'vegas'"),
+    ],
+)
+def test_properties_repeated_part_is_an_error(
+    tmp_path: Path, value: str, key: str, words: str
+) -> None:
+    """A part given twice in a .properties adaptive table is an error, not 'last wins'."""
+    file = tmp_path / "gk.properties"
+    file.write_text(
+        f"project = shop\nlimits.shop.concurrency = auto\nlimits.shop.adaptive = {value}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(str(file))
+    assert (info.value.key, info.value.file, info.value.line) == (key, str(file), 3)
+    assert "given twice" in str(info.value)
+    assert words in str(info.value)
 
 
 def test_changed_adaptive_table_is_a_changed_config() -> None:

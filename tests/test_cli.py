@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import shutil
 import subprocess
 import sys
@@ -168,6 +169,22 @@ def test_status_of_the_memory_backend_explains_it_is_per_process() -> None:
     out = io.StringIO()
     assert run_status("memory", as_json=True, out=out) == 2
     assert "inside each process" in json.loads(out.getvalue())["error"]
+
+
+def test_status_errors_go_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gatekeeper status`'s errors are written to stderr, as `check`'s are; exit codes
+    unchanged."""
+    cases = [
+        (["--backend", "memory"], 2),
+        (["--backend", f"shared://{tmp_path / 'nope.shm'}"], 1),
+        (["--backend", "redis://:hunter2@[::1/0"], 2),
+    ]
+    for argv, code in cases:
+        assert main(["status", *argv]) == code
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err.startswith("error: ")
+        assert "hunter2" not in err
 
 
 def test_status_of_a_missing_shared_file_fails_without_creating_it(tmp_path: Path) -> None:
@@ -475,8 +492,40 @@ def test_replay_rejects_bad_arguments(rejected_log: Path, tmp_path: Path) -> Non
     assert run_replay(rejected_log, "ftp://host", out=io.StringIO()) == 2
     assert run_replay(rejected_log, "http://127.0.0.1:1", rate="fast", out=io.StringIO()) == 2
     assert run_replay(tmp_path / "none.log", "http://127.0.0.1:1", out=io.StringIO()) == 2
+    for timeout in (math.inf, math.nan, -1.0, 0.0):
+        assert (
+            run_replay(rejected_log, "http://127.0.0.1:1", timeout=timeout, out=io.StringIO()) == 2
+        )
     assert parse_rate("30/m") == 0.5
     assert parse_rate("5") == 5.0
+
+
+def test_replay_errors_go_to_stderr(
+    rejected_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gatekeeper replay`'s errors are written to stderr, as `check`'s are; exit 2."""
+    for argv in (
+        [str(rejected_log), "--to", "ftp://host"],
+        [str(tmp_path / "none.log"), "--to", "http://127.0.0.1:1"],
+    ):
+        assert main(["replay", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err.startswith("error: ")
+
+
+def test_replay_of_a_special_file_says_it_is_not_a_regular_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/dev/zero or a directory exists: it is refused as not a regular file, not as missing."""
+    assert main(["replay", "/dev/zero", "--to", "http://127.0.0.1:1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "error: not a regular file: /dev/zero (a character device)\n"
+    assert main(["replay", str(tmp_path), "--to", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == f"error: not a regular file: {tmp_path} (a directory)\n"
+    assert main(["replay", str(tmp_path / "none.log"), "--to", "http://127.0.0.1:1"]) == 2
+    assert "no such log file" in capsys.readouterr().err
 
 
 def test_replay_reports_requests_that_cannot_be_put_on_the_wire(

@@ -112,6 +112,18 @@ def test_the_framework_commands_let_the_settings_stand_in_for_file(argv: list[st
         (["replay", "x.log", "--to", "http://h", "--rate", "fast"], "expected a rate like"),
         (["replay", "x.log", "--to", "http://h", "-H", "no colon"], "expected 'Name: value'"),
         (["replay", "x.log", "--to", "http://h", "--rate", "0/s"], "the rate must be above 0"),
+        *(
+            (["replay", "x.log", "--to", "http://h", "--timeout", bad], message)
+            for bad, message in [
+                ("inf", "the timeout must be above 0 and at most 86400 seconds"),
+                ("1e400", "the timeout must be above 0 and at most 86400 seconds"),
+                ("86401", "the timeout must be above 0 and at most 86400 seconds"),
+                ("-1", "the timeout must be above 0 and at most 86400 seconds"),
+                ("0", "the timeout must be above 0 and at most 86400 seconds"),
+                ("nan", "the timeout must be above 0 and at most 86400 seconds"),
+                ("soon", "expected a number of seconds like '10' or '2.5'"),
+            ]
+        ),
     ],
 )
 def test_a_bad_value_is_refused_alike(

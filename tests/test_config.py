@@ -372,7 +372,7 @@ INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
         {"limits": {"shop": {"concurrency": 1, "timeout_status": [504, 999]}}},
         "limits.shop.timeout_status",
         "999",
-        "HTTP status codes 100..599",
+        "expected an integer >= 100 and <= 599",
     ),
     (
         "count without rate",
@@ -648,6 +648,45 @@ INVALID_FILES: list[tuple[str, str, str, int, str]] = [
         3,
         "limits.shop/login.key: 'key' is only valid on the caller level",
     ),
+    (
+        "TOML limits table beside [gatekeeper]",
+        "gatekeeper.toml",
+        """\
+        [gatekeeper]
+        project = "shop"
+
+        [limits.shop]
+        concurrency = 10
+        """,
+        4,
+        "limits: beside the [gatekeeper] table, where it would be ignored; "
+        "move it under [gatekeeper]",
+    ),
+    (
+        "TOML top-level key before [gatekeeper]",
+        "gatekeeper.toml",
+        """\
+        # operators' file
+        backend = "redis://cache:6379/0"
+
+        [gatekeeper]
+        project = "shop"
+        """,
+        2,
+        "backend: beside the [gatekeeper] table",
+    ),
+    (
+        "TOML dotted key beside [gatekeeper]",
+        "gatekeeper.toml",
+        """\
+        project = "shop"
+        limits.shop.concurrency = 3
+        [gatekeeper.limits.shop]
+        concurrency = 10
+        """,
+        1,
+        "project: beside the [gatekeeper] table",
+    ),
 ]
 
 
@@ -666,6 +705,119 @@ def test_invalid_files_name_file_and_line(
     assert (error.file, error.line) == (str(path), line)
     assert str(error).startswith(f"{path}:{line}: ")
     assert expected in str(error)
+
+
+def test_toml_other_tables_beside_gatekeeper_are_allowed(tmp_path: Path) -> None:
+    """A TOML file shared with other settings keeps its own tables beside [gatekeeper]."""
+    path = write(
+        tmp_path,
+        "app.toml",
+        """\
+        title = "shop site"
+
+        [database]
+        url = "postgres://db/shop"
+
+        [gatekeeper]
+        project = "shop"
+
+        [gatekeeper.limits.shop]
+        concurrency = 10
+
+        [tool.other]
+        mode = "unrelated"
+        """,
+    )
+    config = GateKeeper(path).config
+    assert config.project == "shop"
+    assert config.limits["shop"].concurrency == 10
+    assert config.mode == "enforce"
+
+
+def test_toml_without_gatekeeper_table_still_refuses_unknown_keys(tmp_path: Path) -> None:
+    """Without a [gatekeeper] table, every top-level key is a setting: unknown ones fail."""
+    path = write(tmp_path, "gatekeeper.toml", 'project = "shop"\n\n[database]\nurl = "x"\n')
+    with pytest.raises(ConfigError, match="unknown key 'database'") as info:
+        GateKeeper(path)
+    assert (info.value.file, info.value.line) == (str(path), 3)
+
+
+HUGE = "9" * 5000
+BIG = 10**13
+
+
+def _shop(**fields: Any) -> dict[str, Any]:
+    return {"limits": {"shop": {"concurrency": 1, **fields}}}
+
+
+@pytest.mark.parametrize(
+    ("text", "settings"),
+    [
+        ("limits.shop.concurrency = 9999999999999", _shop(concurrency=BIG)),
+        (f"limits.shop.concurrency = {HUGE}", _shop(concurrency=BIG)),
+        ("limits.shop.concurrency = -9999999999999", _shop(concurrency=-BIG)),
+        ("reload.every_requests = 9999999999999", {"reload": {"every_requests": BIG}}),
+        (
+            "limits.shop/*/*.concurrency = 1\nlimits.shop/*/*.max_keys = 99999999999999",
+            {"limits": {"shop/*/*": {"concurrency": 1, "max_keys": BIG}}},
+        ),
+        ("ipv6_prefix = 9999999999999", {"ipv6_prefix": BIG}),
+        ("rejected_log.queue_size = 9999999999999", {"rejected_log": {"queue_size": BIG}}),
+        (
+            "limits.shop.concurrency = 1\nlimits.shop.timeout_status = 9999999999999",
+            _shop(timeout_status=[BIG]),
+        ),
+        (
+            "limits.shop.concurrency = 1\nlimits.shop.queue = 99999999999999, 1",
+            _shop(queue={"size": BIG, "wait": 1}),
+        ),
+        (
+            "limits.shop.concurrency = auto\nlimits.shop.adaptive = max=99999999999999",
+            _shop(concurrency="auto", adaptive={"max": BIG}),
+        ),
+    ],
+    ids=[
+        "13 digits",
+        "5000 digits",
+        "negative",
+        "every_requests",
+        "max_keys",
+        "ipv6_prefix",
+        "queue_size",
+        "timeout_status",
+        "queue size",
+        "adaptive max",
+    ],
+)
+def test_long_integers_in_files_state_the_bound_of_the_dict_form(
+    tmp_path: Path, text: str, settings: dict[str, Any]
+) -> None:
+    """An integer of many digits in a file is refused with the bound the dict form states."""
+    expected = config_error(settings)
+    path = write(tmp_path, "gatekeeper.properties", f"project = shop\n{text}\n")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(path)
+    error = info.value
+    assert (error.key, error.file, error.line) == (expected.key, str(path), text.count("\n") + 2)
+    assert error.problem.partition(", got")[0] == expected.problem.partition(", got")[0]
+    assert len(str(error)) < 400
+
+
+def test_long_concurrency_message(tmp_path: Path) -> None:
+    """A 13-digit concurrency says the real bound, 10**9."""
+    path = write(tmp_path, "gatekeeper.properties", "limits.shop.concurrency = 9999999999999\n")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(path)
+    assert str(info.value) == (
+        f"{path}:1: limits.shop.concurrency: "
+        "expected an integer >= 0 and <= 1000000000, got '9999999999999'"
+    )
+
+
+def test_leading_zeros_do_not_make_an_integer_long(tmp_path: Path) -> None:
+    """Zeros before the digits are not counted as digits: 0000000000000005 is 5."""
+    path = write(tmp_path, "gatekeeper.properties", "limits.shop.concurrency = 0000000000000005\n")
+    assert GateKeeper(path).config.limits["shop"].concurrency == 5
 
 
 def test_unsupported_file_type(tmp_path: Path) -> None:

@@ -62,13 +62,14 @@ def test_check_file_validates_that_file(tmp_path: Path) -> None:
 
 
 def test_status_of_a_memory_backend_explains_and_fails(settings: Any) -> None:
-    """The memory backend lives in each process: `status` says so, exit status 2."""
+    """The memory backend lives in each process: `status` says so on stderr, exit status 2."""
     settings.GATEKEEPER = {"backend": "memory"}
-    out = io.StringIO()
+    out, err = io.StringIO(), io.StringIO()
     with pytest.raises(CommandError) as failure:
-        call_command("gatekeeper", "status", stdout=out)
+        call_command("gatekeeper", "status", stdout=out, stderr=err)
     assert failure.value.returncode == 2
-    assert "memory backend" in out.getvalue()
+    assert "memory backend" in err.getvalue()
+    assert out.getvalue() == ""
 
 
 @pytest.mark.redis

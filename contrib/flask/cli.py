@@ -82,6 +82,9 @@ def _click_param(option: Option) -> click.Parameter:
     return click.Option(
         [*option.spellings, option.key],
         help=help_text,
+        # The table's parse converts the text (its callback, below), not a type click would
+        # guess from the default (FLOAT from 10.0 takes inf and nan, with its own message).
+        type=None if option.parse is None or option.flag else click.STRING,
         metavar=option.metavar,
         is_flag=option.flag,
         multiple=option.repeat,

@@ -23,7 +23,13 @@ from typing import TextIO
 
 from gatekeeper_wsgi.cli.check import ConfigInput, limit_tree, run_check
 from gatekeeper_wsgi.cli.options import COMMANDS, Command, Option, add_commands
-from gatekeeper_wsgi.cli.replay import ReplayRequest, parse_header, parse_rate, run_replay
+from gatekeeper_wsgi.cli.replay import (
+    ReplayRequest,
+    parse_header,
+    parse_rate,
+    parse_timeout,
+    run_replay,
+)
 from gatekeeper_wsgi.cli.status import run_status
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "main",
     "parse_header",
     "parse_rate",
+    "parse_timeout",
     "run_check",
     "run_command",
     "run_replay",
@@ -68,7 +75,7 @@ def run_command(
             print("error: pass --backend URL (or --config FILE naming one)", file=err)
             return 2
         return run_status(
-            args.backend, as_json=args.json, out=out, config=config, show_all=args.all
+            args.backend, as_json=args.json, out=out, err=err, config=config, show_all=args.all
         )
     return run_replay(
         args.log,
@@ -76,6 +83,7 @@ def run_command(
         rate=args.rate,
         dry_run=args.dry_run,
         out=out,
+        err=err,
         headers=args.header,
         timeout=args.timeout,
         send_truncated=args.send_truncated,

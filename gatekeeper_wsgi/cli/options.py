@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gatekeeper_wsgi.cli.replay import REPLAY_EPILOG, parse_header, parse_rate
+from gatekeeper_wsgi.cli.replay import REPLAY_EPILOG, parse_header, parse_rate, parse_timeout
 
 __all__ = ["COMMANDS", "Command", "Option", "add_commands"]
 
@@ -116,7 +116,13 @@ COMMANDS: tuple[Command, ...] = (
                 parse=parse_header,
                 default=(),
             ),
-            Option("--timeout", "seconds per request", parse=float, default=10.0),
+            Option(
+                "--timeout",
+                "seconds per request (above 0, at most a day)",
+                metavar="SECONDS",
+                parse=parse_timeout,
+                default=10.0,
+            ),
             Option("--send-truncated", "also send bodies the log truncated", flag=True),
         ),
         description="Send the requests of a gatekeeper.rejected log again.",

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,9 +17,21 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from gatekeeper_wsgi.cli.status import printable
+from gatekeeper_wsgi.fileformats import file_kind
 from gatekeeper_wsgi.redact import REDACTED
 
-__all__ = ["REPLAY_EPILOG", "ReplayRequest", "parse_header", "parse_rate", "run_replay"]
+__all__ = [
+    "MAX_TIMEOUT",
+    "REPLAY_EPILOG",
+    "ReplayRequest",
+    "parse_header",
+    "parse_rate",
+    "parse_timeout",
+    "run_replay",
+]
+
+#: The longest ``--timeout`` per request, in seconds (a day): longer is a typo.
+MAX_TIMEOUT = 86400.0
 
 REPLAY_EPILOG = (
     "Secrets are never logged, so they are not replayed: a redacted header (Authorization, "
@@ -61,6 +74,26 @@ def parse_rate(text: str | float) -> float:
     return value
 
 
+def parse_timeout(text: str | float) -> float:
+    """Seconds per request from ``"2.5"``: above 0, at most :data:`MAX_TIMEOUT`;
+    ValueError otherwise (``inf``, ``nan`` and ``1e400`` included)."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(
+                f"expected a number of seconds like '10' or '2.5', got {text!r}"
+            ) from None
+    # Written so that nan, which compares false with everything, is refused too.
+    if not 0 < value <= MAX_TIMEOUT:
+        raise ValueError(
+            f"the timeout must be above 0 and at most {MAX_TIMEOUT:g} seconds (a day), got {text!r}"
+        )
+    return value
+
+
 @dataclass
 class ReplayRequest:
     """One logged rejected request, ready to send again."""
@@ -75,8 +108,25 @@ class ReplayRequest:
     skip: str | None = None
 
 
-def _records(path: Path) -> Iterator[tuple[int, Mapping[str, Any] | None]]:
-    with path.open("r", encoding="utf-8", errors="replace") as lines:
+def _open_log(path: Path) -> TextIO:
+    """The log opened for reading; ValueError saying what is wrong with it."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"no such log file: {printable(path)}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read log file {printable(path)}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        # /dev/zero would be read for ever, a FIFO would block.
+        raise ValueError(f"not a regular file: {printable(path)} ({file_kind(mode)})")
+    try:
+        return path.open("r", encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ValueError(f"cannot read log file {printable(path)}: {exc.strerror}") from None
+
+
+def _records(log: TextIO) -> Iterator[tuple[int, Mapping[str, Any] | None]]:
+    with log as lines:
         for number, line in enumerate(lines, start=1):
             text = line.strip()
             if not text:
@@ -175,8 +225,9 @@ def run_replay(
     rate: float | str | None = None,
     dry_run: bool = False,
     out: TextIO,
+    err: TextIO | None = None,
     headers: Sequence[tuple[str, str]] = (),
-    timeout: float = 10.0,
+    timeout: float | str = 10.0,
     send_truncated: bool = False,
 ) -> int:
     """Send the requests of a rejected-request log again to ``to_url``.
@@ -185,25 +236,26 @@ def run_replay(
     (Host, Content-Length, ...) are made anew, redacted headers are left out unless
     ``headers`` supplies them. ``rate`` paces the requests (``"5/s"`` or a number per
     second). Prints one result line per request; returns 1 if any could not be sent.
+    An unusable argument or log is an ``error: ...`` line on ``err`` (default ``out``)
+    and 2.
     """
+    errors = err if err is not None else out
     target = urlsplit(to_url)
     if target.scheme not in ("http", "https") or not target.hostname:
-        print(f"error: --to must be an http:// or https:// URL, got {to_url!r}", file=out)
+        print(f"error: --to must be an http:// or https:// URL, got {to_url!r}", file=errors)
         return 2
     try:
         per_second = None if rate is None else parse_rate(rate)
+        timeout = parse_timeout(timeout)
+        log = _open_log(Path(log_path))
     except ValueError as exc:
-        print(f"error: {exc}", file=out)
-        return 2
-    path = Path(log_path)
-    if not path.is_file():
-        print(f"error: no such log file: {path}", file=out)
+        print(f"error: {exc}", file=errors)
         return 2
     host = target.hostname
     port = target.port
     sent = failed = skipped = 0
     started = time.monotonic()
-    for number, record in _records(path):
+    for number, record in _records(log):
         if record is None:
             skipped += 1
             print(f"line {number}: skipped: not a rejected-request record", file=out)

@@ -36,25 +36,30 @@ def run_status(
     out: TextIO,
     config: ConfigInput | None = None,
     show_all: bool = False,
+    err: TextIO | None = None,
 ) -> int:
     """Print the live in-flight counts of a shared or Redis backend, from any process.
 
     ``config`` (settings or file) names the limit counting each path and supplies the
     backend URL when ``backend_url`` is None. The memory backend lives inside each
-    process, so it cannot be read from here: that is explained and 2 returned.
+    process, so it cannot be read from here: that is explained and 2 returned. An error
+    is an ``error: ...`` line on ``err`` (default ``out``), or with ``as_json`` a JSON
+    document ``{"backend": ..., "error": ...}`` on ``out``.
     """
+    errors = err if err is not None else out
     loaded: Config | None = None
     try:
         if config is not None:
             loaded = load_config(config)
         url = backend_url or (loaded.backend if loaded is not None else None)
         if not url:
-            return _status_error(out, as_json, None, "no backend: pass --backend URL", 2)
+            return _status_error(out, errors, as_json, None, "no backend: pass --backend URL", 2)
         shown_url = public_backend_url(url)
         scheme = url.split(":", 1)[0].lower() if ":" in url else url.strip().lower()
         if scheme == "memory":
             return _status_error(
                 out,
+                errors,
                 as_json,
                 shown_url,
                 "the memory backend counts inside each process, so another process cannot "
@@ -66,17 +71,19 @@ def run_status(
             path = urlsplit(url).path
             if not path or not Path(path).exists():
                 return _status_error(
-                    out, as_json, shown_url, f"no such backend file: {path or '(none)'}", 1
+                    out, errors, as_json, shown_url, f"no such backend file: {path or '(none)'}", 1
                 )
         backend = backend_from_url(url, loaded)
     except ConfigError as exc:
-        return _status_error(out, as_json, None, mask_text(str(exc)), 2)
+        return _status_error(out, errors, as_json, None, mask_text(str(exc)), 2)
     try:
         now = time.monotonic()
         inflight = backend.inflight(now)
         census = backend.census(now)
     except Exception as exc:
-        return _status_error(out, as_json, shown_url, f"backend failed: {mask_text(str(exc))}", 1)
+        return _status_error(
+            out, errors, as_json, shown_url, f"backend failed: {mask_text(str(exc))}", 1
+        )
     finally:
         with contextlib.suppress(Exception):
             backend.close()
@@ -130,9 +137,12 @@ class _Entry(NamedTuple):
     limit: Limit | None
 
 
-def _status_error(out: TextIO, as_json: bool, backend: str | None, message: str, code: int) -> int:
+def _status_error(
+    out: TextIO, err: TextIO, as_json: bool, backend: str | None, message: str, code: int
+) -> int:
     if as_json:
+        # What --json promises on stdout, for the script reading it; the exit code says failed.
         print(json.dumps({"backend": backend, "error": message}, indent=2), file=out)
     else:
-        print(f"error: {message}", file=out)
+        print(f"error: {message}", file=err)
     return code
