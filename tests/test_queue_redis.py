@@ -214,3 +214,37 @@ def test_a_newcomer_lines_up_behind_the_waiters(prefixed: str, monkeypatch: Any)
         thread.join(DEADLINE)
         gk.close()
     assert line_length(prefixed) == 0
+
+
+def test_a_waiter_in_a_frozen_redis_waits_one_timeout(own_redis: Any, caplog: Any) -> None:
+    """Redis freezes while a request waits in a queue line: its next look times out (one
+    socket_timeout) and it gets on_backend_error's answer; leaving the line then fails fast
+    through the breaker (as admissions do) instead of waiting a second socket timeout."""
+    url = f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=60&prefix=q"
+    gk = GateKeeper({**settings(url), "on_backend_error": "reject"})
+    held = gk.admit("shop", "api", "holder")
+    outcome: list[str] = []
+
+    def waiter() -> None:
+        try:
+            gk.admit("shop", "api", "waiter").release(200)
+            outcome.append("admitted")
+        except Rejected as refused:
+            outcome.append(refused.code)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        wait_until(lambda: line_length(url) == 1, what="the waiter in the line")
+        own_redis.pause()
+        try:
+            thread.join(DEADLINE)
+        finally:
+            own_redis.resume()
+        assert outcome == ["GK-BACKEND-UNAVAILABLE"]
+        left = [r.getMessage() for r in caplog.records if "leaving a queue line" in r.getMessage()]
+        assert len(left) == 1 and "failing fast" in left[0], left
+    finally:
+        thread.join(DEADLINE)
+        held.release(200)  # the breaker is open: kept for the sender, never raised here
+        gk.close()

@@ -367,3 +367,54 @@ def test_a_matured_delayed_release_leaves_no_key_past_its_delay(
         assert all(0 < life <= 2_001 for life in lives.values()), lives
     finally:
         gk.close()
+
+
+def test_requests_refused_in_a_freeze_leave_no_rate_window_entry(
+    own_redis: ControlledRedis,
+) -> None:
+    """Requests whose admissions time out in a frozen Redis are refused (they never run);
+    Redis runs the queued admissions once it thaws, and their give-backs then take their
+    rate window entries out too: the caller has the rest of its window, not less."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=0.2&breaker_cooldown=0.05",
+        {"shop/work": {"rate": "5/hour"}},
+        on_backend_error="reject",
+    )
+    try:
+        backend = redis_backend(gk)
+        barrier = threading.Barrier(3)
+        frozen = threading.Event()
+        outcomes: list[str] = []
+
+        def request() -> None:
+            gk.admit("shop", "work", "c").release(200)  # opens this thread's connection
+            barrier.wait()
+            frozen.wait()
+            try:
+                gk.admit("shop", "work", "c").release(200)
+                outcomes.append("admitted")
+            except Rejected as refused:
+                outcomes.append(refused.code)
+
+        threads = [threading.Thread(target=request) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        barrier.wait()  # two admitted before the freeze: 3 of 5 left
+        own_redis.pause()
+        try:
+            frozen.set()
+            for thread in threads:
+                thread.join()
+        finally:
+            own_redis.resume()
+        assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 2
+        wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
+        held = [wait_until(lambda: admitted(gk), what="an admission by Redis")]
+        held += [gk.admit("shop", "work", "c") for _ in range(2)]
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "c")
+        assert refused.value.code == "GK-RATE-LIMIT"
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()

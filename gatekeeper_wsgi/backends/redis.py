@@ -244,6 +244,12 @@ def _codes(input: _Input, returned: Collection[int] = (), sample: str = "") -> s
     return " ".join(words)
 
 
+def _given_back(input: _Input) -> str:
+    """The release codes of an admission whose request never ran (its answer was lost, or
+    it was refused after all): every rate slot gives its window entry back too."""
+    return _codes(input, [index for index, value in enumerate(input.code_values) if value >= 4])
+
+
 def _restored(
     spec: AdaptiveSpec, path: str, text: str, window: Sequence[bytes] = ()
 ) -> Controller | None:
@@ -636,12 +642,22 @@ class _RedisLine(WaitingLine[_Ticket]):
         self._cond = threading.Condition()  # it may have been held by another thread
 
     def _call(self, ticket: _Ticket, op: str, size: int = 0) -> int:
+        # Through the backend's breaker, as admissions go: once a call failed, the others
+        # (a waiter leaving its line, the other waiters' looks) fail fast instead of each
+        # waiting its own socket timeout.
+        breaker = self._backend._breaker
+        breaker.before()
         try:
             answer = self._script(
                 keys=[ticket.line, ticket.life], args=[op, ticket.id, size, self._gone_after_us]
             )
         except Exception as exc:  # redis-py's: an outage, which on_backend_error decides
+            breaker.failure(exc)
             raise self._backend.backend_error(exc) from exc
+        except BaseException:
+            breaker.abandon()
+            raise
+        breaker.success()
         return int(answer)
 
     def join(self, key: str, size: int) -> _Ticket | None:
@@ -1059,10 +1075,12 @@ class RedisBackend(Backend):
             result, retried = self._call_with_releases(input, "^" + lease if turn else lease)
         except BackendError as exc:
             if not isinstance(exc, CircuitOpen):
-                # The script may have run before the connection broke (give the lease back
-                # once Redis answers again instead of holding it for max_hold), or may run
-                # after the give-back, queued in a frozen Redis (the tombstone stops it).
-                self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0, self._hold_us))
+                # The script may have run before the connection broke (give the lease and
+                # its rate window entries back once Redis answers again: the request never
+                # ran), or may run after the give-back, queued in a frozen Redis (the
+                # tombstone stops it).
+                codes = _given_back(input)
+                self._outbox.put(_Release(lease, input, codes, 0.0, 0.0, self._hold_us))
             raise
         if result == 1:
             return _RedisGrant(slots, (), lease, input, input.reserved)
@@ -1073,7 +1091,7 @@ class RedisBackend(Backend):
                     self._remember(slots[int(result[1])].key, int(result[4]))
             if retried:
                 # The first try may have taken the slots (the retry then saw its own lease).
-                self._outbox.put(_Release(lease, input, input.codes, 0.0, 0.0))
+                self._outbox.put(_Release(lease, input, _given_back(input), 0.0, 0.0))
             return _denial(result)
         shadowed = tuple(int(index) for index in result[1])
         reserved = input.reserved
