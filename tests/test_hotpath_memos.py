@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gatekeeper_wsgi import GateKeeperMiddleware
-from gatekeeper_wsgi import middleware as core_middleware
+from gatekeeper_wsgi.kernel import DECLARED_LENGTHS, declared_length
 from gatekeeper_wsgi.resolve import MEMO_KEY_CHARS, MEMO_SIZE
 
 SETTINGS = {"project": "shop", "limits": {"shop": {"concurrency": 1}}}
@@ -58,9 +58,9 @@ def test_a_spray_of_content_lengths_keeps_the_memo_bounded() -> None:
     middleware = GateKeeperMiddleware(_app("0"), SETTINGS)
     for n in range(MEMO_SIZE + 100):
         value = str(10**6 + n)
-        assert core_middleware._length(value) == 10**6 + n
-        assert len(core_middleware._LENGTHS) <= MEMO_SIZE
+        assert declared_length(value) == 10**6 + n
+        assert len(DECLARED_LENGTHS) <= MEMO_SIZE
     huge = "9" * (MEMO_KEY_CHARS + 1)
-    assert core_middleware._length(huge) is None
-    assert huge not in core_middleware._LENGTHS
+    assert declared_length(huge) is None
+    assert huge not in DECLARED_LENGTHS
     middleware.gatekeeper.close()

@@ -114,7 +114,12 @@ def _serve(request: HttpRequest, sub_path: str, allow: Allow) -> HttpResponse:
     code, _, reason = status.partition(" ")
     response = HttpResponse(body, status=int(code), reason=reason or None)
     for name, value in headers:
-        response[name] = value
+        if name.lower() == "set-cookie":
+            # Into the response's cookies, where Django (and its test client, which
+            # keeps nothing from a raw Set-Cookie header) looks for them.
+            response.cookies.load(value)
+        else:
+            response[name] = value
     return response
 
 
