@@ -34,6 +34,7 @@ __all__ = [
     "FAULT_NAMESPACE",
     "Renderer",
     "accept_prefers_xml",
+    "json_limit_value",
     "render_fault",
     "xml_text",
 ]
@@ -176,10 +177,15 @@ def _json_str(value: str) -> str:
 _CONCURRENCY_VALUE = re.compile(r"(?:0|[1-9][0-9]{0,17})")
 
 
+def json_limit_value(value: str) -> int | str:
+    """A limit's value as JSON types it (SPEC §5): a concurrency a number, a rate a string.
+    The fault and the rejected-request log both write it so."""
+    return int(value) if _CONCURRENCY_VALUE.fullmatch(value) else value
+
+
 def _json_limit_value(value: str) -> int | str:
-    if _CONCURRENCY_VALUE.fullmatch(value):
-        return int(value)
-    return _json_str(value)
+    typed = json_limit_value(value)
+    return typed if isinstance(typed, int) else _json_str(typed)
 
 
 def _render_json(rejected: Rejected, request_id: str) -> bytes:

@@ -5,7 +5,7 @@ path, query, headers, body up to ``rejected_log.body_bytes``) with secrets redac
 
     {"time": "2024-05-01T12:00:00.123+00:00", "requestId": "9f1c-2a", "status": 503,
      "code": "GK-CONCURRENCY-LIMIT", "level": "service",
-     "limit": {"path": "shop/checkout", "value": "10"}, "method": "POST",
+     "limit": {"path": "shop/checkout", "value": 10}, "method": "POST",
      "path": "/checkout", "query": "cart=7", "headers": {"Authorization": "[redacted]",
      "Content-Type": "application/json", ...}, "body": "{...}", "body_truncated": false}
 
@@ -50,6 +50,7 @@ from urllib.parse import quote
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.fault import json_limit_value
 from gatekeeper_wsgi.redact import (
     REDACTED,
     SECRET_FIELDS,
@@ -262,7 +263,12 @@ def rejection_record(
         "status": rejected.status,
         "code": rejected.code,
         "level": rejected.level,
-        "limit": {"path": rejected.limit_path, "value": rejected.limit_value},
+        "limit": {
+            "path": rejected.limit_path,
+            "value": None
+            if rejected.limit_value is None
+            else json_limit_value(rejected.limit_value),
+        },
         "method": _cut(str(environ.get("REQUEST_METHOD", "GET")), 32)[0],
         "path": path,
         "query": redact_query(query, fields),

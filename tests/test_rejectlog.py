@@ -128,7 +128,7 @@ def test_each_rejection_is_one_json_line_from_the_listener_thread(
     record = json.loads(line)
     assert record["requestId"] == "req-9"
     assert record["code"] == "GK-CONCURRENCY-LIMIT"
-    assert record["limit"] == {"path": "shop", "value": "0"}
+    assert record["limit"] == {"path": "shop", "value": 0}  # a number, as in the JSON fault
     assert record["body"] == "é\r\nnext"
     assert record["headers"]["X-Note"] == "\x1b[31m"
     assert handler.threads[0] != threading.current_thread().name
