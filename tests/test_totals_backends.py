@@ -83,6 +83,36 @@ def check_kept_totals(keeper: GateKeeper) -> None:
     assert after["shop/checkout"].inflight == 6  # the delayed releases are not due yet
 
 
+def test_totals_agree_whether_keys_in_flight_are_few_or_many(keeper: GateKeeper) -> None:
+    """The memory backend finds a limit's keys in flight from the requests in flight or
+    from its tracked keys, whichever are fewer (a status read stays fast with 100 000 of
+    either): both ways count the same as a pass over every key, delayed releases included."""
+    for index in range(30):
+        keeper.admit("shop", "search", f"idle{index}").release(200)  # 30 keys tracked
+    few = [keeper.admit("shop", "search", "a"), keeper.admit("shop", "search", "a")]
+    few.append(keeper.admit("shop", "search", "b"))
+    keeper.admit("shop", "checkout", "d").release(500, faulty=True)  # delayed 5 s
+    totals = keeper.totals()
+    assert totals is not None
+    counted = full_count(keeper)
+    for path in ("shop", "shop/checkout", "shop/search/*"):
+        assert (totals[path].inflight, totals[path].busy) == counted.get(path, (0, 0)), path
+    search = totals["shop/search/*"]
+    assert (search.inflight, search.busy, search.keys) == (3, 2, 32)
+    assert [(usage.key, usage.inflight) for usage in search.top[:2]] == [
+        ("shop/search/a", 2),
+        ("shop/search/b", 1),
+    ]
+    many = [keeper.admit("shop", "search", f"idle{index}") for index in range(30)]
+    totals = keeper.totals()
+    assert totals is not None
+    assert (totals["shop/search/*"].inflight, totals["shop/search/*"].busy) == (33, 32)
+    assert totals["shop/search/*"].top[0].key == "shop/search/a"
+    assert totals["shop/checkout"].inflight == 1
+    for admission in few + many:
+        admission.release(200)
+
+
 def test_a_locked_out_key_reports_its_window(keeper: GateKeeper, clock: FakeClock) -> None:
     """A key refused by its rate limit, with nothing in flight, is detailed under its own
     limit (not under the exact limit next to it) with used, and when a place frees."""

@@ -18,6 +18,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from itertools import islice
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport, Controller
@@ -116,6 +117,14 @@ class _MemoryGrant(Grant):
     stamp: float
     reserved: tuple[tuple[_Counter, frozenset[int]], ...]
     faulty: bool | None
+
+
+_INFLIGHT = attrgetter("inflight")
+
+
+def _busiest(item: tuple[str, _Counter]) -> tuple[int, str]:
+    """The order of a limit's busiest keys: most in flight first, then by key."""
+    return -item[1].inflight, item[0]
 
 
 def _usage(key: str, counter: _Counter, limit: Limit, now: float) -> KeyUsage:
@@ -485,29 +494,37 @@ class MemoryBackend(Backend):
         top: int = TOP_KEYS,
         watch: Mapping[str, Collection[str]] = NO_WATCH,
     ) -> dict[str, LimitTotals]:
-        """Per limit: summed over the requests in flight (held or delayed: the only
-        counters that can be non-zero), keys tracked from the ``max_keys`` tables. Costs
-        O(limits + requests in flight + watched keys) under the lock, not O(keys)."""
+        """Per limit: summed over its keys in flight (held or delayed: the only counters
+        that can be non-zero), keys tracked from the ``max_keys`` tables. Costs O(limits +
+        watched keys + the smaller of the requests in flight and the wildcard limits' keys
+        tracked) under the lock: the keys in flight are found from whichever is fewer (a
+        pass over 100 000 in flight takes ~6 ms, as one over 100 000 tracked)."""
         with self._lock:
             now = max(now, self._latest)
             if self._delayed and self._delayed[0][0] <= now:
                 self._mature(now)
+            wild = self._wild
+            tracked = sum(len(wild.get(limit.path, ())) for limit in limits if limit.wildcard)
             # limit path -> its keys in flight -> their counters
             busy: dict[str, dict[str, _Counter]] = {}
-            holders = [(grant.slots, grant.counters) for grant in self._live]
-            holders += [(slots, counters) for _, _, counters, slots in self._delayed]
-            for slots, counters in holders:
-                for (key, limit, _), counter in zip(slots, counters, strict=True):
-                    busy.setdefault(limit.path, {})[key] = counter
+            if len(self._live) + len(self._delayed) < tracked:
+                holders = [(grant.slots, grant.counters) for grant in self._live]
+                holders += [(slots, counters) for _, _, counters, slots in self._delayed]
+                for slots, counters in holders:
+                    for (key, limit, _), counter in zip(slots, counters, strict=True):
+                        busy.setdefault(limit.path, {})[key] = counter
+            else:
+                for limit in limits:
+                    keys = wild.get(limit.path)
+                    if keys:
+                        busy[limit.path] = {key: c for key, c in keys.items() if c.inflight}
             totals = {}
             for limit in limits:
                 path = limit.path
                 if limit.wildcard:
                     table: Mapping[str, _Counter] = self._wild.get(path, {})
                     held = busy.get(path, {})
-                    shown = heapq.nsmallest(
-                        top, held.items(), key=lambda item: (-item[1].inflight, item[0])
-                    )
+                    shown = heapq.nsmallest(top, held.items(), key=_busiest)
                 else:
                     single = self._counters.get(path)
                     table = held = {} if single is None else {path: single}
@@ -518,10 +535,11 @@ class MemoryBackend(Backend):
                     if watched is not None and key not in seen:
                         seen.add(key)
                         shown.append((key, watched))
+                counts = list(map(_INFLIGHT, held.values()))
                 totals[path] = LimitTotals(
-                    inflight=sum(counter.inflight for counter in held.values()),
+                    inflight=sum(counts),
                     keys=len(table),
-                    busy=sum(1 for counter in held.values() if counter.inflight),
+                    busy=len(counts) - counts.count(0),
                     top=tuple(_usage(key, counter, limit, now) for key, counter in shown),
                 )
             return totals
