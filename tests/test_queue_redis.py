@@ -26,6 +26,7 @@ import redis
 from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.backends import redis as redis_backend
 from tests.servers import DEADLINE, wait_until
+from tests.test_redis import outcome as admit_outcome
 
 pytestmark = pytest.mark.redis
 
@@ -195,11 +196,7 @@ def test_a_newcomer_lines_up_behind_the_waiters(prefixed: str, monkeypatch: Any)
     outcome: list[str] = []
 
     def newcomer() -> None:
-        try:
-            gk.admit("shop", "api", "newcomer").release(200)
-            outcome.append("admitted")
-        except Rejected as rejected:
-            outcome.append(rejected.code)
+        outcome.append(admit_outcome(gk, "api", "newcomer"))
         admitted.set()
 
     thread = threading.Thread(target=newcomer)
@@ -226,11 +223,7 @@ def test_a_waiter_in_a_frozen_redis_waits_one_timeout(own_redis: Any, caplog: An
     outcome: list[str] = []
 
     def waiter() -> None:
-        try:
-            gk.admit("shop", "api", "waiter").release(200)
-            outcome.append("admitted")
-        except Rejected as refused:
-            outcome.append(refused.code)
+        outcome.append(admit_outcome(gk, "api", "waiter"))
 
     thread = threading.Thread(target=waiter)
     thread.start()

@@ -48,6 +48,16 @@ def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
     return GateKeeper({"project": "shop", "backend": url, "limits": limits, **settings})
 
 
+def outcome(gk: GateKeeper, service: str = "work", caller: str = "c") -> str:
+    """Admit a request of project shop and release it at once: "admitted", or the code it
+    was refused with."""
+    try:
+        gk.admit("shop", service, caller).release(200)
+    except Rejected as refused:
+        return refused.code
+    return "admitted"
+
+
 def admitted(gk: GateKeeper, service: str = "work", caller: str = "c") -> Any:
     """An admission that Redis granted (not one let through by on_backend_error)."""
     errors = gk.stats()["counters"]["backend_errors"]

@@ -18,7 +18,7 @@ from gatekeeper_wsgi import Admission, GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.base import Slot  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend, _RedisGrant, _Release, _text  # noqa: E402
 from tests.servers import ControlledRedis, wait_until  # noqa: E402
-from tests.test_redis import admitted, keeper  # noqa: E402
+from tests.test_redis import admitted, keeper, outcome  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -75,16 +75,19 @@ def freezable_keeper(own_redis: ControlledRedis, concurrency: int, options: str 
 
 
 def assert_admits_exactly(
-    gk: GateKeeper, count: int, path: tuple[str, str] = ("work", "c")
+    gk: GateKeeper,
+    count: int,
+    path: tuple[str, str] = ("work", "c"),
+    refused_with: str = "GK-CONCURRENCY-LIMIT",
 ) -> None:
     """``path`` (service, caller) of project shop admits ``count`` requests at once, the
-    first once Redis answers again, and refuses one more (GK-CONCURRENCY-LIMIT); all are
+    first once Redis answers again, and refuses one more (``refused_with``); all are
     released after."""
     held = [wait_until(lambda: admitted(gk, *path), what="an admission by Redis")]
     held += [gk.admit("shop", *path) for _ in range(count - 1)]
     with pytest.raises(Rejected) as refused:
         gk.admit("shop", *path)
-    assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+    assert refused.value.code == refused_with
     for admission in held:
         admission.release(200)
 
@@ -235,11 +238,7 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
 
         def admit() -> None:
             barrier.wait()
-            try:
-                gk.admit("shop", "work", "c").release(200)
-                outcomes.append("admitted")
-            except Rejected as refused:
-                outcomes.append(refused.code)
+            outcomes.append(outcome(gk))
 
         threads = [threading.Thread(target=admit) for _ in range(4)]
         own_redis.pause()
@@ -390,11 +389,7 @@ def test_requests_refused_in_a_freeze_leave_no_rate_window_entry(
             gk.admit("shop", "work", "c").release(200)  # opens this thread's connection
             barrier.wait()
             frozen.wait()
-            try:
-                gk.admit("shop", "work", "c").release(200)
-                outcomes.append("admitted")
-            except Rejected as refused:
-                outcomes.append(refused.code)
+            outcomes.append(outcome(gk))
 
         threads = [threading.Thread(target=request) for _ in range(2)]
         for thread in threads:
@@ -409,12 +404,6 @@ def test_requests_refused_in_a_freeze_leave_no_rate_window_entry(
             own_redis.resume()
         assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 2
         wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
-        held = [wait_until(lambda: admitted(gk), what="an admission by Redis")]
-        held += [gk.admit("shop", "work", "c") for _ in range(2)]
-        with pytest.raises(Rejected) as refused:
-            gk.admit("shop", "work", "c")
-        assert refused.value.code == "GK-RATE-LIMIT"
-        for admission in held:
-            admission.release(200)
+        assert_admits_exactly(gk, 3, refused_with="GK-RATE-LIMIT")
     finally:
         gk.close()
