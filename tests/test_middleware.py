@@ -1677,7 +1677,7 @@ def test_rejected_request_is_logged_as_one_json_line_with_secrets_redacted(
     record = json.loads(line)
     assert record["requestId"] == "log-1"
     assert record["code"] == "GK-CONCURRENCY-LIMIT"
-    assert record["limit"] == {"path": "shop/orders", "value": "0"}
+    assert record["limit"] == {"path": "shop/orders", "value": 0}
     assert record["method"] == "POST"
     assert record["path"] == "/orders/7"
     assert record["query"] == "expand=items"
