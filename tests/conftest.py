@@ -30,6 +30,11 @@ def busy(source: Any) -> dict[str, int]:
     return {path: count for path, count in counts.items() if count}
 
 
+def refusal(fault: Any) -> tuple[str, str | None, str | None, str | None]:
+    """(code, level, limit path, limit value) of a Rejected: what a refusal names."""
+    return fault.code, fault.level, fault.limit_path, fault.limit_value
+
+
 def admits_exactly(gk: Any, limit: int, project: str, service: str, caller: str) -> None:
     """``gk`` admits ``limit`` requests of (project, service, caller) at once and refuses the
     next by a concurrency limit; then the admitted ones are released."""

@@ -24,7 +24,7 @@ from werkzeug.test import Client
 from gatekeeper_wsgi import GateKeeperMiddleware
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
-from tests.conftest import FakeClock, busy
+from tests.conftest import FakeClock, busy, refusal
 from tests.servers import wait_until
 
 #: The backends that refuse a key they cannot track, driven by the FakeClock (Redis counts
@@ -85,12 +85,7 @@ def test_new_key_refused_when_all_keys_are_in_flight(make: Make) -> None:
         gk = make({"shop/api/*": {"concurrency": 1, "max_keys": 2}}, on_backend_error=policy)
         held = [gk.admit("shop", "api", "a"), gk.admit("shop", "api", "b")]
         fault = refused(gk, "api", "c")
-        assert (fault.code, fault.level, fault.limit_path, fault.limit_value) == (
-            "GK-CONCURRENCY-LIMIT",
-            "caller",
-            "shop/api/*",
-            "1",
-        )
+        assert refusal(fault) == ("GK-CONCURRENCY-LIMIT", "caller", "shop/api/*", "1")
         assert fault.retry_after is not None and fault.retry_after >= 1
         assert busy(gk) == {"shop/api/a": 1, "shop/api/b": 1}
         assert refused(gk, "api", "a").code == "GK-CONCURRENCY-LIMIT"

@@ -14,7 +14,7 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.backends.redis import RedisBackend  # noqa: E402
-from tests.conftest import busy  # noqa: E402
+from tests.conftest import busy, refusal  # noqa: E402
 from tests.servers import wait_until  # noqa: E402
 from tests.test_redis import keeper  # noqa: E402
 
@@ -59,12 +59,7 @@ def test_a_new_key_is_refused_by_concurrency_when_all_tracked_keys_are_in_flight
     try:
         held = [gk.admit("shop", "cap", caller) for caller in "abc"]
         fault = refused(gk, "d")
-        assert (fault.code, fault.level, fault.limit_path, fault.limit_value) == (
-            "GK-CONCURRENCY-LIMIT",
-            "caller",
-            "shop/cap/*",
-            "1",
-        )
+        assert refusal(fault) == ("GK-CONCURRENCY-LIMIT", "caller", "shop/cap/*", "1")
         assert fault.retry_after is not None and fault.retry_after >= 1
         counters = gk.stats()["counters"]
         assert counters["capacity_refused"] == 1

@@ -74,6 +74,40 @@ def freezable_keeper(own_redis: ControlledRedis, concurrency: int, options: str 
     return gk
 
 
+def admissions_in_a_freeze(
+    own_redis: ControlledRedis, gk: GateKeeper, count: int, warm: bool = False
+) -> list[str]:
+    """``count`` threads each admit (and release) a request of shop/work at once while
+    Redis is frozen, each first admitting one before the freeze when ``warm`` (its
+    connection then open, its call sent into the frozen Redis); their outcomes, once Redis
+    thawed and their give-backs were sent."""
+    barrier = threading.Barrier(count + 1)
+    frozen = threading.Event()
+    outcomes: list[str] = []
+
+    def request() -> None:
+        if warm:
+            gk.admit("shop", "work", "c").release(200)
+        barrier.wait()
+        frozen.wait()
+        outcomes.append(outcome(gk))
+
+    threads = [threading.Thread(target=request) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    own_redis.pause()
+    try:
+        frozen.set()
+        for thread in threads:
+            thread.join()
+    finally:
+        own_redis.resume()
+    backend = redis_backend(gk)
+    wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
+    return outcomes
+
+
 def assert_admits_exactly(
     gk: GateKeeper,
     count: int,
@@ -232,26 +266,7 @@ def test_admissions_lost_in_a_freeze_leak_no_slot(own_redis: ControlledRedis) ->
     give-backs in, no slot stays taken: the limit admits its full concurrency."""
     gk = freezable_keeper(own_redis, 4)
     try:
-        backend = redis_backend(gk)
-        barrier = threading.Barrier(5)
-        outcomes: list[str] = []
-
-        def admit() -> None:
-            barrier.wait()
-            outcomes.append(outcome(gk))
-
-        threads = [threading.Thread(target=admit) for _ in range(4)]
-        own_redis.pause()
-        try:
-            for thread in threads:
-                thread.start()
-            barrier.wait()
-            for thread in threads:
-                thread.join()
-        finally:
-            own_redis.resume()
-        assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 4
-        wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
+        assert admissions_in_a_freeze(own_redis, gk, 4) == ["GK-BACKEND-UNAVAILABLE"] * 4
         assert_admits_exactly(gk, 4)
     finally:
         gk.close()
@@ -380,30 +395,9 @@ def test_requests_refused_in_a_freeze_leave_no_rate_window_entry(
         on_backend_error="reject",
     )
     try:
-        backend = redis_backend(gk)
-        barrier = threading.Barrier(3)
-        frozen = threading.Event()
-        outcomes: list[str] = []
-
-        def request() -> None:
-            gk.admit("shop", "work", "c").release(200)  # opens this thread's connection
-            barrier.wait()
-            frozen.wait()
-            outcomes.append(outcome(gk))
-
-        threads = [threading.Thread(target=request) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        barrier.wait()  # two admitted before the freeze: 3 of 5 left
-        own_redis.pause()
-        try:
-            frozen.set()
-            for thread in threads:
-                thread.join()
-        finally:
-            own_redis.resume()
-        assert outcomes == ["GK-BACKEND-UNAVAILABLE"] * 2
-        wait_until(lambda: backend.pending_releases() == 0, what="the give-backs to be sent")
+        # Two admitted before the freeze: 3 of 5 left.
+        refused = admissions_in_a_freeze(own_redis, gk, 2, warm=True)
+        assert refused == ["GK-BACKEND-UNAVAILABLE"] * 2
         assert_admits_exactly(gk, 3, refused_with="GK-RATE-LIMIT")
     finally:
         gk.close()

@@ -522,7 +522,7 @@ class MemoryBackend(Backend):
             for limit in limits:
                 path = limit.path
                 if limit.wildcard:
-                    table: Mapping[str, _Counter] = self._wild.get(path, {})
+                    table: Mapping[str, _Counter] = wild.get(path, {})
                     held = busy.get(path, {})
                     shown = heapq.nsmallest(top, held.items(), key=_busiest)
                 else:
