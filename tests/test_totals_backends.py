@@ -14,6 +14,7 @@ import pytest
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.engine import Admission
 from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.backends.shared import reads
 from gatekeeper_wsgi.status import inflight_by_limit, limit_totals
 from tests.conftest import FakeClock
 
@@ -198,5 +199,45 @@ def test_totals_of_20000_shared_keys(tmp_path: Any, clock: FakeClock) -> None:
         assert (search.keys, search.inflight, search.busy, len(search.top)) == (20_000, 5, 5, 3)
         for admission in held:
             admission.release(200)
+    finally:
+        gk.close()
+
+
+@pytest.mark.parametrize("lease_read", [0, 1_000_000], ids=["by columns", "by leases"])
+def test_shared_totals_show_the_busiest_keys_then_the_least_by_key(
+    tmp_path: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, lease_read: int
+) -> None:
+    """With more keys in flight than the totals show, the shared table shows the busiest,
+    and of those tied at the cut the least by key, whether it finds the keys in flight
+    from the leases in use (few) or by a pass over the table's columns (many)."""
+    monkeypatch.setattr(reads, "LEASE_READ", lease_read)
+    settings = {
+        "project": "shop",
+        "backend": f"shared://{tmp_path}/gk.shm?size=2000",
+        "limits": {"shop/search/*": {"concurrency": 4}, "shop": {"concurrency": 1000}},
+    }
+    gk = GateKeeper(settings, clock=clock)
+    try:
+        held = [gk.admit("shop", "search", f"c{index:03}") for index in range(200, 100, -1)]
+        held += [gk.admit("shop", "search", name) for name in ("z", "z", "z", "y", "y")]
+        gk.admit("shop", "search", "idle").release(200)
+        totals = gk.totals(top=5)
+        assert totals is not None
+        search = totals["shop/search/*"]
+        assert (search.keys, search.inflight, search.busy) == (103, 105, 102)
+        assert [(usage.key, usage.inflight) for usage in search.top] == [
+            ("shop/search/z", 3),
+            ("shop/search/y", 2),
+            ("shop/search/c101", 1),
+            ("shop/search/c102", 1),
+            ("shop/search/c103", 1),
+        ]
+        assert totals["shop"].inflight == 105
+        assert gk.inflight()["shop/search/idle"] == 0  # every key the table holds
+        for admission in held:
+            admission.release(200)
+        after = gk.totals(top=5)
+        assert after is not None
+        assert (after["shop/search/*"].inflight, after["shop/search/*"].top) == (0, ())
     finally:
         gk.close()

@@ -383,9 +383,9 @@ class SharedBackend(Table):
         top: int = TOP_KEYS,
         watch: Mapping[str, Collection[str]] = NO_WATCH,
     ) -> dict[str, LimitTotals]:
-        """Per limit, from the live leases (every request in flight, held or delayed,
-        holds one) and the wildcard registry's key counts: O(limits + leases in use +
-        watched keys) under the lock, never a pass over the key table."""
+        """Per limit, from the wildcard registry's key counts and the keys in flight
+        (:func:`.reads.read_totals`): nothing per key tracked, and no object per key in
+        flight but for the ones shown."""
         return self._observed(
             now,
             lambda: read_totals(self._keys, self._leases, self._windows, limits, now, top, watch),

@@ -20,6 +20,8 @@ import array
 import hashlib
 import mmap
 import struct
+from collections.abc import Collection
+from itertools import compress
 
 from gatekeeper_wsgi.backends.shared.faults import NoRoom
 from gatekeeper_wsgi.backends.shared.journal import Journal, Structure
@@ -27,8 +29,11 @@ from gatekeeper_wsgi.backends.shared.layout import (
     CHAIN,
     H_KEYGEN,
     H_NODES_USED,
+    KEY_LENGTH,
     KEYGEN,
     LRU_SCAN,
+    N_INFLIGHT,
+    N_KEY_LENGTH,
     N_NEXT,
     N_PREV,
     N_REG,
@@ -389,6 +394,80 @@ class KeyTable(Structure):
         tags = array.array("I")
         tags.frombytes(self._mm[self._tags_off : self._tags_off + self._nodes * 4])
         return [node for node, tag in enumerate(tags) if tag]
+
+    @property
+    def capacity(self) -> int:
+        """How many nodes (keys) the table has."""
+        return self._nodes
+
+    def held(
+        self, among: Collection[int] | None = None, *, idle: bool = False
+    ) -> tuple[list[int], list[int], list[int]]:
+        """The nodes holding a key with requests in flight (held or delayed; with
+        ``idle``, every node holding a key), of ``among`` or of the whole table: their
+        indexes, counts and registry fields (entry + 1, 0: not a wildcard key), in node
+        order.
+
+        The whole table is read column by column, a strided slice of the map per field,
+        never a struct per node: a status read with 100 000 keys in flight must not make
+        100 000 objects (in one process holding those requests, their garbage collection
+        alone took a second on every other read)."""
+        mm = self._mm
+        nodes_off, node_size = self._nodes_off, self._node_size
+        if among is not None:  # a few nodes: field by field
+            picked = sorted(among)
+            at = [nodes_off + node * node_size for node in picked]
+            counts = [U32.unpack_from(mm, offset + N_INFLIGHT)[0] for offset in at]
+            registries = [U32.unpack_from(mm, offset + N_REG)[0] for offset in at]
+            keep = [1] * len(picked) if idle else counts
+            return (
+                list(compress(picked, keep)),
+                list(compress(counts, keep)),
+                list(compress(registries, keep)),
+            )
+        count = self._nodes
+        tags = array.array("I")
+        tags.frombytes(mm[self._tags_off : self._tags_off + count * 4])
+        if nodes_off % 4 or node_size % 4:  # not this version's layout: field by field
+            fields = [NODE.unpack_from(mm, nodes_off + node * node_size) for node in range(count)]
+            counts = [field[0] for field in fields]
+            registries = [field[6] for field in fields]
+        else:
+            start, stride = nodes_off // 4, node_size // 4
+            stop = start + count * stride
+            with memoryview(mm) as whole, whole.cast("I") as words:
+                counts = words[start + N_INFLIGHT // 4 : stop : stride].tolist()
+                registries = words[start + N_REG // 4 : stop : stride].tolist()
+        # A node counts if it holds a key (its tag) and, unless ``idle``, has something
+        # in flight; compress() then picks its fields in C.
+        chosen = (
+            tags if idle else [tag and inflight for tag, inflight in zip(tags, counts, strict=True)]
+        )
+        return (
+            list(compress(range(count), chosen)),
+            list(compress(counts, chosen)),
+            list(compress(registries, chosen)),
+        )
+
+    def raw_keys(self, nodes: list[int]) -> list[bytes]:
+        """The keys of ``nodes`` as the table holds them (UTF-8, whose byte order is the
+        keys' order), read without a struct per node."""
+        mm = self._mm
+        base, size = self._nodes_off, self._node_size
+        at = [base + node * size for node in nodes]
+        # the key's length: the u16 at N_KEY_LENGTH, little-endian
+        lengths = [mm[start + N_KEY_LENGTH] | mm[start + N_KEY_LENGTH + 1] << 8 for start in at]
+        return [
+            mm[start + NODE_HEAD : start + NODE_HEAD + length]
+            for start, length in zip(at, lengths, strict=True)
+        ]
+
+    def key_of(self, node: int) -> str:
+        """The key a node holds."""
+        offset = self._nodes_off + node * self._node_size
+        length = KEY_LENGTH.unpack_from(self._mm, offset + N_KEY_LENGTH)[0]
+        raw = self._mm[offset + NODE_HEAD : offset + NODE_HEAD + length]
+        return raw.decode("utf-8", "surrogateescape")
 
     def view(self, node: int) -> tuple[NodeView, str]:
         """A node's fields and key."""

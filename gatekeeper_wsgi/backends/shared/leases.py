@@ -159,6 +159,12 @@ class Leases(Structure):
         it too high would otherwise keep a table too small forever)."""
         return sum(1 for _ in self._used())
 
+    def counted(self) -> int:
+        """Leases in use as the header counts them: one read, for a choice that needs no
+        exact count (:meth:`live` counts them from the table)."""
+        counted: int = U32.unpack_from(self._mm, H_LIVE)[0]
+        return counted
+
     def held_nodes(self) -> set[int]:
         """Every node a lease in use (held or delayed) counts on."""
         if U32.unpack_from(self._mm, H_LEASE_HIGH)[0] > self._capacity:

@@ -4,8 +4,10 @@ the table is.
 
 Functions of the structures of one map, called under the table's lock (the backend's
 ``_observed``, once due delays are applied and dead processes' leases reclaimed); they
-change nothing. The totals come from the live leases and the wildcard registry's key
-counts: O(limits + leases in use + watched keys), never a pass over the key table.
+change nothing. The totals come from the wildcard registry's key counts and the keys in
+flight: those of the leases in use while they are few (O(limits + leases in use + watched
+keys), nothing per key tracked), else a pass over the table's node columns in C; no object
+is made per key in flight but for the few shown.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import heapq
 import mmap
 import struct
 from collections.abc import Collection, Mapping, Sequence
+from itertools import compress
 from typing import Any
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
@@ -31,15 +34,16 @@ __all__ = ["read_adaptive", "read_inflight", "read_totals", "read_usage"]
 
 #: a key the totals show: (key, node, its fields)
 _Held = tuple[str, int, NodeView]
+#: what reading the nodes of one lease in use costs, in nodes of the table read by
+#: columns (measured: ~0.6 µs against ~0.12 µs)
+LEASE_READ = 5
 
 
 def read_inflight(keys: KeyTable) -> dict[str, int]:
     """Requests in flight of every key the table holds."""
-    found = {}
-    for node in keys.in_use():
-        view, key = keys.view(node)
-        found[key] = view.inflight
-    return found
+    nodes, counts, _ = keys.held(idle=True)
+    key_of = keys.key_of
+    return {key_of(node): count for node, count in zip(nodes, counts, strict=True)}
 
 
 def read_totals(
@@ -59,24 +63,31 @@ def read_totals(
     for index, digest, count in keys.registries():
         tracked[index] = count
         entry_of[digest] = index
-    # registry entry -> its keys in flight
-    busy: dict[int, list[_Held]] = {}
-    for node in leases.held_nodes():
-        view, key = keys.view(node)
-        if view.inflight and view.registry:
-            busy.setdefault(view.registry - 1, []).append((key, node, view))
+    # registry entry -> its keys in flight: their nodes and counts, two lists of ints
+    # picked in C (no object per key: see KeyTable.held). The nodes of the leases in use
+    # when they are few (a status read costs nothing per key tracked), else a pass over
+    # the table's columns, a fraction of a microsecond per node.
+    among = leases.held_nodes() if leases.counted() * LEASE_READ < keys.capacity else None
+    nodes, counts, registries = keys.held(among)
+    busy: dict[int, tuple[list[int], list[int]]] = {}
+    for registry in set(registries) - {0}:
+        chosen = [each == registry for each in registries]
+        busy[registry - 1] = (list(compress(nodes, chosen)), list(compress(counts, chosen)))
     found_totals = {}
     for limit in limits:
         path = limit.path
         entry = entry_of.get(path_digest(path)) if limit.wildcard else None
         if limit.wildcard:
-            held_keys = busy.get(entry, []) if entry is not None else []
-            shown = heapq.nsmallest(top, held_keys, key=lambda item: (-item[2].inflight, item[0]))
+            key_nodes, key_counts = busy.get(entry, ([], [])) if entry is not None else ([], [])
+            shown = _busiest(keys, key_nodes, key_counts, top)
             count = tracked.get(entry, 0) if entry is not None else 0
+            inflight, keys_busy = sum(key_counts), len(key_counts)
         else:
             found = _lookup(keys, path)
-            held_keys = shown = [] if found is None else [found]
+            shown = [] if found is None else [found]
             count = len(shown)
+            inflight = found[2].inflight if found is not None else 0
+            keys_busy = 1 if inflight else 0
         seen = {key for key, _, _ in shown}
         for key in watch.get(path, ()):
             found = _lookup(keys, key) if key not in seen else None
@@ -84,12 +95,32 @@ def read_totals(
                 seen.add(key)
                 shown.append(found)
         found_totals[path] = LimitTotals(
-            inflight=sum(view.inflight for _, _, view in held_keys),
+            inflight=inflight,
             keys=count,
-            busy=sum(1 for _, _, view in held_keys if view.inflight),
+            busy=keys_busy,
             top=tuple(_key_usage(windows, held, limit, now) for held in shown),
         )
     return found_totals
+
+
+def _busiest(keys: KeyTable, nodes: list[int], counts: list[int], top: int) -> list[_Held]:
+    """The ``top`` keys of ``nodes`` with the most in flight (``counts``), ties by key, in
+    that order. Only keys that can make the cut are read: those above the ``top``-th
+    count, and of those at it (with 100 000 keys at one request each, all of them) the
+    least, compared as the table holds them (UTF-8 bytes: the order of their text)."""
+    if top <= 0:
+        return []
+    chosen = nodes
+    if len(nodes) > top:
+        cut = heapq.nlargest(top, counts)[-1]
+        chosen = [node for node, count in zip(nodes, counts, strict=True) if count > cut]
+        at_cut = [node for node, count in zip(nodes, counts, strict=True) if count == cut]
+        raw = keys.raw_keys(at_cut)
+        least = heapq.nsmallest(top - len(chosen), range(len(at_cut)), key=raw.__getitem__)
+        chosen += [at_cut[index] for index in least]
+    found = [(*keys.view(node), node) for node in chosen]
+    found.sort(key=lambda item: (-item[0].inflight, item[1]))
+    return [(key, node, view) for view, key, node in found]
 
 
 def read_adaptive(keys: KeyTable, gauges: Gauges) -> dict[str, AdaptiveReport]:
