@@ -378,6 +378,26 @@ def test_rejection_does_not_use_up_rate_of_other_levels(make: Make) -> None:
     assert refused(gk, "shop", "checkout", "carol").code == "GK-RATE-LIMIT"
 
 
+def test_a_refusal_by_one_window_leaves_another_slid_out(
+    make_clocked: Make, clock: FakeClock
+) -> None:
+    """A project window that has slid out stays empty when a request is then refused by
+    its service's window: the refusal names the service, and the project admits its
+    quota to the other services. (The shared table once reused, inside the refused
+    update, the window chunk the slide had freed, and its rollback brought the old
+    entries back with a new one among them: every later request was refused by the
+    project.)"""
+    gk = make_clocked({"shop": {"rate": "2/3s"}, "shop/login": {"rate": "2/minute"}})
+    for _ in range(2):
+        gk.admit("shop", "login", "a").release(200)
+    clock.advance(3.3)
+    rejection = refused(gk, "shop", "login", "a")
+    assert (rejection.limit_path, rejection.retry_after) == ("shop/login", 57)
+    for _ in range(2):
+        gk.admit("shop", "other", "a").release(200)
+    assert refused(gk, "shop", "other", "a").limit_path == "shop"
+
+
 # ------------------------------------------------------------------------------ concurrency
 
 

@@ -216,7 +216,10 @@ class Windows(Structure):
         chunk: int
         if free != NIL:
             chunk = free
-            self._save(self.chunk_at(chunk), 8)
+            # The whole chunk, not only its link: it may have been freed by this very
+            # update (a purge that emptied a window, then its first new entry), and a
+            # rollback puts it back in its window with the stamps it held.
+            self._save(self.chunk_at(chunk), CHUNK_SIZE)
             self._set_counters(U32.unpack_from(mm, self.chunk_at(chunk))[0], high)
         elif high < self._chunks:
             chunk = high
