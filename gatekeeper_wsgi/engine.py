@@ -531,7 +531,7 @@ class GateKeeper:
                 return None
             if denial is None:
                 return None
-            return self._rejection(slots[denial.at], denial, counted=False)
+            return self._rejection(*self._longest_wait(slots, denial, now), counted=False)
         return None
 
     def route(self, project: str, service: str) -> Route:
@@ -573,7 +573,34 @@ class GateKeeper:
         slot = slots[denial.at]
         if slot.limit.queue is not None:
             return self._wait(slots, slot, now, request)
-        raise self._rejection(slot, denial)
+        raise self._rejection(*self._longest_wait(slots, denial, now))
+
+    def _longest_wait(
+        self, slots: tuple[Slot, ...], denial: Denial, now: float
+    ) -> tuple[Slot, Denial]:
+        """The refusal to answer: ``denial``, or, when it is a rate limit's, the one of the
+        rate limits full now that waits longest. A backend answers with the first slot
+        that does not fit; with two windows full (2/10s and 2/minute), the time until the
+        request can be admitted (its Retry-After, SPEC 5) is the longer wait, and the
+        limit named is the one whose window it waits for. Looked up on this path only,
+        by peeks; a backend failing one leaves the refusal found so far."""
+        slot = slots[denial.at]
+        if denial.kind != "rate":
+            return slot, denial
+        rest = tuple(
+            other for other in slots[denial.at + 1 :] if other.enforce and other.limit.rate
+        )
+        while rest:
+            try:
+                found = self.backend.peek(rest, now)
+            except Exception:  # a failure or capacity refusal here changes nothing
+                break
+            if found is None:
+                break
+            if found.kind == "rate" and found.retry_after > denial.retry_after:
+                slot, denial = rest[found.at], found
+            rest = rest[found.at + 1 :]
+        return slot, denial
 
     def _resolve_now(self, request: _Request) -> _Resolution:
         """The route, slots and delay of ``request`` (project, service, caller, environ,

@@ -571,6 +571,42 @@ def test_rate_retry_after_is_time_until_next_admission(
     gk.admit("shop", "login", "alice")
 
 
+def test_with_two_windows_full_the_longer_wait_is_answered(
+    make_clocked: Make, clock: FakeClock
+) -> None:
+    """Refused with two rate windows full (2/10s on the project, 2/minute on the
+    service), a request hears when it can really get in: the longer wait, in the name of
+    the limit it waits for, and query() says the same."""
+    gk = make_clocked({"shop": {"rate": "2/10s"}, "shop/login": {"rate": "2/minute"}})
+    gk.admit("shop", "login", "a").release(200)
+    clock.advance(1)
+    gk.admit("shop", "login", "a").release(200)
+    clock.advance(1)
+    for rejection in (refused(gk, "shop", "login", "a"), gk.query("shop", "login", "a")):
+        assert rejection is not None
+        assert (rejection.limit_path, rejection.retry_after) == ("shop/login", 58)
+        assert rejection.rate is not None
+        assert rejection.rate.reset == pytest.approx(58)
+    clock.advance(8.5)  # the project's window has room again, the service's has not
+    assert (refused(gk, "shop", "login", "a").limit_path, gk.query("shop", "other", "a")) == (
+        "shop/login",
+        None,
+    )
+    clock.advance(50)
+    gk.admit("shop", "login", "a")
+
+
+def test_two_full_windows_on_every_backend(make: Make) -> None:
+    """The same on a backend that keeps its own clock (Redis): with both windows full at
+    once, the answer is the service's minute, not the project's ten seconds."""
+    gk = make({"shop": {"rate": "2/10s"}, "shop/login": {"rate": "2/minute"}})
+    for _ in range(2):
+        gk.admit("shop", "login", "a").release(200)
+    rejection = refused(gk, "shop", "login", "a")
+    assert rejection.limit_path == "shop/login"
+    assert rejection.retry_after in (59, 60)  # 60 less the moments the test took
+
+
 def test_concurrency_retry_after_follows_this_limits_delayed_releases(
     make_clocked: Make, clock: FakeClock
 ) -> None:
