@@ -654,13 +654,6 @@ INVALID_FILES: list[tuple[str, str, str, int, str]] = [
         "limits.shop.concurrency: duplicate key, already set on line 1",
     ),
     (
-        "properties continuation at end of file",
-        "gatekeeper.properties",
-        "project = shop\nlimits.shop.concurrency = 5, \\\n",
-        2,
-        "line continuation at end of file",
-    ),
-    (
         "malformed queue in properties",
         "gatekeeper.properties",
         """\
@@ -748,6 +741,15 @@ INVALID_FILES: list[tuple[str, str, str, int, str]] = [
         "project: beside the [gatekeeper] table",
     ),
 ]
+
+
+def test_properties_continuation_at_end_of_file_is_dropped(tmp_path: Path) -> None:
+    """`limits.shop.concurrency = 5\\` as the last line reads as 5, as Java's
+    Properties.load reads it (the backslash continues into nothing)."""
+    path = write(tmp_path, "gatekeeper.properties", "project = shop\nlimits.shop.concurrency = 5\\")
+    gk = GateKeeper(path)
+    assert gk.config.limits["shop"].concurrency == 5
+    gk.close()
 
 
 @pytest.mark.parametrize(
