@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import quote, unquote
 
 from werkzeug.http import parse_cookie
 
@@ -80,19 +81,38 @@ class TokenLink(NamedTuple):
     rest: str
 
 
+# Parameters are split at '&' and ';' (the separators of application/x-www-form-urlencoded
+# and of older parsers), so a token sent after either is found and removed.
+_QUERY_SEPARATORS = re.compile(r"([&;])")
+# Bytes a request target cannot carry raw (controls, space, '#', non-ASCII): written
+# percent-encoded in the Location, so a header never carries them; all else kept as sent.
+_LOCATION_QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
+
+
+def _form_decoded(text: str) -> str:
+    # As urllib.parse.parse_qsl decodes names and values ('+' is a space).
+    return unquote(text.replace("+", " "))
+
+
 def token_link(environ: Mapping[str, Any]) -> TokenLink | None:
     """The ``token`` of the query string (the last, if several) and the query string
-    without it."""
+    without every parameter whose name decodes to ``token``, each other byte as sent."""
     query = environ.get("QUERY_STRING", "")
-    if not isinstance(query, str) or "token" not in query:
+    if not isinstance(query, str) or not query or len(query) > _MAX_CREDENTIAL_INPUT:
         return None
-    if len(query) > _MAX_CREDENTIAL_INPUT:
+    pieces = _QUERY_SEPARATORS.split(query)  # parameter, separator, parameter, ...
+    linked: str | None = None
+    kept: list[str] = []
+    for index in range(0, len(pieces), 2):
+        name, _, value = pieces[index].partition("=")
+        if _form_decoded(name) == "token":
+            linked = _form_decoded(value)
+        else:
+            # A kept parameter keeps the separator sent before it (the first none).
+            kept.append(pieces[index - 1] + pieces[index] if index and kept else pieces[index])
+    if linked is None:
         return None
-    pairs = parse_qsl(query, keep_blank_values=True)
-    linked = [value for name, value in pairs if name == "token"]
-    if not linked:
-        return None
-    return TokenLink(linked[-1], urlencode([(n, v) for n, v in pairs if n != "token"]))
+    return TokenLink(linked, "".join(kept))
 
 
 def same_token(presented: str, expected: str) -> bool:
@@ -160,7 +180,8 @@ def _see_without_token(environ: Mapping[str, Any], rest: str, *, cookie: str | N
     # PEP 3333 strings are bytes as latin-1; a leading "//" would name another host.
     location = "/" + quote((script_name + path).encode("latin-1", "replace"), safe="/").lstrip("/")
     if rest:
-        location += "?" + rest
+        raw = rest.encode("latin-1", "replace")
+        location += "?" + quote(raw, safe=_LOCATION_QUERY_SAFE)
     headers = [("Location", location)]
     if cookie is not None:
         headers.append(("Set-Cookie", cookie))
