@@ -5,16 +5,18 @@ frequency service shares (:func:`bearer_token`).
 Scrapers send ``Authorization: Bearer <token>``. Browsers open a ``?token=<token>`` link
 once; it is answered with a redirect to the same URL without the token and a cookie
 derived from it, so the token does not stay in the address bar, history, or the access
-logs of later requests.
+logs of later requests - whatever else lets the request in (a staff session, an auth
+hook, a bearer header).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
-from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode
+from typing import Any, NamedTuple
+from urllib.parse import quote, unquote
 
 from werkzeug.http import parse_cookie
 
@@ -25,6 +27,7 @@ __all__ = [
     "parse_bearer",
     "presents_token",
     "same_token",
+    "token_link",
 ]
 
 #: The cookie a ``?token=`` link is exchanged for (its value is derived from the token).
@@ -34,6 +37,7 @@ COOKIE_NAME = "gatekeeper_dashboard"
 _MAX_CREDENTIAL_INPUT = 8192
 
 Denied = tuple[str, str, list[tuple[str, str]]]
+_WRONG_TOKEN: Denied = ("403 Forbidden", "forbidden: wrong token", [])
 
 
 def _cookie_value(token: str) -> str:
@@ -70,16 +74,45 @@ def _cookie(environ: Mapping[str, Any]) -> str | None:
     return parse_cookie(header).get(COOKIE_NAME) or None
 
 
-def _linked_token(environ: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str]]]:
-    """The ``token`` of the query string (the last one), and all its pairs."""
+class TokenLink(NamedTuple):
+    """The ``token`` parameter of a query string and the query string without it."""
+
+    token: str
+    rest: str
+
+
+# Parameters are split at '&' and ';' (the separators of application/x-www-form-urlencoded
+# and of older parsers), so a token sent after either is found and removed.
+_QUERY_SEPARATORS = re.compile(r"([&;])")
+# Bytes a request target cannot carry raw (controls, space, '#', non-ASCII): written
+# percent-encoded in the Location, so a header never carries them; all else kept as sent.
+_LOCATION_QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
+
+
+def _form_decoded(text: str) -> str:
+    # As urllib.parse.parse_qsl decodes names and values ('+' is a space).
+    return unquote(text.replace("+", " "))
+
+
+def token_link(environ: Mapping[str, Any]) -> TokenLink | None:
+    """The ``token`` of the query string (the last, if several) and the query string
+    without every parameter whose name decodes to ``token``, each other byte as sent."""
     query = environ.get("QUERY_STRING", "")
-    if not isinstance(query, str) or "token" not in query:
-        return None, []
-    if len(query) > _MAX_CREDENTIAL_INPUT:
-        return None, []
-    pairs = parse_qsl(query, keep_blank_values=True)
-    linked = [value for name, value in pairs if name == "token"]
-    return (linked[-1] if linked else None), pairs
+    if not isinstance(query, str) or not query or len(query) > _MAX_CREDENTIAL_INPUT:
+        return None
+    pieces = _QUERY_SEPARATORS.split(query)  # parameter, separator, parameter, ...
+    linked: str | None = None
+    kept: list[str] = []
+    for index in range(0, len(pieces), 2):
+        name, _, value = pieces[index].partition("=")
+        if _form_decoded(name) == "token":
+            linked = _form_decoded(value)
+        else:
+            # A kept parameter keeps the separator sent before it (the first none).
+            kept.append(pieces[index - 1] + pieces[index] if index and kept else pieces[index])
+    if linked is None:
+        return None
+    return TokenLink(linked, "".join(kept))
 
 
 def same_token(presented: str, expected: str) -> bool:
@@ -94,32 +127,45 @@ def presents_token(environ: Mapping[str, Any]) -> bool:
     return (
         bearer_token(environ) is not None
         or _cookie(environ) is not None
-        or _linked_token(environ)[0] is not None
+        or token_link(environ) is not None
     )
 
 
-def check_token(environ: Mapping[str, Any], token: str | None) -> Denied | None:
-    """The dashboard token check: None when ``environ`` presents ``token``, else the
-    response to send as (status, message, headers).
+def check_token(
+    environ: Mapping[str, Any], token: str | None, *, allowed: bool = False
+) -> Denied | None:
+    """The dashboard access check: None when the request may see the status, else the
+    response to send as (status, message, headers). ``allowed``: the hosting framework
+    already lets the request in (Django staff, Flask's auth hook).
 
-    Accepted: ``Authorization: Bearer <token>``, or the ``gatekeeper_dashboard`` cookie.
-    A right ``?token=<token>`` is answered with a redirect (303) to the same URL without
-    it, setting that cookie (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over HTTPS,
-    scoped to the mount point), so the token never stays in URLs, history or access logs.
-    No credential (or the cookie of a replaced token): 401 with a Bearer challenge; a
-    wrong token, or none configured: 403.
+    Accepted: ``allowed``, ``Authorization: Bearer <token>``, or the
+    ``gatekeeper_dashboard`` cookie. A ``?token=`` in the URL is never served: a right one
+    is answered with a redirect (303) to the same URL without it, setting that cookie
+    (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over HTTPS, scoped to the mount point),
+    whatever else lets the request in, so the token never stays in URLs, history or access
+    logs; a wrong one is removed by the same redirect (without a cookie) when something
+    else lets the request in, else refused (403). No credential (or the cookie of a
+    replaced token): 401 with a Bearer challenge; a wrong token, or none configured: 403.
     """
+    link = token_link(environ)
+    if link is not None and token is not None and same_token(link.token, token):
+        return _see_without_token(environ, link.rest, cookie=_cookie_header(environ, token))
+    denied = None if allowed else _check_credentials(environ, token)
+    if link is None:
+        return denied
+    if denied is None:
+        # Let in by other means: the wrong (perhaps an old) token still leaves the URL.
+        return _see_without_token(environ, link.rest, cookie=None)
+    return denied if token is None else _WRONG_TOKEN
+
+
+def _check_credentials(environ: Mapping[str, Any], token: str | None) -> Denied | None:
+    """The bearer header, else the cookie: None when right, else the refusal."""
     if token is None:
         return "403 Forbidden", "forbidden: the status endpoint needs a token", []
-    wrong: Denied = ("403 Forbidden", "forbidden: wrong token", [])
     bearer = bearer_token(environ)
     if bearer is not None:
-        return None if same_token(bearer, token) else wrong
-    linked, pairs = _linked_token(environ)
-    if linked is not None:
-        if not same_token(linked, token):
-            return wrong
-        return "303 See Other", "see this page without the token", _exchange(environ, pairs, token)
+        return None if same_token(bearer, token) else _WRONG_TOKEN
     cookie = _cookie(environ)
     if cookie is not None and same_token(cookie, _cookie_value(token)):
         return None
@@ -127,21 +173,27 @@ def check_token(environ: Mapping[str, Any], token: str | None) -> Denied | None:
     return "401 Unauthorized", "a bearer token is required", challenge
 
 
-def _exchange(
-    environ: Mapping[str, Any], pairs: list[tuple[str, str]], token: str
-) -> list[tuple[str, str]]:
-    """Location (this URL without ``token``) and Set-Cookie of a token link's redirect."""
+def _see_without_token(environ: Mapping[str, Any], rest: str, *, cookie: str | None) -> Denied:
+    """A 303 to this URL with the query string ``rest`` (the token removed)."""
     script_name = str(environ.get("SCRIPT_NAME", "")).rstrip("/")
     path = str(environ.get("PATH_INFO") or "/")
     # PEP 3333 strings are bytes as latin-1; a leading "//" would name another host.
     location = "/" + quote((script_name + path).encode("latin-1", "replace"), safe="/").lstrip("/")
-    rest = urlencode([(name, value) for name, value in pairs if name != "token"])
     if rest:
-        location += "?" + rest
+        raw = rest.encode("latin-1", "replace")
+        location += "?" + quote(raw, safe=_LOCATION_QUERY_SAFE)
+    headers = [("Location", location)]
+    if cookie is not None:
+        headers.append(("Set-Cookie", cookie))
+    return "303 See Other", "see this page without the token", headers
+
+
+def _cookie_header(environ: Mapping[str, Any], token: str) -> str:
+    """The Set-Cookie value a right token link is exchanged for."""
+    script_name = str(environ.get("SCRIPT_NAME", "")).rstrip("/")
     cookie_path = quote(script_name.encode("latin-1", "replace"), safe="/") or "/"
     secure = "; Secure" if environ.get("wsgi.url_scheme") == "https" else ""
-    cookie = (
+    return (
         f"{COOKIE_NAME}={_cookie_value(token)}; Path={cookie_path}; HttpOnly; "
         f"SameSite=Strict{secure}"
     )
-    return [("Location", location), ("Set-Cookie", cookie)]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, AnyStr, Literal, TypeVar, get_args
 
 from werkzeug.routing import Map, Rule
 from werkzeug.utils import import_string
@@ -415,11 +415,41 @@ class _Checker:
         raise self.bad(key, value, " or ".join(repr(c) for c in choices))
 
     def pattern(self, key: str, value: object) -> re.Pattern[str]:
-        text = self.string(key, value)
+        """A regular expression matched against text (a header value)."""
+        return self.compiled(key, value, self.string(key, value))
+
+    def body_pattern(self, key: str, value: object) -> re.Pattern[bytes]:
+        """A regular expression searched in response bytes: valid as text, and its UTF-8
+        encoding valid as a bytes pattern (``\\u0041`` and ``(?u)`` are text-only)."""
+        text = self.pattern(key, value).pattern
+        on_bytes = "a regular expression valid on the body's UTF-8 bytes"
         try:
-            return re.compile(text)
-        except re.error as exc:
-            raise self.bad(key, value, f"a valid regular expression ({exc})") from None
+            source = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise self.bad(key, value, f"{on_bytes} (no lone surrogates)") from None
+        return self.compiled(key, value, source, on_bytes)
+
+    def compiled(
+        self,
+        key: str,
+        value: object,
+        source: AnyStr,
+        expected: str = "a valid regular expression",
+    ) -> re.Pattern[AnyStr]:
+        """``re.compile(source)``: whatever it raises for the pattern is a ConfigError (the
+        one place configuration compiles a pattern)."""
+        try:
+            return re.compile(source)
+        except (re.error, OverflowError, ValueError) as exc:
+            # OverflowError: "the repetition number is too large" (x{4294967296});
+            # ValueError: "ASCII and UNICODE flags are incompatible" ((?a)(?u)).
+            problem = str(exc)
+        except RecursionError:
+            # The parser recurses once per nested group.
+            problem = "groups nested too deeply"
+        except MemoryError:
+            problem = "too large to compile"
+        raise self.bad(key, value, f"{expected} ({problem})")
 
     def field_name(self, key: str, value: object) -> str:
         name = self.string(key, value)
@@ -660,8 +690,7 @@ class _Checker:
                 f"{base}.timeout_header", spec["timeout_header"]
             )
         if "timeout_body" in spec:
-            text = self.pattern(f"{base}.timeout_body", spec["timeout_body"]).pattern
-            fields["timeout_body"] = re.compile(text.encode("utf-8"))
+            fields["timeout_body"] = self.body_pattern(f"{base}.timeout_body", spec["timeout_body"])
         if "queue" in spec:
             fields["queue"] = self.queue(f"{base}.queue", spec["queue"])
         if "mode" in spec:

@@ -295,9 +295,12 @@ def _logical_lines(text: str, file: str) -> Iterator[tuple[int, str]]:
             continue
         parts = []
         while _continues(current):
-            parts.append(current[:-1])
+            current = current[:-1]
             if index == len(natural):
-                raise ConfigError("", "line continuation at end of file", file=file, line=start)
+                # Properties.load: a continuation at the end of the file continues into
+                # nothing; the backslash is dropped and the line ends there.
+                break
+            parts.append(current)
             current = natural[index].lstrip(_WHITESPACE)
             index += 1
         parts.append(current)
@@ -345,7 +348,7 @@ def _unescape(raw: str, key: str, file: str, line: int) -> str:
             continue
         if index == len(raw):
             # Unreachable through _logical_lines (an odd trailing backslash continues the
-            # line), kept so this function is total.
+            # line, or is dropped at the end of the file), kept so this function is total.
             break
         char = raw[index]
         index += 1

@@ -284,7 +284,8 @@ class StatusApp:
     ``token`` (default: the ``dashboard.token`` setting) is accepted as
     ``Authorization: Bearer <token>``, or from a ``?token=<token>`` link exchanged for a
     cookie (:func:`~gatekeeper_wsgi.access.check_token`). ``allow(environ) -> bool``
-    admits requests the hosting framework has authenticated (Django staff, Flask login).
+    admits requests the hosting framework has authenticated (Django staff, Flask login);
+    a ``?token=`` in their URL is still taken out by the redirect.
     With neither, every request gets 403::
 
         status = StatusApp(gk, token="s3cret")
@@ -348,13 +349,13 @@ class StatusApp:
 
     def _denied(self, environ: WSGIEnvironment) -> tuple[str, str, list[tuple[str, str]]] | None:
         """None when the request may see the status, else (status, message, headers)."""
+        allowed = False
         if self._allow is not None:
             try:
-                if self._allow(environ):
-                    return None
+                allowed = bool(self._allow(environ))
             except Exception:
                 logger.exception("gatekeeper: the status endpoint's allow() raised; denied")
-        return check_token(environ, self.token)
+        return check_token(environ, self.token, allowed=allowed)
 
 
 def _respond(

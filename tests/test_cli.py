@@ -98,6 +98,31 @@ def test_check_reports_file_and_line_and_fails(
     assert captured.out == ""
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        (
+            "huge_repeat.toml",
+            '[gatekeeper.limits.shop]\nconcurrency = 1\ntimeout_body = "x{99999999999}"\n',
+        ),
+        ("huge_repeat.properties", "project = shop\n\nlimits.shop.timeout_body = x{99999999999}\n"),
+    ],
+    ids=["toml", "properties"],
+)
+def test_check_reports_an_uncompilable_regex_with_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str
+) -> None:
+    """A timeout_body the regex engine refuses (repeat count too large) exits 1 with
+    file:line and key on stderr, not a traceback."""
+    bad = tmp_path / name
+    bad.write_text(text, encoding="utf-8")
+    assert main(["check", str(bad)]) == 1
+    captured = capsys.readouterr()
+    assert f"{bad}:3: limits.shop.timeout_body: expected a valid regular expression" in captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
 def test_check_toml_and_a_settings_dict_with_a_file_laid_over(tmp_path: Path) -> None:
     """Settings plus reload.file are checked merged, as the engine would run them."""
     toml = tmp_path / "limits.toml"

@@ -361,6 +361,41 @@ INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
         "a valid regular expression",
     ),
     (
+        "repeat count over the regex engine's maximum in timeout_body",
+        {"limits": {"shop": {"concurrency": 1, "timeout_body": "x{99999999999}"}}},
+        "limits.shop.timeout_body",
+        "'x{99999999999}'",
+        "a valid regular expression (the repetition number is too large)",
+    ),
+    (
+        "repeat count over the regex engine's maximum in timeout_header",
+        {"limits": {"shop": {"concurrency": 1, "timeout_header": "X-A: x{4294967296}"}}},
+        "limits.shop.timeout_header",
+        "'x{4294967296}'",
+        "a valid regular expression (the repetition number is too large)",
+    ),
+    (
+        "regex flags the engine refuses together",
+        {"limits": {"shop": {"concurrency": 1, "timeout_body": "(?a)(?u)x"}}},
+        "limits.shop.timeout_body",
+        "'(?a)(?u)x'",
+        "a valid regular expression (ASCII and UNICODE flags are incompatible)",
+    ),
+    (
+        "text-only escape in timeout_body, searched in bytes",
+        {"limits": {"shop": {"concurrency": 1, "timeout_body": "\\u0041"}}},
+        "limits.shop.timeout_body",
+        "'\\\\u0041'",
+        "a regular expression valid on the body's UTF-8 bytes (bad escape",
+    ),
+    (
+        "lone surrogate in timeout_body",
+        {"limits": {"shop": {"concurrency": 1, "timeout_body": "\ud800"}}},
+        "limits.shop.timeout_body",
+        "'\\ud800'",
+        "(no lone surrogates)",
+    ),
+    (
         "timeout_header without a name",
         {"limits": {"shop": {"concurrency": 1, "timeout_header": "TIMEOUT"}}},
         "limits.shop.timeout_header",
@@ -508,6 +543,31 @@ INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
 
 
 @pytest.mark.parametrize(
+    "spec",
+    [
+        {"timeout_body": "(" * 5000 + ")" * 5000},
+        {"timeout_header": "X-A: " + "(" * 5000 + "x" + ")" * 5000},
+    ],
+    ids=["timeout_body", "timeout_header"],
+)
+def test_regexes_nested_too_deeply_are_config_errors(spec: dict[str, str]) -> None:
+    """5 000 nested groups: a ConfigError naming the key, not a RecursionError."""
+    (name,) = spec
+    with pytest.raises(ConfigError) as info:
+        GateKeeper({"limits": {"shop": {"concurrency": 1, **spec}}})
+    assert info.value.key == f"limits.shop.{name}"
+    assert "a valid regular expression (groups nested too deeply)" in info.value.problem
+
+
+def test_a_few_hundred_nested_groups_are_a_valid_regex() -> None:
+    """Nesting the regex engine can compile is accepted."""
+    nested = "(" * 200 + "Timeout" + ")" * 200
+    limit = build_config({"limits": {"shop": {"concurrency": 1, "timeout_body": nested}}})
+    body = limit.limits["shop"].timeout_body
+    assert body is not None and body.search(b"a Timeout")
+
+
+@pytest.mark.parametrize(
     ("settings", "key", "value", "expected"),
     [pytest.param(*case[1:], id=case[0]) for case in INVALID_SETTINGS],
 )
@@ -592,13 +652,6 @@ INVALID_FILES: list[tuple[str, str, str, int, str]] = [
         """,
         3,
         "limits.shop.concurrency: duplicate key, already set on line 1",
-    ),
-    (
-        "properties continuation at end of file",
-        "gatekeeper.properties",
-        "project = shop\nlimits.shop.concurrency = 5, \\\n",
-        2,
-        "line continuation at end of file",
     ),
     (
         "malformed queue in properties",
@@ -688,6 +741,15 @@ INVALID_FILES: list[tuple[str, str, str, int, str]] = [
         "project: beside the [gatekeeper] table",
     ),
 ]
+
+
+def test_properties_continuation_at_end_of_file_is_dropped(tmp_path: Path) -> None:
+    """`limits.shop.concurrency = 5\\` as the last line reads as 5, as Java's
+    Properties.load reads it (the backslash continues into nothing)."""
+    path = write(tmp_path, "gatekeeper.properties", "project = shop\nlimits.shop.concurrency = 5\\")
+    gk = GateKeeper(path)
+    assert gk.config.limits["shop"].concurrency == 5
+    gk.close()
 
 
 @pytest.mark.parametrize(

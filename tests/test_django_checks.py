@@ -56,6 +56,24 @@ def test_e002_invalid_operators_file_names_file_and_line(settings: Any, tmp_path
     assert f"{path}:2" in message.msg
 
 
+def test_e002_uncompilable_regexes_in_settings_and_file(settings: Any, tmp_path: Path) -> None:
+    """E002 for regexes the engine refuses (a huge repeat count, 5 000 nested groups), in
+    the settings and in the operators' file (with file and line): the check itself runs."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text("project = shop\nlimits.shop.timeout_header = X-A: x{4294967296}\n")
+    nested = "(" * 5000 + ")" * 5000
+    settings.GATEKEEPER = {
+        "reload": {"file": str(path)},
+        "limits": {"shop/api": {"concurrency": 1, "timeout_body": nested}},
+    }
+    messages = check_settings()
+    assert [message.id for message in messages] == ["gatekeeper.E002"] * 2
+    text = "\n".join(message.msg for message in messages)
+    assert f"{path}:2: limits.shop.timeout_header: expected a valid regular expression" in text
+    assert "limits.shop/api.timeout_body: expected a valid regular expression" in text
+    assert "gatekeeper.E002" in [message.id for message in run_checks()]
+
+
 def test_e003_middleware_not_first(settings: Any) -> None:
     """E003: GateKeeperMiddleware below another middleware."""
     settings.MIDDLEWARE = [SESSIONS, FIRST]

@@ -116,3 +116,22 @@ def test_token_link_is_exchanged_for_a_cookie(settings: Any) -> None:
     assert client.get(url).status_code == 200
     assert client.get(reverse("gatekeeper:status")).status_code == 200
     assert Client().get(url).status_code in (302, 401)  # without it: not let in
+
+
+@pytest.mark.django_db
+def test_staff_with_a_token_link_is_redirected_without_it(
+    settings: Any, staff_client: Client
+) -> None:
+    """A staff user following a ?token= link is let in only on the URL without it: the
+    right token is exchanged for the cookie, a wrong one just removed."""
+    gatekeeper(settings)
+    url = reverse("gatekeeper:dashboard")
+    right = staff_client.get(url + "?token=" + TOKEN + "&x=%FF")
+    assert right.status_code == 303
+    assert right["Location"] == url + "?x=%FF"
+    assert right.cookies[COOKIE_NAME]["samesite"] == "Strict"
+    wrong = staff_client.get(reverse("gatekeeper:status") + "?token=stale")
+    assert wrong.status_code == 303
+    assert wrong["Location"] == reverse("gatekeeper:status")
+    assert COOKIE_NAME not in wrong.cookies
+    assert staff_client.get(url).status_code == 200

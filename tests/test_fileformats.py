@@ -451,12 +451,29 @@ def test_duplicate_key_names_both_lines(tmp_path: Path) -> None:
     assert str(info.value).startswith(f"{path}:3: project: duplicate key")
 
 
-@pytest.mark.parametrize("text", ["a = 1\nb = x\\", "a = 1\nb = x\\\n", "a = 1\nb = x\\\n\\\n"])
-def test_continuation_at_end_of_file(tmp_path: Path, text: str) -> None:
-    """A continuation backslash on the last line is an error at the line the entry starts."""
-    error = load_error(tmp_path, text)
-    assert error.problem == "line continuation at end of file"
-    assert error.line == 2
+# Each text and what java.util.Properties.load reads from it (checked with a JDK 17).
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("a = 1\nb = x\\", "x"),
+        ("a = 1\nb = x\\\n", "x"),
+        ("a = 1\nb = x\\\r\n", "x"),
+        ("a = 1\nb = x\\\n\\\n", "x"),
+        ("a = 1\nb = x\\\n   ", "x"),
+        ("a = 1\nb = x\\\n# c", "x# c"),
+        ("a = 1\nb = x\\\\", "x\\"),
+        ("a = 1\nb = x\\\\\\", "x\\"),
+    ],
+    ids=["eof", "newline", "crlf", "lone-backslash", "blank", "hash", "escaped", "odd"],
+)
+def test_continuation_at_end_of_file_continues_into_nothing(
+    tmp_path: Path, text: str, value: str
+) -> None:
+    """A continuation backslash on the last line is dropped and ends the value, as in
+    Java's Properties.load; an escaped backslash there is a literal one."""
+    settings, lines = load_file(write(tmp_path, text))
+    assert settings == {"a": "1", "b": value}
+    assert lines["b"] == 2
 
 
 @pytest.mark.parametrize("escape", ["\\u12", "\\u12G4", "\\u", "\\u+123", "\\u 123"])

@@ -655,6 +655,23 @@ def test_cli_check_file_reports_file_and_line(tmp_path: Path) -> None:
     assert f"{bad}:2: limits.shop.concurrency" in result.output
 
 
+def test_cli_check_file_reports_uncompilable_regexes(tmp_path: Path) -> None:
+    """'flask gatekeeper check FILE': a regex the engine refuses (a huge repeat count,
+    5 000 nested groups) fails with file:line and key, not a traceback."""
+    repeat = tmp_path / "gatekeeper.properties"
+    repeat.write_text("project = shop\nlimits.shop.timeout_body = x{99999999999}\n")
+    nested = tmp_path / "gatekeeper.toml"
+    nested.write_text('[limits.shop]\ntimeout_body = "' + "(" * 5000 + ")" * 5000 + '"\n')
+    app = make_app()
+    GateKeeper(app)
+    for bad, line in ((repeat, 2), (nested, 2)):
+        result = app.test_cli_runner().invoke(args=["gatekeeper", "check", str(bad)])
+        assert result.exit_code == 1
+        expected = f"{bad}:{line}: limits.shop.timeout_body: expected a valid regular expression"
+        assert expected in result.output
+        assert "Traceback" not in result.output
+
+
 def test_cli_status_reads_the_shared_backend(tmp_path: Path) -> None:
     """'flask gatekeeper status' reads the shared file, sized for views limited after init."""
     app = make_app({"project": "shop", "backend": f"shared://{tmp_path}/gk.shm"})

@@ -195,6 +195,55 @@ def test_malformed_numbers_are_config_errors_with_file_and_line(
     assert len(str(info.value)) < 400
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "key", "line"),
+    [
+        (
+            "repeat.toml",
+            '[gatekeeper.limits.shop]\nconcurrency = 1\ntimeout_body = "x{99999999999}"\n',
+            "limits.shop.timeout_body",
+            3,
+        ),
+        (
+            "repeat.properties",
+            "limits.shop.concurrency = 1\nlimits.shop.timeout_body = x{99999999999}\n",
+            "limits.shop.timeout_body",
+            2,
+        ),
+        (
+            "header.properties",
+            "limits.shop.concurrency = 1\nlimits.shop.timeout_header = X-A: x{4294967296}\n",
+            "limits.shop.timeout_header",
+            2,
+        ),
+        (
+            "nested.toml",
+            '[limits.shop]\nconcurrency = 1\ntimeout_body = "' + "(" * 5000 + ")" * 5000 + '"\n',
+            "limits.shop.timeout_body",
+            3,
+        ),
+        (
+            "nested.properties",
+            "project = shop\nlimits.shop.timeout_body = " + "(" * 5000 + ")" * 5000 + "\n",
+            "limits.shop.timeout_body",
+            2,
+        ),
+    ],
+)
+def test_regexes_the_engine_cannot_compile_are_config_errors_with_file_and_line(
+    tmp_path: Path, name: str, text: str, key: str, line: int
+) -> None:
+    """A repeat count over the regex engine's maximum or thousands of nested groups: a
+    ConfigError naming file, line and key (never OverflowError or RecursionError)."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(str(path))
+    assert (info.value.file, info.value.line, info.value.key) == (str(path), line, key)
+    assert "expected a valid regular expression" in info.value.problem
+    assert len(str(info.value)) < 400
+
+
 def test_huge_numbers_in_settings_are_config_errors() -> None:
     """A 5 000-digit int or a 1e308 delay in a settings dict is a ConfigError too."""
     with pytest.raises(ConfigError, match="concurrency"):
@@ -290,6 +339,24 @@ def test_a_broken_reload_keeps_serving_and_is_retried_on_change(
     request(gk)
     assert concurrency(gk) == 2
     assert gk.stats()["counters"]["reloads"] == 1
+
+
+def test_a_reload_with_an_uncompilable_regex_logs_file_line_and_key(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A timeout_body with a repeat count the regex engine refuses, swapped in: the ERROR
+    names file, line and key as for any invalid value; the old limits stay."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, GOOD + "limits.shop.timeout_body = x{99999999999}\n")
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        request(gk)
+    (error,) = [r.getMessage() for r in caplog.records if "reload of" in r.getMessage()]
+    assert f"{path}:3: limits.shop.timeout_body: expected a valid regular expression" in error
+    assert "OverflowError" not in error
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert concurrency(gk) == 1
 
 
 def test_a_deeply_nested_toml_reload_fails_inside_a_request(

@@ -19,11 +19,17 @@ SETTINGS: dict[str, Any] = {"project": "shop", "limits": {"shop": {"concurrency"
 
 
 @pytest.fixture
-def app() -> Iterator[StatusApp]:
-    """A StatusApp with a token over a memory-backed GateKeeper."""
+def gatekeeper() -> Iterator[GateKeeper]:
+    """A memory-backed GateKeeper."""
     gk = GateKeeper(SETTINGS)
-    yield StatusApp(gk, token=TOKEN)
+    yield gk
     gk.close()
+
+
+@pytest.fixture
+def app(gatekeeper: GateKeeper) -> StatusApp:
+    """A StatusApp with a token over a memory-backed GateKeeper."""
+    return StatusApp(gatekeeper, token=TOKEN)
 
 
 def cookie_attributes(set_cookie: str) -> dict[str, str]:
@@ -109,6 +115,116 @@ def test_a_wrong_token_link_is_forbidden_without_a_cookie(app: StatusApp) -> Non
     assert "Set-Cookie" not in response.headers and "Location" not in response.headers
 
 
+def vouch_for_ops(environ: dict[str, Any]) -> bool:
+    """An allow() as a plugin passes it: the framework authenticated the user 'ops'."""
+    return environ.get("REMOTE_USER") == "ops"
+
+
+# Requests the status app lets in without a ?token=: a bearer header, the exchanged
+# cookie, the hosting framework's own authentication.
+LET_IN_BY = [
+    pytest.param({"headers": {"Authorization": f"Bearer {TOKEN}"}}, id="bearer"),
+    pytest.param({"environ_base": {"REMOTE_USER": "ops"}}, id="allow"),
+    pytest.param({"cookie": True}, id="cookie"),
+]
+
+
+def let_in_client(app: StatusApp, how: dict[str, Any]) -> tuple[Client, dict[str, Any]]:
+    """A client and request options that are let in by ``how``, without a token link."""
+    client = Client(app, use_cookies=False)
+    if how.get("cookie"):
+        cookie = Client(app).get("/?token=" + TOKEN).headers["Set-Cookie"].split(";")[0]
+        return client, {"headers": {"Cookie": cookie}}
+    return client, how
+
+
+@pytest.mark.parametrize("how", LET_IN_BY)
+def test_a_right_token_link_is_exchanged_even_when_let_in_otherwise(
+    gatekeeper: GateKeeper, how: dict[str, Any]
+) -> None:
+    """A request let in by a bearer header, the cookie or allow() that also carries the
+    right ?token= is redirected to the URL without it, with the cookie: the token never
+    stays in the address bar."""
+    app = StatusApp(gatekeeper, token=TOKEN, allow=vouch_for_ops)
+    client, options = let_in_client(app, how)
+    assert client.get("/status.json", **options).status_code == 200
+    response = client.get("/dashboard?token=" + TOKEN + "&theme=dark", **options)
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/dashboard?theme=dark"
+    assert response.headers["Set-Cookie"].startswith(COOKIE_NAME + "=")
+    assert TOKEN not in response.get_data(as_text=True)
+
+
+@pytest.mark.parametrize("how", LET_IN_BY)
+def test_a_wrong_token_link_leaves_the_url_of_a_request_let_in_otherwise(
+    gatekeeper: GateKeeper, how: dict[str, Any]
+) -> None:
+    """A request let in by other means with a wrong (say, an old) ?token= is redirected
+    to the URL without it, and gets no cookie for it."""
+    app = StatusApp(gatekeeper, token=TOKEN, allow=vouch_for_ops)
+    client, options = let_in_client(app, how)
+    response = client.get("/status.json?token=old-token&x=1", **options)
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/status.json?x=1"
+    assert "Set-Cookie" not in response.headers
+    assert client.get("/status.json?x=1", **options).status_code == 200
+
+
+def test_a_token_link_to_an_app_without_a_token_is_removed_for_allowed_requests(
+    gatekeeper: GateKeeper,
+) -> None:
+    """No token configured: allow() still lets its users in, a ?token= is taken out of
+    their URL (no cookie), and everyone else is refused as before."""
+    app = StatusApp(gatekeeper, allow=vouch_for_ops)
+    allowed = Client(app).get("/?token=anything", environ_base={"REMOTE_USER": "ops"})
+    assert allowed.status_code == 303
+    assert allowed.headers["Location"] == "/"
+    assert "Set-Cookie" not in allowed.headers
+    assert Client(app).get("/?token=anything").status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("query", "rest"),
+    [
+        ("x=%FF&token=" + TOKEN, "x=%FF"),
+        ("token=" + TOKEN + "&x=%FF&y=%zz&z=a+b%20c", "x=%FF&y=%zz&z=a+b%20c"),
+        ("a=%E2%82%AC;token=" + TOKEN + ";b", "a=%E2%82%AC;b"),
+        ("tok%65n=" + TOKEN + "&q=1", "q=1"),
+        ("token=old&mytoken=x&access_token=y&token=" + TOKEN, "mytoken=x&access_token=y"),
+        ("next=/x?token=1&flag&c==d&token=" + TOKEN, "next=/x?token=1&flag&c==d"),
+        ("token=" + TOKEN, ""),
+    ],
+    ids=[
+        "invalid-utf8",
+        "odd-escapes",
+        "semicolons",
+        "encoded-name",
+        "similar-names",
+        "odd",
+        "only",
+    ],
+)
+def test_the_redirect_keeps_every_other_byte_of_the_query(
+    app: StatusApp, query: str, rest: str
+) -> None:
+    """Only the parameters named token (however their name is encoded) are removed; the
+    rest of the query string is passed on byte for byte, not decoded and re-encoded."""
+    response = Client(app).get("/dashboard", query_string=query)
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/dashboard" + ("?" + rest if rest else "")
+    assert "Set-Cookie" in response.headers
+
+
+def test_the_redirect_never_carries_raw_control_characters(app: StatusApp) -> None:
+    """Bytes no URL may hold raw (CR, LF, space, '#', non-ASCII), passed on by a lax
+    server, are percent-encoded in the Location: a header line is never broken."""
+    response = Client(app).get(
+        "/", environ_overrides={"QUERY_STRING": "a=\r\nX-Injected: 1 #\xff&token=" + TOKEN}
+    )
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/?a=%0D%0AX-Injected:%201%20%23%FF"
+
+
 def test_the_cookie_of_a_replaced_token_no_longer_opens(app: StatusApp) -> None:
     """After the token changes, a cookie obtained with the old one is refused."""
     client = Client(app)
@@ -155,3 +271,28 @@ def test_flask_blueprint_uses_the_same_exchange() -> None:
             assert response.status_code == 200
     with flask_app.test_client() as stranger, stranger.get("/gatekeeper/status.json") as response:
         assert response.status_code == 401
+
+
+def test_flask_auth_hook_with_a_token_link_still_exchanges_it() -> None:
+    """A request Flask's auth hook vouches for that carries ?token= is redirected without
+    it: with the cookie for the right token, without for a wrong one."""
+    from flask import Flask, request
+    from gatekeeper_wsgi.contrib.flask import GateKeeper as FlaskGateKeeper
+
+    flask_app = Flask(__name__)
+    flask_app.config["GATEKEEPER"] = {**SETTINGS, "dashboard": {"token": TOKEN}}
+    extension = FlaskGateKeeper(flask_app)
+    hook = extension.status_blueprint(auth=lambda: request.headers.get("X-Ops") == "yes")
+    flask_app.register_blueprint(hook)
+    ops = {"X-Ops": "yes"}
+    client = flask_app.test_client()
+    with client.get("/gatekeeper/?token=" + TOKEN + "&x=%FF", headers=ops) as response:
+        assert response.status_code == 303
+        assert response.headers["Location"] == "/gatekeeper/?x=%FF"
+        assert response.headers["Set-Cookie"].startswith(COOKIE_NAME + "=")
+    with client.get("/gatekeeper/status.json?token=wrong", headers=ops) as response:
+        assert response.status_code == 303
+        assert response.headers["Location"] == "/gatekeeper/status.json"
+        assert "Set-Cookie" not in response.headers
+    with client.get("/gatekeeper/status.json", headers=ops) as response:
+        assert response.status_code == 200

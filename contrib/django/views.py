@@ -4,10 +4,10 @@
 Access: active staff users (``user.is_staff``; needs ``AuthenticationMiddleware``), or the
 ``dashboard.token`` setting presented as ``Authorization: Bearer <token>`` (for monitoring
 scrapers) or by a ``?token=<token>`` link, exchanged for a cookie by a redirect that drops
-it from the URL (:func:`gatekeeper_wsgi.access.check_token`). Anonymous browsers are sent to
-``LOGIN_URL`` for the dashboard, logged-in non-staff users get 403, anonymous clients of
-``status.json`` 401 (403 when no token is configured). Pass ``allow`` in a
-pattern's kwargs to use another rule::
+it from the URL, staff users' links too (:func:`gatekeeper_wsgi.access.check_token`).
+Anonymous browsers are sent to ``LOGIN_URL`` for the dashboard, logged-in non-staff users
+get 403, anonymous clients of ``status.json`` 401 (403 when no token is configured). Pass
+``allow`` in a pattern's kwargs to use another rule::
 
     path("ops/status.json", status_json, {"allow": lambda request: request.user.is_superuser})
 """
