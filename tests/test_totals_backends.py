@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from gatekeeper_wsgi import GateKeeper
+from gatekeeper_wsgi.backends.shared import reads
 from gatekeeper_wsgi.engine import Admission
 from gatekeeper_wsgi.errors import Rejected
-from gatekeeper_wsgi.backends.shared import reads
 from gatekeeper_wsgi.status import inflight_by_limit, limit_totals
 from tests.conftest import FakeClock
 
