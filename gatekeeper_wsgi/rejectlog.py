@@ -54,6 +54,7 @@ from gatekeeper_wsgi.fault import json_limit_value
 from gatekeeper_wsgi.redact import (
     REDACTED,
     SECRET_FIELDS,
+    BodyUnreadable,
     is_secret_header,
     redact_body,
     redact_query,
@@ -250,10 +251,12 @@ def rejection_record(
     if body and encoding not in ("", "identity"):
         omitted = f"Content-Encoding {encoding[:32]!r}: its fields cannot be looked at"
     else:
-        redacted = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
-        if redacted is None:
-            omitted = "not text in its declared encoding: its fields cannot be looked at"
-        body = redacted or b""
+        try:
+            body = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
+        except BodyUnreadable as exc:
+            omitted = str(exc)
+        except Exception:  # bad input never breaks the fault (SPEC §4.8); nor logs it
+            omitted = "its fields could not be looked at"
     path, path_cut = _cut(_request_path(environ), URL_PART_CAP)
     query, query_cut = _cut(str(environ.get("QUERY_STRING", "")), URL_PART_CAP)
     headers, headers_cut = _headers(environ, redact, fields)
