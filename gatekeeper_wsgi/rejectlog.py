@@ -10,9 +10,13 @@ path, query, headers, body up to ``rejected_log.body_bytes``) with secrets redac
      "Content-Type": "application/json", ...}, "body": "{...}", "body_truncated": false}
 
 ``path`` is percent-encoded (exactly what goes on the request line); a body that is not
-UTF-8 is written as ``body_b64`` instead of ``body``. A body in UTF-16/UTF-32 is redacted in
-its encoding; one that is compressed (``Content-Encoding``) or does not decode is left out
-(``"body_omitted": why``, ``"body_truncated": true``), as its secret fields cannot be found.
+UTF-8 is written as ``body_b64`` instead of ``body``. A body is redacted in its own encoding
+(UTF-16/UTF-32 too), everything but the secret values kept byte for byte. One whose secret
+fields cannot be found with confidence (compressed with a ``Content-Encoding``, not
+decoding in the charset it declares, holding secrets in two readings) is left out
+(``"body_omitted": why``, ``"body_truncated": true``); so is one that cannot be read safely
+(chunked, on a server that does not set ``wsgi.input_terminated``): never an empty body
+claimed complete.
 
 Secrets never reach the line (SPEC §4.8, rules in :mod:`gatekeeper_wsgi.redact`): the
 values of secret headers and of secret form / JSON / query fields are written as
