@@ -15,13 +15,18 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from typing import Any
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from email.message import Message
+from email.utils import collapse_rfc2231_value
+from typing import NamedTuple
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
+
+from werkzeug.http import parse_options_header
 
 __all__ = [
     "REDACTED",
     "SECRET_FIELDS",
     "SECRET_HEADERS",
+    "BodyUnreadable",
     "is_secret_header",
     "mask_text",
     "mask_url",
@@ -118,6 +123,12 @@ def mask_text(text: str) -> str:
 
 # --- request bodies --------------------------------------------------------------------------
 
+
+class BodyUnreadable(ValueError):
+    """A request body whose secret fields cannot be found with confidence: it must not be
+    logged. The message says why."""
+
+
 # A JSON member whose name is a secret field, in text that may be cut short (a logged
 # body is capped) and so not parse: the value is a string, possibly unterminated, or a
 # bare token.
@@ -125,124 +136,428 @@ _JSON_MEMBER = re.compile(
     r'(?P<head>"(?P<name>(?:[^"\\]|\\.)*)"\s*:\s*)'
     r'(?P<value>"(?:[^"\\]|\\.)*"?|[^,{}\[\]\s]*)'
 )
-# multipart/form-data: the part's name, then its value up to the next boundary line.
-_MULTIPART_PART = re.compile(
-    r'(?P<head>content-disposition:[^\r\n]*\bname="?(?P<name>[^";\r\n]*)"?[^\r\n]*\r?\n'
-    r"(?:[^\r\n]+\r?\n)*\r?\n)(?P<value>.*?)(?=\r?\n--|\Z)",
-    re.IGNORECASE | re.DOTALL,
-)
+_JSON = json.JSONDecoder()
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
-def _redact_json_value(value: Any, fields: frozenset[str]) -> Any:
-    if isinstance(value, dict):
-        return {
-            key: REDACTED if key.lower() in fields else _redact_json_value(item, fields)
-            for key, item in value.items()
-        }
-    if isinstance(value, list):
-        return [_redact_json_value(item, fields) for item in value]
-    return value
+def _skip_space(text: str, position: int) -> int:
+    """Where the JSON whitespace at ``position`` ends."""
+    match = _JSON_SPACE.match(text, position)
+    return match.end() if match else position
 
 
-def _redact_json_members(text: str, fields: frozenset[str]) -> str:
-    """Text that may be cut-short JSON, redacted member by member. A secret member whose
-    value is an object or array is redacted up to the end of the text: what it holds
-    cannot be told apart from what follows without parsing."""
+def _is_secret_name(name: str, fields: frozenset[str]) -> bool:
+    return name.strip().lower() in fields
+
+
+def _json_name(raw: str) -> str:
+    """A member name as JSON reads it (``pass\\u0077ord`` is ``password``)."""
+    try:
+        name = json.loads(f'"{raw}"')
+    except ValueError:
+        return raw  # not a JSON string: no parser reads it as a name
+    return name if isinstance(name, str) else raw
+
+
+def _splice(text: str, spans: list[tuple[int, int]], replacement: str) -> str:
+    """``text`` with each span replaced; spans that overlap or touch are replaced as one."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
     out: list[str] = []
     position = 0
-    for match in _JSON_MEMBER.finditer(text):
-        if match.group("name").lower() not in fields:
-            continue
-        out.append(text[position : match.start("value")])
-        out.append(json.dumps(REDACTED))
-        position = match.end("value")
-        if not match.group("value") and text[position : position + 1] in ("{", "["):
-            position = len(text)
-            break
+    for start, end in merged:
+        out.append(text[position:start])
+        out.append(replacement)
+        position = end
     out.append(text[position:])
     return "".join(out)
 
 
+def _json_secret_spans(text: str, fields: frozenset[str]) -> list[tuple[int, int]]:
+    """Where the values of secret members are in a complete JSON text, at any depth;
+    ValueError if the text is not one JSON value. A walk over the text (no recursion, so
+    deep nesting costs no stack) that leaves everything else as written."""
+    spans: list[tuple[int, int]] = []
+    # For each open object or array: its closing character, and where the secret
+    # member's value it is began (-1 when it is not one).
+    stack: list[tuple[str, int]] = []
+    position = _skip_space(text, 0)
+    secret_at = -1
+
+    def member(position: int) -> tuple[int, int]:
+        """A member's name and colon at ``position``: where its value starts, and that
+        again if the member is secret (else -1)."""
+        if text[position : position + 1] != '"':
+            raise ValueError(f"expected a member name at {position}")
+        name, position = _JSON.raw_decode(text, position)
+        position = _skip_space(text, position)
+        if text[position : position + 1] != ":":
+            raise ValueError(f"expected ':' at {position}")
+        position = _skip_space(text, position + 1)
+        return position, (position if _is_secret_name(name, fields) else -1)
+
+    while True:
+        opener = text[position : position + 1]
+        if opener in ("{", "["):
+            closer = "}" if opener == "{" else "]"
+            stack.append((closer, secret_at))
+            secret_at = -1
+            position = _skip_space(text, position + 1)
+            if text[position : position + 1] != closer:
+                if opener == "{":
+                    position, secret_at = member(position)
+                continue  # its first value
+        else:
+            # A string, number or literal (raw_decode never reaches a container here).
+            _, end = _JSON.raw_decode(text, position)
+            if secret_at >= 0:
+                spans.append((secret_at, end))
+                secret_at = -1
+            position = end
+            position = _skip_space(text, position)
+        # After a value: close what ends here, then go on with the next value.
+        while True:
+            if not stack:
+                if position != len(text):
+                    raise ValueError(f"extra data at {position}")
+                return spans
+            closer, began = stack[-1]
+            char = text[position : position + 1]
+            if char == closer:
+                stack.pop()
+                position += 1
+                if began >= 0:
+                    spans.append((began, position))
+                position = _skip_space(text, position)
+                continue
+            if char != ",":
+                raise ValueError(f"expected ',' or {closer!r} at {position}")
+            position = _skip_space(text, position + 1)
+            if closer == "}":
+                position, secret_at = member(position)
+            break
+
+
+def _redact_json_members(text: str, fields: frozenset[str]) -> str:
+    """Text that may be cut-short JSON, redacted member by member. A name is compared as
+    JSON reads it (escapes decoded). A secret member whose value is an object or array is
+    redacted up to the end of the text: what it holds cannot be told apart from what
+    follows without parsing."""
+    spans: list[tuple[int, int]] = []
+    for match in _JSON_MEMBER.finditer(text):
+        if not _is_secret_name(_json_name(match.group("name")), fields):
+            continue
+        end = match.end("value")
+        if not match.group("value") and text[end : end + 1] in ("{", "["):
+            spans.append((match.start("value"), len(text)))
+            break
+        spans.append((match.start("value"), end))
+    return _splice(text, spans, json.dumps(REDACTED))
+
+
 def _redact_json_text(text: str, fields: frozenset[str]) -> str:
+    """A JSON text with the values of its secret members replaced and every other
+    character as sent (escapes, spacing and order included), so that replay sends the same
+    document apart from the secrets."""
     try:
-        document = json.loads(text)
-        redacted = _redact_json_value(document, fields)
-        if redacted == document:
-            return text  # nothing secret: the body is logged exactly as sent
-        return json.dumps(redacted, ensure_ascii=False)
-    except (ValueError, RecursionError):
+        spans = _json_secret_spans(text, fields)
+    except ValueError:
         # Cut short by the body cap, or not JSON after all.
         return _redact_json_members(text, fields)
+    return _splice(text, spans, json.dumps(REDACTED))
 
 
-def _redact_multipart(text: str, fields: frozenset[str]) -> str:
-    def part(match: re.Match[str]) -> str:
-        if match.group("name").strip().lower() in fields:
-            return match.group("head") + REDACTED
-        return match.group(0)
-
-    return _MULTIPART_PART.sub(part, text)
-
-
-_CHARSET = re.compile(r";\s*charset\s*=\s*\"?([A-Za-z0-9._-]+)", re.IGNORECASE)
-_WIDE_BOMS = (
-    ("utf-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
-    ("utf-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
+# multipart/form-data (RFC 7578). Line breaks as werkzeug accepts them (CRLF, LF or CR);
+# a header line continued by one starting with a blank.
+_LINE_BREAK = r"(?:\r\n|\n|\r)"
+_CONTINUATION = re.compile(_LINE_BREAK + r"[ \t]")
+# The blank line that ends a part's headers: werkzeug's three forms (Django's is CRLF CRLF).
+_HEADERS_END = re.compile(r"\r\n\r\n|\r\r|\n\n")
+# ``name=`` anywhere in a Content-Disposition, also inside another parameter's quoted
+# value and in RFC 2231 form (``name*=utf-8''password``, ``name*0=``): every name any
+# parser could take for the part's.
+_NAME_PARAMETER = re.compile(
+    r"(?:^|[;\s\"'])name(?P<star>\*)?(?:\*?\d+\*?)?\s*=\s*"
+    r"(?:\"(?P<quoted>(?:[^\"\\]|\\.)*)\"?|(?P<token>[^;\s\"]*))",
+    re.IGNORECASE,
 )
+_DISPOSITION_LINE = re.compile(r"^[ \t]*content-disposition[ \t]*:", re.IGNORECASE | re.MULTILINE)
 
 
-def _wide_codec(body: bytes, content_type: str) -> tuple[str, bool] | None:
-    """The codec of a body in an encoding in which ASCII is not ASCII bytes (UTF-16,
-    UTF-32), which the field rules would not see through, and whether the body says so
-    itself (its charset or byte order mark) rather than its NUL bytes suggesting it
-    (ASCII text in UTF-16 has one in every other byte). None for any other body."""
-    charset = _CHARSET.search(content_type)
-    if charset is not None and charset.group(1).lower().startswith(("utf-16", "utf-32")):
-        return charset.group(1).lower(), True
-    for codec, marks in _WIDE_BOMS:
-        if body.startswith(marks):
-            return codec, True
-    if b"\x00" in body[:64]:
-        return ("utf-16-le" if body[1:2] == b"\x00" else "utf-16-be"), False
-    return None
+def _email_parameter(value: str, name: str) -> str | None:
+    """A parameter of a header value as the email package reads it (Django's multipart
+    parser does), RFC 2231 forms decoded."""
+    message = Message()
+    message["content-disposition"] = value
+    found = message.get_param(name, header="content-disposition")
+    if isinstance(found, tuple):
+        return collapse_rfc2231_value(found)
+    return found
 
 
-def _redact_text(text: str, mimetype: str, fields: frozenset[str]) -> str:
+def _part_is_secret(headers: str, fields: frozenset[str]) -> bool:
+    """Whether the value of a multipart part with these header lines must be redacted:
+    some reading of its Content-Disposition names a secret field (werkzeug's, the email
+    package's as Django uses it, or any ``name=`` in it), or its name cannot be told with
+    confidence (no Content-Disposition, two of them, no name, or parsers that disagree)."""
+    unfolded = _CONTINUATION.sub(" ", headers)
+    dispositions = [
+        value
+        for header, colon, value in (line.partition(":") for line in unfolded.splitlines())
+        if colon and header.strip(" \t").lower() == "content-disposition"
+    ]
+    if len(dispositions) != 1:
+        return True
+    disposition = dispositions[0].strip(" \t")
+    werkzeug_name = parse_options_header(disposition)[1].get("name")
+    try:
+        email_name = _email_parameter(disposition, "name")
+    except Exception:  # the email package on a hostile header: no confident name
+        return True
+    if werkzeug_name is None or email_name is None:
+        return True
+    if werkzeug_name.strip() != email_name.strip():
+        return True
+    names = {werkzeug_name, email_name}
+    for match in _NAME_PARAMETER.finditer(disposition):
+        value = match.group("quoted") or match.group("token") or ""
+        if match.group("star"):
+            value = unquote(value.rpartition("'")[2], errors="replace")
+        names.add(value)
+    return any(_is_secret_name(name, fields) for name in names)
+
+
+def _delimiter(boundary: str, first: bool) -> re.Pattern[str]:
+    """werkzeug's delimiter line: a line break (the first may come without), ``--`` and
+    the boundary, then ``--`` (the close delimiter) or blanks and a line break."""
+    head = _LINE_BREAK + ("?" if first else "")
+    return re.compile(head + re.escape("--" + boundary) + r"(?:--|[^\S\r\n]*" + _LINE_BREAK + ")")
+
+
+def _multipart_spans(text: str, boundary: str, fields: frozenset[str]) -> list[tuple[int, int]]:
+    """Where the values of secret parts are in multipart ``text`` with ``boundary``, as
+    werkzeug and Django each find the parts; a value cut short by the body cap runs to
+    the end of the text.
+
+    werkzeug (Flask) ends a part only at a real delimiter line, so a value may hold other
+    lines starting with ``--`` (a PEM bundle's, say). Django ends one at any ``--`` and
+    the boundary, even inside a line, and reads the headers after it. The value of a part
+    is redacted when either finds it secret."""
+    spans: list[tuple[int, int]] = []
+    first = _delimiter(boundary, first=True).search(text)
+    delimiters = []
+    if first is not None:
+        delimiters.append(first)
+        delimiters.extend(_delimiter(boundary, first=False).finditer(text, first.end()))
+    for index, match in enumerate(delimiters):
+        if match.group().endswith("--"):
+            break  # the close delimiter: what follows is the epilogue
+        part_end = delimiters[index + 1].start() if index + 1 < len(delimiters) else len(text)
+        headers_end = _HEADERS_END.search(text, match.end(), part_end)
+        if headers_end is None:
+            continue  # cut inside its headers: no value in the text
+        if _part_is_secret(text[match.end() : headers_end.start()], fields):
+            spans.append((headers_end.end(), part_end))
+    marker = "--" + boundary
+    starts = [found.start() for found in re.finditer(re.escape(marker), text)]
+    for index, start in enumerate(starts):
+        part_start = start + len(marker)
+        last = index + 1 == len(starts)
+        part_end = len(text) if last else starts[index + 1]
+        headers_end_at = text.find("\r\n\r\n", part_start, part_end)
+        if headers_end_at < 0 or _DISPOSITION_LINE.search(text, part_start, headers_end_at) is None:
+            continue  # no value, or not a field to Django (the close delimiter's "--")
+        if _part_is_secret(text[part_start:headers_end_at], fields):
+            value_end = part_end
+            if not last:  # the line break before the marker is not the value's
+                value_end -= text[value_end - 1 : value_end] == "\n"
+                value_end -= text[value_end - 1 : value_end] == "\r"
+            spans.append((headers_end_at + 4, max(value_end, headers_end_at + 4)))
+    return spans
+
+
+def _redact_multipart(text: str, boundaries: list[str], fields: frozenset[str]) -> str:
+    """Multipart text with the values of secret parts replaced. Without a boundary (a
+    mislabelled body, a Content-Type without one), where its parts end cannot be told:
+    from the first part whose name is secret or uncertain, all is redacted."""
+    spans: list[tuple[int, int]] = []
+    for boundary in boundaries:
+        spans.extend(_multipart_spans(text, boundary, fields))
+    if not boundaries:
+        for match in _DISPOSITION_LINE.finditer(text):
+            headers_end = _HEADERS_END.search(text, match.start())
+            if headers_end is None:
+                break
+            if _part_is_secret(text[match.start() : headers_end.start()], fields):
+                spans.append((headers_end.end(), len(text)))
+                break
+    return _splice(text, spans, REDACTED)
+
+
+def _redact_text(text: str, mimetype: str, boundaries: list[str], fields: frozenset[str]) -> str:
     if mimetype == "application/x-www-form-urlencoded":
         return redact_query(text, fields)
     if mimetype.startswith("multipart/"):
-        return _redact_multipart(text, fields)
+        return _redact_multipart(text, boundaries, fields)
     if "json" in mimetype:
         return _redact_json_text(text, fields)
-    return _redact_multipart(_redact_json_members(redact_query(text, fields), fields), fields)
+    text = _redact_json_members(redact_query(text, fields), fields)
+    return _redact_multipart(text, [], fields)
 
 
-def redact_body(body: bytes, content_type: str, fields: frozenset[str]) -> bytes | None:
+# --- how a body is read as text ------------------------------------------------------------------
+
+# Checked in this order: the UTF-32 LE mark begins with the UTF-16 LE one.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+# The codecs json.loads decodes with "surrogatepass" (and so do we, to read what it
+# reads), and the byte order Python's own "utf-16"/"utf-32" assume without a mark.
+_UNICODE = frozenset({"utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"})
+_NATIVE = "le" if "a".encode("utf-16")[-2:] == b"a\x00" else "be"
+# Codecs in which ASCII bytes are ASCII characters: a body that fails to decode in one is
+# still read through its bytes (as Django reads a form: with errors replaced).
+_ASCII_SAFE = ("utf-8", "ascii", "iso8859-", "cp125", "latin-1")
+
+
+class _Reading(NamedTuple):
+    """One way a reader (werkzeug, Django, json.loads) turns a body into text."""
+
+    codec: str
+    #: a byte order mark in front, kept as sent
+    mark: bytes = b""
+    #: a body that must decode so (it says it is in this codec, and an app reads it so):
+    #: one that does not is left out rather than logged
+    required: bool = False
+    #: "surrogatepass" where json.loads reads so (a lone surrogate is a character to it)
+    errors: str = "strict"
+
+
+def _reading(body: bytes, codec: str, required: bool, errors: str = "strict") -> _Reading:
+    """How a body is read in ``codec`` (a name codecs.lookup gives): a byte order mark
+    of its family decides the byte order and is kept aside."""
+    family = codec[:6] if codec.startswith(("utf-16", "utf-32")) else codec
+    if family.startswith("utf-8"):
+        family = "utf-8"
+    for mark, marked in _BOMS:
+        if body.startswith(mark):
+            if marked.startswith(family):
+                return _Reading(marked, mark, required, errors)
+            break
+    if codec in ("utf-16", "utf-32"):
+        codec = f"{codec}-{_NATIVE}"
+    elif codec == "utf-8-sig":
+        codec = "utf-8"
+    return _Reading(codec, b"", required, errors if codec in _UNICODE else "strict")
+
+
+def _codec(charset: str) -> str | None:
+    try:
+        return codecs.lookup(charset).name
+    except LookupError:
+        return None  # werkzeug and Django read a body in an unknown charset as UTF-8
+
+
+def _content_type(content_type: str) -> tuple[str, list[str], list[str]]:
+    """The mimetype, charsets and multipart boundaries of a Content-Type, as werkzeug
+    (Flask) and the email package (Django) read it; both, when they differ."""
+    mimetype, params = parse_options_header(content_type)
+    charsets = [params["charset"]] if params.get("charset") else []
+    boundaries = [params["boundary"]] if params.get("boundary") else []
+    try:
+        message = Message()
+        message["content-type"] = content_type
+        for name, value in message.get_params(failobj=[])[1:]:
+            text = collapse_rfc2231_value(value) if isinstance(value, tuple) else value
+            if name.lower() == "charset" and text and text not in charsets:
+                charsets.append(text)
+            elif name.lower() == "boundary" and text and text not in boundaries:
+                boundaries.append(text)
+    except Exception:  # the email package's parser on a hostile header: werkzeug's stands
+        pass
+    return mimetype.strip().lower(), charsets, boundaries
+
+
+def _readings(body: bytes, mimetype: str, charsets: list[str]) -> list[_Reading]:
+    """Every way an app may read ``body`` as text: in its declared charset (Django), as
+    JSON per RFC 4627/8259 (json.loads guesses UTF-8/16/32 from its NUL bytes or byte order
+    mark, whatever the charset says), in UTF-16/32 when NUL bytes suggest it, and through
+    its bytes as UTF-8 (werkzeug's forms)."""
+    readings = []
+    for charset in charsets:
+        codec = _codec(charset)
+        if codec is not None:
+            readings.append(_reading(body, codec, not codec.startswith(_ASCII_SAFE)))
+    if "json" in mimetype:
+        codec = json.detect_encoding(body)
+        readings.append(_reading(body, codec, not codec.startswith("utf-8"), "surrogatepass"))
+    elif b"\x00" in body[:64] or body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        for codec in ("utf-32-le", "utf-32-be", "utf-16-le", "utf-16-be"):
+            readings.append(_reading(body, codec, False))
+    readings.append(_reading(body, "utf-8", False, "surrogatepass"))
+    return list(dict.fromkeys(readings))
+
+
+def _decode(body: bytes, reading: _Reading) -> tuple[str, bytes] | None:
+    """The text of ``body`` in ``reading`` and the bytes of a character the body cap cut
+    in two (left as they are); None when it does not decode so."""
+    try:
+        decoder = codecs.getincrementaldecoder(reading.codec)(reading.errors)
+        text = decoder.decode(body[len(reading.mark) :])
+        tail: bytes = decoder.getstate()[0]
+    except (UnicodeError, LookupError, ValueError):
+        return None
+    # More than a cut character left over (a shift sequence of UTF-7 never closed, say)
+    # is text this reading cannot show: it does not decode.
+    return (text, tail) if len(tail) <= 3 else None
+
+
+def redact_body(body: bytes, content_type: str, fields: frozenset[str]) -> bytes:
     """The logged part of a request body with the values of secret fields replaced:
     urlencoded forms, JSON (also when cut short), multipart forms; a body of another type
     is searched with the form and JSON rules both, since a client may label it wrongly.
-    A body in UTF-16 or UTF-32 is redacted as text and written back in its encoding; None
-    when it says it is one but does not decode as such (its fields cannot be found: it
-    must not be logged)."""
+
+    The body is read as each reader of it would (:func:`_readings`: its charset, JSON's
+    own encoding rules, its bytes) and redacted in that encoding, everything but the
+    secret values kept byte for byte. Raises :class:`BodyUnreadable` when its secret
+    fields cannot be found with confidence: it does not decode in the encoding it says it
+    is in, or two readings of it hold different secret fields.
+    """
     if not body:
         return body
-    mimetype = content_type.partition(";")[0].strip().lower()
-    wide = _wide_codec(body, content_type)
-    if wide is not None:
-        codec, declared = wide
+    mimetype, charsets, boundaries = _content_type(content_type)
+    redacted: dict[bytes, str] = {}
+    for reading in _readings(body, mimetype, charsets):
+        decoded = _decode(body, reading)
+        if decoded is None:
+            if reading.required:
+                raise BodyUnreadable(f"not text in {reading.codec}: its fields cannot be looked at")
+            continue
+        text, tail = decoded
+        changed = _redact_text(text, mimetype, boundaries, fields)
+        if changed == text:
+            continue
         try:
-            # A body cut at the cap may end inside a character: that part stays as it is.
-            decoder = codecs.getincrementaldecoder(codec)()
-            text = decoder.decode(body)
-            tail: bytes = decoder.getstate()[0]
-        except (UnicodeError, LookupError):
-            if declared:
-                return None
-        else:
-            redacted = _redact_text(text, mimetype, fields)
-            # Nothing secret: the bytes exactly as sent (a binary body with NUL bytes
-            # that merely decodes is not rewritten).
-            return body if redacted == text else redacted.encode(codec) + tail
-    # latin-1 maps bytes to characters one to one, so the bytes that are not redacted
-    # come back exactly, whatever their (ASCII-compatible) encoding.
-    return _redact_text(body.decode("latin-1"), mimetype, fields).encode("latin-1", "replace")
+            out = reading.mark + changed.encode(reading.codec, reading.errors) + tail
+        except UnicodeError:
+            raise BodyUnreadable(
+                f"its secret fields cannot be written back in {reading.codec}"
+            ) from None
+        redacted.setdefault(out, reading.codec)
+    if not redacted:
+        return body  # nothing secret: the bytes exactly as sent
+    if len(redacted) > 1:
+        raise BodyUnreadable(
+            "it holds secret fields read as "
+            + " and as ".join(dict.fromkeys(redacted.values()))
+            + ": it cannot be redacted for both"
+        )
+    return next(iter(redacted))

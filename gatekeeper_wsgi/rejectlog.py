@@ -10,9 +10,13 @@ path, query, headers, body up to ``rejected_log.body_bytes``) with secrets redac
      "Content-Type": "application/json", ...}, "body": "{...}", "body_truncated": false}
 
 ``path`` is percent-encoded (exactly what goes on the request line); a body that is not
-UTF-8 is written as ``body_b64`` instead of ``body``. A body in UTF-16/UTF-32 is redacted in
-its encoding; one that is compressed (``Content-Encoding``) or does not decode is left out
-(``"body_omitted": why``, ``"body_truncated": true``), as its secret fields cannot be found.
+UTF-8 is written as ``body_b64`` instead of ``body``. A body is redacted in its own encoding
+(UTF-16/UTF-32 too), everything but the secret values kept byte for byte. One whose secret
+fields cannot be found with confidence (compressed with a ``Content-Encoding``, not
+decoding in the charset it declares, holding secrets in two readings) is left out
+(``"body_omitted": why``, ``"body_truncated": true``); so is one that cannot be read safely
+(chunked, on a server that does not set ``wsgi.input_terminated``): never an empty body
+claimed complete.
 
 Secrets never reach the line (SPEC §4.8, rules in :mod:`gatekeeper_wsgi.redact`): the
 values of secret headers and of secret form / JSON / query fields are written as
@@ -54,6 +58,7 @@ from gatekeeper_wsgi.fault import json_limit_value
 from gatekeeper_wsgi.redact import (
     REDACTED,
     SECRET_FIELDS,
+    BodyUnreadable,
     is_secret_header,
     redact_body,
     redact_query,
@@ -201,26 +206,64 @@ def _headers(
     return headers, cut
 
 
-def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool]:
-    """Up to ``cap`` bytes of the request body, and whether there was more."""
-    raw_length = environ.get("CONTENT_LENGTH") or 0
-    try:
+def _read(stream: Any, size: int) -> bytes:
+    """Up to ``size`` bytes of ``stream`` (fewer only at its end)."""
+    chunks = []
+    while size > 0:
+        chunk = stream.read(size)
+        if not isinstance(chunk, bytes):
+            raise TypeError(f"wsgi.input.read() returned {type(chunk).__name__}")
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None]:
+    """Up to ``cap`` bytes of the request body, whether there was more (or may have been),
+    and why it was not read at all (None when it was).
+
+    With a Content-Length, that many bytes are the body. Without one, the body ends where
+    the server says the stream does (``wsgi.input_terminated``: gunicorn, waitress and
+    werkzeug set it, for a chunked body too); a request with a Transfer-Encoding on a
+    server that does not say so cannot be read safely (PEP 3333 forbids reading past the
+    length), so it is logged as not captured, never as an empty body. With neither, HTTP
+    says there is no body.
+    """
+    raw_length = str(environ.get("CONTENT_LENGTH") or "").strip()
+    if raw_length:
         # A hostile Content-Length of thousands of digits must not cost int() its time.
-        length = int(raw_length) if len(str(raw_length)) <= 20 else -1
-    except ValueError:
-        return b"", False
+        if not (raw_length.isascii() and raw_length.isdigit() and len(raw_length) <= 20):
+            return b"", True, "its Content-Length is not a number: not read"
+        length: int | None = int(raw_length)
+    elif environ.get("wsgi.input_terminated"):
+        length = None
+    elif environ.get("HTTP_TRANSFER_ENCODING"):
+        return (
+            b"",
+            True,
+            (
+                "sent without Content-Length (Transfer-Encoding) to a server that does not "
+                "mark where it ends (wsgi.input_terminated): not read"
+            ),
+        )
+    else:
+        return b"", False, None
     stream = environ.get("wsgi.input")
-    if length <= 0 or stream is None:
-        return b"", False
-    if cap <= 0:
-        return b"", True
+    if length == 0 or stream is None:
+        return b"", bool(length), None
     try:
-        data = stream.read(min(length, cap))
+        if length is None:
+            # Read to the stream's end, one byte past the cap to know whether it goes on.
+            data = _read(stream, cap + 1)
+            return data[:cap], len(data) > cap, None
+        if cap <= 0:
+            return b"", True, None
+        data = _read(stream, min(length, cap))
     except Exception:  # a client that went away must not break the fault
-        return b"", True
-    if not isinstance(data, bytes):
-        return b"", True
-    return data, len(data) < length
+        return b"", True, None
+    return data, len(data) < length, None
 
 
 def _request_path(environ: Mapping[str, Any]) -> str:
@@ -244,16 +287,17 @@ def rejection_record(
     settings = config.rejected_log
     redact = frozenset(name.lower() for name in settings.redact_headers)
     fields = SECRET_FIELDS | {name.lower() for name in settings.redact_fields}
-    body, truncated = _body(environ, settings.body_bytes)
-    omitted = None
+    body, truncated, omitted = _body(environ, settings.body_bytes)
     encoding = str(environ.get("HTTP_CONTENT_ENCODING") or "").strip().lower()
-    if body and encoding not in ("", "identity"):
+    if omitted is None and body and encoding not in ("", "identity"):
         omitted = f"Content-Encoding {encoding[:32]!r}: its fields cannot be looked at"
-    else:
-        redacted = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
-        if redacted is None:
-            omitted = "not text in its declared encoding: its fields cannot be looked at"
-        body = redacted or b""
+    elif omitted is None:
+        try:
+            body = redact_body(body, str(environ.get("CONTENT_TYPE") or ""), fields)
+        except BodyUnreadable as exc:
+            omitted = str(exc)
+        except Exception:  # bad input never breaks the fault (SPEC §4.8); nor logs it
+            omitted = "its fields could not be looked at"
     path, path_cut = _cut(_request_path(environ), URL_PART_CAP)
     query, query_cut = _cut(str(environ.get("QUERY_STRING", "")), URL_PART_CAP)
     headers, headers_cut = _headers(environ, redact, fields)

@@ -460,6 +460,47 @@ def test_replay_sends_method_path_query_headers_and_body_as_logged(
     assert "sent 3, failed 0, skipped 1" in output
 
 
+def test_replay_sends_a_redacted_json_body_as_valid_json_in_its_encoding(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A JSON body logged with a secret redacted goes out again as the same document in
+    the same encoding (escapes, raw UTF-8 and UTF-16 included), the secret alone replaced."""
+    sent = {
+        "utf-8": '{"name": "caf\\u00e9 \\u2028", "token": "t", "city": "Zürich"}'.encode(),
+        "utf-16": '{"name": "caf\\u00e9", "token": "t"}'.encode("utf-16"),
+    }
+    path = tmp_path / "rejected.log"
+    logger = logging.getLogger("gatekeeper.rejected")
+    handler = logging.FileHandler(path, encoding="utf-8")
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    app = GateKeeperMiddleware(
+        lambda environ, start_response: [b""],
+        {"project": "shop", "limits": {"shop": {"concurrency": 0}}},
+    )
+    try:
+        for body in sent.values():
+            response = Client(app).post("/orders", data=body, content_type="application/json")
+            assert response.status_code == 503
+        assert flush()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(level)
+        logger.propagate = propagate
+    out = io.StringIO()
+    assert run_replay(path, recorder.url, out=out) == 0, out.getvalue()
+    received = [request["body"] for request in recorder.requests]
+    assert received == [
+        body.decode(codec).replace('"t"', '"[redacted]"').encode(codec)
+        for codec, body in sent.items()
+    ]
+    assert json.loads(received[0])["name"] == "caf\u00e9 \u2028"
+    assert json.loads(received[1]) == {"name": "caf\u00e9", "token": "[redacted]"}
+
+
 def test_replay_dry_run_sends_nothing(rejected_log: Path, recorder: Recorder) -> None:
     """--dry-run prints what would go out and sends nothing."""
     out = io.StringIO()

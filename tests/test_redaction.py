@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 from werkzeug.test import Client, EnvironBuilder
+from werkzeug.wrappers import Request
 
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.backends.memory import MemoryBackend
 from gatekeeper_wsgi.cli import main, run_replay
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.errors import ConfigError
-from gatekeeper_wsgi.redact import REDACTED, mask_text, mask_url
+from gatekeeper_wsgi.redact import REDACTED, SECRET_FIELDS, mask_text, mask_url
 from gatekeeper_wsgi.rejectlog import flush, rejection_record
 from gatekeeper_wsgi.status import StatusApp
 from tests.logs import Lines, captured, ok_app
@@ -233,6 +234,191 @@ def test_a_body_that_does_not_decode_in_its_charset_is_left_out() -> None:
     )
     assert "body" not in record and "body_b64" not in record
     assert "cannot be looked at" in record["body_omitted"]
+
+
+def secrets_seen_by_werkzeug(body: bytes, content_type: str) -> list[str]:
+    """The values Flask's request.form / request.files hold under secret names."""
+    request = Request.from_values(data=body, content_type=content_type, method="POST")
+    try:
+        seen = [value for name, value in request.form.items(multi=True) if is_secret(name)]
+        for name, upload in request.files.items(multi=True):
+            if is_secret(name):
+                seen.append(upload.read().decode("latin-1"))
+    finally:
+        request.close()
+    return seen
+
+
+def is_secret(name: str | None) -> bool:
+    return name is not None and name.strip().lower() in SECRET_FIELDS
+
+
+def readings(data: bytes) -> list[str]:
+    """``data`` read in every encoding a reader of the log might try."""
+    found = []
+    for codec in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be", "latin-1"):
+        with contextlib.suppress(UnicodeDecodeError):
+            found.append(data.decode(codec))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("codec", "content_type"),
+    [
+        ("utf-32-le", "application/json"),  # no byte order mark: RFC 4627's NUL pattern
+        ("utf-32-be", "application/json"),
+        ("utf-32-le", "application/json; charset=utf32"),
+        ("utf-32-le", "application/json; charset=UTF-32LE"),
+        ("utf-32-be", 'application/json; charset="utf_32_be"'),
+        ("utf-32-le", "application/x-www-form-urlencoded"),
+    ],
+)
+def test_a_utf32_body_without_a_byte_order_mark_is_redacted(codec: str, content_type: str) -> None:
+    """A UTF-32 body that json.loads (Flask's get_json, Django's json.loads(request.body))
+    reads by its NUL bytes is not mistaken for UTF-16: its secret never reaches the log."""
+    if "json" in content_type:
+        text = json.dumps({"user": "alice", "password": SECRET})
+    else:
+        text = f"user=alice&password={SECRET}"
+    record = record_of(method="POST", data=text.encode(codec), content_type=content_type)
+    logged = logged_bytes(record)
+    assert not any(SECRET in reading for reading in readings(logged))
+    decoded = logged.decode(codec)
+    assert "alice" in decoded and REDACTED in decoded
+    if "json" in content_type:
+        assert json.loads(logged) == {"user": "alice", "password": REDACTED}
+
+
+def test_a_json_body_not_in_the_charset_it_declares_is_left_out() -> None:
+    """UTF-32BE bytes labelled UTF-32LE: no reading is sure, so nothing of it is logged."""
+    body = json.dumps({"password": SECRET}).encode("utf-32-be")
+    record = record_of(method="POST", data=body, content_type="application/json; charset=UTF-32LE")
+    assert "body" not in record and "body_b64" not in record
+    assert record["body_truncated"] is True and "utf-32-le" in record["body_omitted"]
+
+
+def test_a_form_whose_charset_werkzeug_ignores_is_redacted_as_it_reads_it() -> None:
+    """ASCII form bytes labelled UTF-16: Django would read nonsense, werkzeug (which reads
+    forms as UTF-8) reads the password. It is redacted as werkzeug reads it."""
+    body = f"user=bob&password={SECRET}x".encode()
+    assert len(body) % 2 == 0  # so that it is valid UTF-16 too
+    content_type = "application/x-www-form-urlencoded; charset=utf-16-le"
+    assert secrets_seen_by_werkzeug(body, content_type)
+    record = record_of(method="POST", data=body, content_type=content_type)
+    assert record["body"] == "user=bob&password=[redacted]"
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "text/plain"])
+@pytest.mark.parametrize(
+    "name", ["pass\\u0077ord", "\\u0070assword", "TOK\\u0045N", "api\\u005fkey", "secr\\u0065t"]
+)
+def test_a_secret_name_written_with_escapes_is_redacted(content_type: str, name: str) -> None:
+    """``{"pass\u0077ord": ...}`` is ``password`` to JSON: redacted in a body cut by the cap
+    (which does not parse) and in one labelled text/plain."""
+    payload = f'{{"{name}": "{SECRET}", "user": "alice", "pad": "' + "x" * 3000 + '"}'
+    assert any(is_secret(key) for key in json.loads(payload))
+    cut = json_posted(payload, body_bytes=2048)
+    assert cut["body_truncated"] is True
+    assert SECRET not in cut["body"] and '"user": "alice"' in cut["body"]
+    whole = record_of(method="POST", data=payload, content_type=content_type)
+    assert SECRET not in whole["body"] and '"user": "alice"' in whole["body"]
+
+
+def test_redacting_json_keeps_every_other_byte_as_sent() -> None:
+    """Escapes, raw UTF-8, spacing and order survive: only the secret value changes, and
+    the logged body is the JSON document that was sent, in UTF-8, bar the secret."""
+    payload = '{"name": "caf\\u00e9 \\u2028", "token": "t",  "city":"Zürich 😀", "n": 1.50}'
+    record = record_of(method="POST", data=payload.encode(), content_type="application/json")
+    assert record["body"] == payload.replace('"token": "t"', '"token": "[redacted]"')
+    assert json.loads(record["body"])["name"] == "caf\u00e9 \u2028"
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-be", "utf-32-le"])
+def test_redacting_wide_json_keeps_its_encoding_and_escapes(codec: str) -> None:
+    """A UTF-16/32 JSON body is logged in its own encoding (its byte order mark too), with
+    only the secret value replaced."""
+    payload = '{"name": "caf\\u00e9", "token": "t", "city": "Zürich"}'
+    body = payload.encode(codec)
+    record = record_of(method="POST", data=body, content_type="application/json")
+    expected = payload.replace('"t"', '"[redacted]"').encode(codec)
+    assert logged_bytes(record) == expected
+
+
+BOUNDARY = "XyZ"
+MULTIPART = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def multipart(*parts: tuple[str, str]) -> bytes:
+    """A multipart body of (Content-Disposition parameters, value) parts."""
+    body = "".join(
+        f"--{BOUNDARY}\r\nContent-Disposition: form-data; {params}\r\n\r\n{value}\r\n"
+        for params, value in parts
+    )
+    return f"{body}--{BOUNDARY}--\r\n".encode()
+
+
+PEM = (
+    "-----BEGIN CERTIFICATE-----\r\nMIIB\r\n-----END CERTIFICATE-----\r\n"
+    f"-----BEGIN PRIVATE KEY-----\r\n{SECRET}\r\n-----END PRIVATE KEY-----"
+)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        pytest.param(('name="password"', f"hunter\r\n--x {SECRET}"), id="dash-line"),
+        pytest.param(('name="secret"; filename="k.pem"', PEM), id="pem-bundle"),
+        pytest.param(('name="password"', f"a\r\n--{BOUNDARY}x\r\n{SECRET}"), id="longer-marker"),
+        pytest.param(("name*=utf-8''password", SECRET), id="rfc2231"),
+        pytest.param(("name*=utf-8''pass%77ord", SECRET), id="rfc2231-escaped"),
+        pytest.param(('name*0="pass"; name*1="word"', SECRET), id="rfc2231-continued"),
+        pytest.param(('name="token"; filename="name=x"', SECRET), id="name-in-filename"),
+        pytest.param(('filename="a"; name="token"', SECRET), id="filename-first"),
+        pytest.param(('name = "password"', SECRET), id="spaces-around-equals"),
+        pytest.param(('filename="a.txt"', SECRET), id="no-name"),
+    ],
+)
+def test_a_secret_multipart_value_is_redacted_to_its_real_boundary(
+    part: tuple[str, str],
+) -> None:
+    """What werkzeug reads as a secret field, or a part whose name cannot be told, is
+    redacted up to the boundary the Content-Type names, never up to some other line
+    starting with ``--``; the part after it is kept."""
+    body = multipart(part, ('name="user"', "alice"))
+    record = record_of(method="POST", data=body, content_type=MULTIPART)
+    assert SECRET not in record["body"] and "hunter" not in record["body"]
+    assert f'name="user"\r\n\r\nalice\r\n--{BOUNDARY}--' in record["body"]
+    for seen in secrets_seen_by_werkzeug(body, MULTIPART):
+        assert seen not in record["body"]
+
+
+def test_a_part_django_would_start_inside_a_line_is_redacted() -> None:
+    """Django ends a part at the boundary even inside a line and reads the headers after
+    it: a secret part hidden that way is redacted too."""
+    body = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="note"\r\n\r\n'
+        f'hi --{BOUNDARY}\r\nContent-Disposition: form-data; name="password"\r\n\r\n'
+        f"{SECRET}\r\n--{BOUNDARY}--\r\n"
+    ).encode()
+    record = record_of(method="POST", data=body, content_type=MULTIPART)
+    assert SECRET not in record["body"]
+
+
+def test_a_multipart_body_without_a_boundary_is_redacted_to_its_end() -> None:
+    """With no boundary to tell where the secret part ends, all after it is redacted."""
+    body = multipart(('name="password"', SECRET), ('name="user"', "alice"))
+    for content_type in ("multipart/form-data", "text/plain"):
+        record = record_of(method="POST", data=body, content_type=content_type)
+        assert SECRET not in record["body"]
+        assert record["body"].endswith('name="password"\r\n\r\n[redacted]')
+
+
+@pytest.mark.parametrize("content_type", ["application/json", MULTIPART, "text/plain", ""])
+def test_hostile_bodies_never_break_the_record(content_type: str) -> None:
+    """Bytes of any kind under any type give a record: logged, or left out saying why."""
+    for body in (b"\x00" * 7, b"\xff\xfe\x00", b'{"a": [' * 3000, b"--XyZ" * 500, b"\x00{\x00"):
+        record = record_of(method="POST", data=body, content_type=content_type)
+        assert "body" in record or "body_b64" in record or record["body_omitted"]
 
 
 def test_referer_query_is_redacted() -> None:

@@ -5,11 +5,13 @@ handler never delays the response."""
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,9 @@ from werkzeug.test import Client, EnvironBuilder
 from gatekeeper_wsgi import GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.rejectlog import REDACTED, flush, rejection_record
+from tests.servers import DEADLINE, Gunicorn, Waitress, wait_until
+
+APPS = str(Path(__file__).parent / "apps")
 
 
 def ok_app(environ: Any, start_response: Any) -> list[bytes]:
@@ -178,3 +183,102 @@ def test_nothing_is_read_or_queued_when_the_logger_is_off() -> None:
         assert stream.tell() == 0
     finally:
         logger.setLevel(level)
+
+
+def body_fields(env: dict[str, Any], body_bytes: int = 2048) -> dict[str, Any]:
+    """The body members of the record of a request with ``env``."""
+    config = build_config({"rejected_log": {"body_bytes": body_bytes}})
+    record = rejection_record(env, Rejected("GK-RATE-LIMIT"), "r", config)
+    return {key: value for key, value in record.items() if key.startswith("body")}
+
+
+def chunked_environ(body: bytes, *, terminated: bool) -> dict[str, Any]:
+    """A chunked POST as a server hands it over: no Content-Length, the body's end marked
+    (``wsgi.input_terminated``) or not."""
+    env = environ(method="POST", content_type="application/json")
+    env.pop("CONTENT_LENGTH", None)
+    env["HTTP_TRANSFER_ENCODING"] = "chunked"
+    env["wsgi.input"] = io.BytesIO(body)
+    if terminated:
+        env["wsgi.input_terminated"] = True
+    return env
+
+
+def test_a_body_whose_end_the_server_marks_is_read_up_to_the_cap() -> None:
+    """Without a Content-Length, a terminated stream is read to its end (up to the cap),
+    redacted like any other body and marked truncated only when it went on."""
+    body = b'{"user": "alice", "password": "s3cret"}'
+    assert body_fields(chunked_environ(body, terminated=True)) == {
+        "body": '{"user": "alice", "password": "[redacted]"}',
+        "body_truncated": False,
+    }
+    cut = body_fields(chunked_environ(body, terminated=True), body_bytes=16)
+    assert cut == {"body": '{"user": "alice"', "body_truncated": True}
+
+
+def test_a_chunked_body_the_server_does_not_mark_is_not_claimed_empty() -> None:
+    """A chunked body on a server that does not say where it ends is left unread and
+    logged as not captured, never as a complete empty body (replay skips it)."""
+    env = chunked_environ(b'{"password": "s3cret"}', terminated=False)
+    fields = body_fields(env)
+    assert "body" not in fields and fields["body_truncated"] is True
+    assert "not read" in fields["body_omitted"]
+    assert env["wsgi.input"].tell() == 0
+
+
+def test_a_request_without_a_body_is_logged_with_an_empty_complete_one() -> None:
+    """No Content-Length and no Transfer-Encoding: HTTP says there is no body."""
+    env = environ(method="GET")
+    env.pop("CONTENT_LENGTH", None)
+    assert body_fields(env) == {"body": "", "body_truncated": False}
+
+
+def test_an_unparseable_content_length_is_not_read() -> None:
+    """A Content-Length that is not a number: the body is not read, and not claimed empty."""
+    env = environ(method="POST", data=b"abc")
+    env["CONTENT_LENGTH"] = "3x"
+    fields = body_fields(env)
+    assert fields["body_truncated"] is True and "Content-Length" in fields["body_omitted"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gunicorn", "waitress"])
+def test_a_chunked_body_is_logged_under_a_real_server(kind: str, tmp_path: Path) -> None:
+    """A real server's chunked request (no Content-Length) is logged with its body,
+    redacted, and cut at the cap with body_truncated when longer."""
+    log = tmp_path / "rejected.jsonl"
+    env = {"GK_TEST_REJECTED_LOG": str(log), "PYTHONPATH": APPS}
+    if kind == "gunicorn":
+        server: Gunicorn = Gunicorn(tmp_path, "--pythonpath", APPS, "rejected_log_app:app", env=env)
+    else:
+        server = Waitress(tmp_path, "rejected_log_app:app", env=env)
+    short = [b'{"user": "alice", ', b'"password": "s3cret"}']
+    long = [b'{"user": "bob", "password": "s3cret", ', b'"pad": "' + b"x" * 100 + b'"}']
+    with server:
+        for chunks in (short, long):
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+            try:
+                connection.request(
+                    "POST",
+                    "/orders",
+                    body=iter(chunks),
+                    headers={"Content-Type": "application/json"},
+                    encode_chunked=True,
+                )
+                response = connection.getresponse()
+                response.read()
+                assert response.status == 503
+            finally:
+                connection.close()
+        lines = wait_until(
+            lambda: len(text := log.read_text("utf-8").splitlines()) >= 2 and text,
+            what="two lines in the rejected-request log",
+        )
+    first, second = (json.loads(line) for line in lines)
+    if kind == "gunicorn":  # waitress buffers a chunked body and sets a Content-Length itself
+        assert "Content-Length" not in first["headers"]
+    assert first["body"] == '{"user": "alice", "password": "[redacted]"}'
+    assert first["body_truncated"] is False
+    assert second["body_truncated"] is True
+    assert second["body"].startswith('{"user": "bob", "password": "[redacted]"')
+    assert "s3cret" not in log.read_text("utf-8")

@@ -280,8 +280,13 @@ class GateKeeperMiddleware:
         self, request: HttpRequest, rejected: Rejected, gate: Gate, identifier: Identifier
     ) -> HttpResponse:
         meta = request.META
-        # Under ASGI there is no wsgi.input; the request reads its own (limited) body.
-        log_environ = meta if "wsgi.input" in meta else {**meta, "wsgi.input": request}
+        # Under ASGI there is no wsgi.input; the request reads its own body, which Django
+        # has received whole (so it ends where the stream does, chunked or not).
+        log_environ = (
+            meta
+            if "wsgi.input" in meta
+            else {**meta, "wsgi.input": request, "wsgi.input_terminated": True}
+        )
         status, headers, body = gate.fault(identifier, meta, rejected, log_environ)
         code, _, reason = status.partition(" ")
         response = HttpResponse(body, status=int(code), reason=reason or None)
