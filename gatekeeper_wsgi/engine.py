@@ -69,6 +69,34 @@ _ERROR_LOG_INTERVAL = 10.0
 _CAPACITY_LOG_INTERVAL = 60.0
 
 
+#: Releases the garbage collector asked for (see :meth:`Admission.release_collected`),
+#: made by the next call into an engine that is sure to hold no lock: (admission, status,
+#: faulty). A deque: appending and popping are atomic, from any thread, under any lock.
+_collected: deque[tuple[Admission, int | None, bool]] = deque()
+
+
+def _release_collected() -> None:
+    """Make the releases the garbage collector asked for, outside any lock."""
+    while True:
+        try:
+            admission, status, faulty = _collected.popleft()
+        except IndexError:
+            return
+        try:
+            admission.release(status, faulty)
+        except Exception:  # the backend's expiry frees them anyway: never fail the caller
+            logger.debug("gatekeeper: a collected response's release failed", exc_info=True)
+
+
+def _forget_collected() -> None:
+    """In a forked child: the releases waiting are the parent's to make."""
+    _collected.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_collected)
+
+
 def _stamp(status: os.stat_result) -> tuple[int, int, int]:
     """What tells a file's versions apart without reading it: (mtime ns, size, inode)."""
     return (status.st_mtime_ns, status.st_size, status.st_ino)
@@ -121,6 +149,14 @@ class Admission:
         except IndexError:  # another thread took it between the test and the pop
             return
         self._keeper._settle(grant, status, faulty, self.delay if faulty else 0.0)
+
+    def release_collected(self, status: int | None = None, faulty: bool = False) -> None:
+        """:meth:`release` for a response the garbage collector found unclosed: made by the
+        next call into an engine (an admission, a status read, ``close()``), not here. The
+        collector runs whenever an allocation calls for it, on any thread, also one inside
+        a backend's lock, which a release here would wait for forever."""
+        if self._held:
+            _collected.append((self, status, faulty))
 
 
 class GateKeeper:
@@ -414,6 +450,8 @@ class GateKeeper:
         perf = time.perf_counter
         if started is None:
             started = perf()
+        if _collected:  # responses the garbage collector found unclosed: their slots first
+            _release_collected()
         now = started if self._perf_clock else self._clock()
         # The route, the slots on every level and the delay of the request, found here
         # rather than by a helper (a frame less per admission). It is one of the requests
@@ -509,6 +547,7 @@ class GateKeeper:
             if gk.query("frs", "login", "alice") is not None:
                 ...  # alice is restricted now
         """
+        _release_collected()
         route = self.route(project, service)
         now = self._clock()
         slots = route.slots
@@ -879,12 +918,14 @@ class GateKeeper:
 
     def inflight(self) -> dict[str, int]:
         """Requests in flight per concrete limit path, due delayed releases applied."""
+        _release_collected()
         return self.backend.inflight(self._clock())
 
     def totals(self, *, top: int = TOP_KEYS) -> dict[str, LimitTotals] | None:
         """Per counting limit of the configuration: in flight summed over its keys, keys
         tracked and in flight, and details of its busiest and lately refused keys; None
         when the backend does not keep totals (see :meth:`Backend.totals`)."""
+        _release_collected()
         limits = [limit for limit in self.config.limits.values() if counts(limit)]
         watch = self.monitor.refused_keys()
         return self.backend.totals(limits, self._clock(), top=top, watch=watch)
@@ -893,6 +934,7 @@ class GateKeeper:
         """Counters, stage timings and adaptive limits (SPEC §7, §4.9). Always the dict:
         while the backend fails (its failures are counted in ``backend_errors``), the
         figures it holds are the ones last read."""
+        _release_collected()
         backend = self.backend
         try:
             self._last_read = (backend.delayed_pending(), backend.adaptive())
@@ -903,7 +945,8 @@ class GateKeeper:
         return Stats(counters=snapshot["counters"], stages=snapshot["stages"], adaptive=adaptive)
 
     def close(self) -> None:
-        """Release backend resources."""
+        """Release backend resources (after the releases still waiting)."""
+        _release_collected()
         self.backend.close()
 
 

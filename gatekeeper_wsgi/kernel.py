@@ -138,15 +138,13 @@ class ResponseWatch:
         self.admission.release(self.status, self.faulty)
 
     def __del__(self) -> None:
-        # The safety net: nothing closed the response. An exception here could only be
-        # printed as "Exception ignored", and the backend's own expiry still frees the
-        # slots, so none escapes.
+        # The safety net: nothing closed the response. The release is made by the next
+        # call into the engine (Admission.release_collected): the garbage collector may
+        # run this inside a backend's lock, on the thread that holds it.
         if self.done:  # the usual case: one attribute read, not a call
             return
-        try:  # noqa: SIM105 - contextlib.suppress costs ~0.4 µs on every response
-            self.admission.release(self.status, self.faulty)
-        except Exception:
-            pass
+        self.done = True
+        self.admission.release_collected(self.status, self.faulty)
 
     def stream(
         self, content: Iterable[bytes], finish_on_error: bool, length: int | None = None

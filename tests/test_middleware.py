@@ -12,6 +12,7 @@ tests, as a real server closes them. Where the Client does not behave like a PEP
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
@@ -1854,3 +1855,47 @@ def test_sized_body_keeps_its_len_and_unsized_has_none(make: Any) -> None:
     drain(streamed, recorder)
     streamed.close()  # type: ignore[attr-defined]
     result.close()  # type: ignore[attr-defined]
+
+
+def test_a_response_collected_inside_the_backends_lock_never_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The garbage collector runs whenever an allocation calls for it, on any thread, also
+    inside the memory backend's lock: a response it finds there unclosed (in a reference
+    cycle: a body that calls start_response itself) is released by the next call into
+    the engine, never by waiting for that lock, which hung the worker and every thread
+    behind it."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        def body() -> Iterator[bytes]:  # response -> generator -> start_response -> response
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            yield b"hello"
+
+        return body()
+
+    middleware = GateKeeperMiddleware(app, {"project": "p", "limits": {"p/*": {"concurrency": 5}}})
+    backend = middleware.gatekeeper.backend
+    create = backend._create  # type: ignore[attr-defined]  # runs under the lock
+
+    def collecting(*args: Any) -> Any:
+        gc.collect()
+        return create(*args)
+
+    gc.disable()
+    try:
+        dropped = middleware(environ_for("/first"), lambda *args: None)
+        del dropped  # unclosed, unread, in a cycle: garbage for the collector
+        monkeypatch.setattr(backend, "_create", collecting)
+        served: list[Iterable[bytes]] = []
+        worker = threading.Thread(
+            target=lambda: served.append(middleware(environ_for("/second"), lambda *a: None)),
+            daemon=True,
+        )
+        worker.start()
+        worker.join(timeout=60)  # a bound for the failure only: it returns at once
+        assert not worker.is_alive(), "the request waited for the lock its thread held"
+    finally:
+        gc.enable()
+    assert middleware.gatekeeper.inflight() == {"p/first": 0, "p/second": 1}
+    b"".join(served[0])
+    assert middleware.gatekeeper.inflight() == {"p/first": 0, "p/second": 0}
