@@ -117,6 +117,29 @@ class _WatchedResponse(ResponseWatch):
                 self.admission.release(self.status, self.faulty)
 
 
+class _HeadWatchedResponse(_WatchedResponse):
+    """The watched response of a HEAD request: released as the server takes the first
+    piece of the body it will drop, or at its end if there is none - before the headers
+    go out. The client has the whole response with them, and its next request, on
+    another thread, must fit; iterating the rest (gunicorn, waitress and uWSGI do) runs
+    outside the limit. A body that declares its length is released the same way at its
+    last byte in any request (see ``__iter__``)."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.stream(self._inner, False, 0)
+
+
+class _SizedHeadWatchedResponse(_HeadWatchedResponse):
+    """A HEAD's watched response around a sized iterable (see _SizedWatchedResponse)."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+
 class _SizedWatchedResponse(_WatchedResponse):
     """A watched response around a sized iterable (a list): ``len()`` stays visible, so
     servers still add ``Content-Length`` to a one-element body (wsgiref, waitress)."""
@@ -217,6 +240,9 @@ class GateKeeperMiddleware:
         except BaseException:
             admission.release(response.status, True)
             raise
-        if type(result) is list or hasattr(result, "__len__"):
+        sized = type(result) is list or hasattr(result, "__len__")
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            response.__class__ = _SizedHeadWatchedResponse if sized else _HeadWatchedResponse
+        elif sized:
             response.__class__ = _SizedWatchedResponse
         return response

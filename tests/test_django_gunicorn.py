@@ -93,3 +93,14 @@ def test_a_file_response_read_whole_never_refuses_the_next_request(server: Gunic
     handed out, not when gunicorn closes it after writing its access log."""
     bodies = [server.request("/file/") for _ in range(100)]
     assert bodies == [(200, b"file body " * 100)] * 100
+
+
+def test_a_head_answered_never_refuses_the_next_request(server: Gunicorn) -> None:
+    """A HEAD of a streamed body (concurrency 1): the client has the whole response with
+    its headers while gunicorn still iterates the body it drops; the next request at once
+    on a fresh connection, 50 times: every one is admitted."""
+    statuses = []
+    for _ in range(50):
+        assert server.request("/chunks/", method="HEAD") == (200, b"")
+        statuses.append(server.request("/chunks/")[0])
+    assert statuses == [200] * 50, statuses

@@ -113,6 +113,18 @@ def test_a_file_read_whole_never_refuses_the_next_request(server: Gunicorn) -> N
     assert statuses == [200] * 50, statuses
 
 
+def test_a_head_answered_never_refuses_the_next_request(server: Gunicorn) -> None:
+    """A HEAD of a streamed body: the client has the whole response with its headers,
+    while the server still iterates the body it drops. The next request at once, on a
+    fresh connection, 50 times: every one is admitted (the slot comes back before the
+    headers go out)."""
+    statuses = []
+    for _ in range(50):
+        assert server.request("/chunks", method="HEAD") == (200, b"")
+        statuses.append(server.request("/one")[0])
+    assert statuses == [200] * 50, statuses
+
+
 def disconnect_mid_stream(server: Gunicorn) -> None:
     """Start the endless stream, read some of it, then vanish (RST, not a clean close)."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE)

@@ -216,7 +216,7 @@ class GateKeeperMiddleware:
         watch = ResponseWatch(admission)
         try:
             response = self.get_response(request)
-            self._watch(response, watch)
+            self._watch(response, watch, request.method == "HEAD")
         except asyncio.CancelledError:  # under ASGI: the client went away, not a fault
             watch.finish()
             raise
@@ -241,8 +241,9 @@ class GateKeeperMiddleware:
         return project or default_project, service
 
     @staticmethod
-    def _watch(response: HttpResponseBase, watch: ResponseWatch) -> None:
-        """Feed the response to the watch and release on its close."""
+    def _watch(response: HttpResponseBase, watch: ResponseWatch, head: bool) -> None:
+        """Feed the response to the watch and release on its close (a HEAD's stream as
+        it starts: see :class:`gatekeeper_wsgi.middleware.GateKeeperMiddleware`)."""
         watch.headers(response.status_code, response.items())
         if isinstance(response, StreamingHttpResponse):
             # A FileResponse too: setting its streaming content drops its file_to_stream,
@@ -254,6 +255,8 @@ class GateKeeperMiddleware:
             content = response.streaming_content
             declared = response.headers.get("Content-Length")
             length = None if declared is None else declared_length(declared)
+            if head:
+                length = 0
             # Django's streaming_content is an async iterator exactly when is_async;
             # a cast, not isinstance(AsyncIterator), which costs ~0.4 µs per response.
             if response.is_async:

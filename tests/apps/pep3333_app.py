@@ -8,7 +8,8 @@ what really ran.
 
 Paths: ``/one`` a one-element list body; ``/stream`` an endless stream (a client that
 goes away ends it); ``/file`` a file through ``wsgi.file_wrapper`` with its
-``Content-Length`` (Flask's ``send_file`` in the Flask app).
+``Content-Length`` (Flask's ``send_file`` in the Flask app); ``/chunks`` a generator of a
+few pieces and no ``Content-Length`` (a HEAD's is dropped by the server piece by piece).
 """
 
 from __future__ import annotations
@@ -64,8 +65,16 @@ def inner(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[b
         start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", length)])
         # The environ's file_wrapper, as an app calls it.
         return environ["wsgi.file_wrapper"](open(file_path(), "rb"), 8192)  # type: ignore[no-any-return]
+    if path == "/chunks":
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return pieces()
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"hello"]
+
+
+def pieces() -> Iterator[bytes]:
+    for _ in range(8):
+        yield CHUNK
 
 
 bare = GateKeeperMiddleware(inner, SETTINGS)
@@ -78,6 +87,11 @@ GateKeeper(flask_app, SETTINGS)
 @flask_app.get("/one")
 def one() -> str:
     return "hello"
+
+
+@flask_app.get("/chunks")
+def chunks() -> Response:
+    return Response(pieces(), mimetype="text/plain")
 
 
 @flask_app.get("/file")

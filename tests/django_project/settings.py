@@ -33,5 +33,6 @@ GATEKEEPER = {
         "site/hold": {"concurrency": 3},
         "site/observe": {"concurrency": 3},
         "site/file": {"concurrency": 1},
+        "site/chunks": {"concurrency": 1},
     },
 }

@@ -24,6 +24,7 @@ urlpatterns = [
     path("stream/", views.stream, name="stream"),
     path("astream/", views.astream, name="astream"),
     path("file/", views.file, name="file"),
+    path("chunks/", views.chunks, name="chunks"),
     path("whoami/", views.whoami, name="whoami"),
     path("async/", views.async_view, name="async"),
     path("hold/", views.hold, name="hold"),

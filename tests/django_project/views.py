@@ -105,6 +105,12 @@ def astream(request: Any) -> StreamingHttpResponse:
     return StreamingHttpResponse(chunks())
 
 
+def chunks(request: Any) -> StreamingHttpResponse:
+    """A stream of a few pieces and no Content-Length (a HEAD's is dropped piece by piece
+    by the server)."""
+    return StreamingHttpResponse(f"chunk{index}\n".encode() for index in range(3))
+
+
 def file(request: Any) -> FileResponse:
     return FileResponse(io.BytesIO(b"file body " * 100), filename="data.txt")
 
