@@ -828,6 +828,8 @@ class GateKeeper:
         entered = time.perf_counter()
         config = self.config
         self._waited.__dict__.pop("again", None)  # left by a wait of this thread that raised
+        # When the queued limit's rate refused last: how long it said to wait, and when.
+        rate_wait: tuple[float, float] | None = None
         try:
             while True:
                 retry_hint = None
@@ -847,9 +849,16 @@ class GateKeeper:
                     if refusing.limit.queue is None:
                         raise self._rejection(refusing, result)
                     retry_hint = result.retry_after
+                    rate_wait = None
+                    if result.kind == "rate" and refusing.key == queued.key:
+                        rate_wait = (result.retry_after, now)
                 now = clock()
                 timeout = deadline - now
                 if timeout <= 0:
+                    if rate_wait is not None:  # the next admission's time is known exactly
+                        wait, seen = rate_wait
+                        rate_left = max(0.0, wait - (now - seen))
+                        raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, rate_left, rated=True)
                     raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, spec.wait)
                 # Maturing delays free slots without any release to wake us: wake then.
                 due = backend.next_due()
@@ -875,14 +884,24 @@ class GateKeeper:
         self._waited.seconds = 0.0
         return waited
 
-    def _queue_fault(self, code: str, slot: Slot, wait: float) -> Rejected:
+    def _queue_fault(self, code: str, slot: Slot, wait: float, *, rated: bool = False) -> Rejected:
+        """A fault of ``slot``'s queue; ``rated``: its rate refused the request last and
+        ``wait`` is the time until its window admits again, which the fault says as a rate
+        refusal says it (Retry-After and the RateLimit fields, SPEC 5)."""
         limit = slot.limit
         value = self._concurrency_value(slot) if limit.concurrency is not None else None
         if value is None and limit.rate is not None:
             value = limit.rate.text
+        rate = limit.rate
+        info = RateInfo(rate.limit, rate.seconds, 0, wait) if rated and rate is not None else None
         return self.count_rejection(
             Rejected(
-                code, level=limit.level, limit_path=limit.path, limit_value=value, retry_after=wait
+                code,
+                level=limit.level,
+                limit_path=limit.path,
+                limit_value=value,
+                retry_after=wait,
+                rate=info,
             ),
             slot.key,
         )

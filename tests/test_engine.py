@@ -844,6 +844,21 @@ def test_queue_timeout_after_a_short_real_wait(make: Make) -> None:
     assert busy(gk) == {"shop/checkout": 1}
 
 
+def test_a_rate_limits_queue_timeout_says_when_the_window_admits(make: Make) -> None:
+    """A waiter in a rate limit's queue that times out hears when that window admits
+    again (not the queue's wait), with the RateLimit fields of a rate refusal."""
+    gk = make(
+        {"shop/export": {"rate": "1/minute", "queue": {"size": 2, "wait": 0.05}}},
+        clock=time.monotonic,
+    )
+    gk.admit("shop", "export", "a").release(200)
+    rejection = refused(gk, "shop", "export", "b")
+    assert (rejection.code, rejection.limit_path) == ("GK-QUEUE-TIMEOUT", "shop/export")
+    assert rejection.retry_after in (59, 60)  # a minute less the moments the test took
+    assert rejection.rate is not None
+    assert (rejection.rate.quota, rejection.rate.window, rejection.rate.remaining) == (1, 60.0, 0)
+
+
 def test_queue_waiter_woken_by_release(make: Make) -> None:
     """A queued request gets in as soon as the holder's response is closed."""
     gk = make({"shop/checkout": {"concurrency": 1, "queue": {"size": 5, "wait": 60}}})
