@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -949,14 +949,16 @@ class GateKeeper:
         watch = self.monitor.refused_keys()
         return self.backend.totals(limits, self._clock(), top=top, watch=watch)
 
-    def stats(self) -> Stats:
+    def stats(self, *, adaptive_keys: Collection[str] | None = None) -> Stats:
         """Counters, stage timings and adaptive limits (SPEC §7, §4.9). Always the dict:
         while the backend fails (its failures are counted in ``backend_errors``), the
-        figures it holds are the ones last read."""
+        figures it holds are the ones last read. ``adaptive_keys`` reports the adaptive
+        limits of those concrete paths only (a status page's: not one report per key a
+        wildcard limit tracks)."""
         _release_collected()
         backend = self.backend
         try:
-            self._last_read = (backend.delayed_pending(), backend.adaptive())
+            self._last_read = (backend.delayed_pending(), backend.adaptive(adaptive_keys))
         except BackendError as exc:
             logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
         delayed, adaptive = self._last_read

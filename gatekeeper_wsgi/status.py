@@ -158,7 +158,8 @@ def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
     (``rejections_recent``: seconds ago and counts by code), and a summary of the
     configuration.
 
-    It costs O(limits) with backends that keep totals, however many keys they track. A
+    It costs O(limits) with backends that keep totals, however many keys they track (the
+    adaptive limits reported are those of the paths shown). A
     failing backend never raises here: its message goes into the ``error`` member and the
     process-local counters are still reported.
     """
@@ -176,15 +177,27 @@ def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
     }
     errors = []
     try:
-        payload["stats"] = gatekeeper.stats()
-    except Exception as exc:
-        errors.append(f"stats: {type(exc).__name__}: {exc}")
-        payload["stats"] = gatekeeper.monitor.snapshot(0)
-    try:
         totals = limit_totals(gatekeeper)
     except Exception as exc:
         errors.append(f"inflight: {type(exc).__name__}: {exc}")
         totals = {}
+    try:
+        # The adaptive limits of the paths shown: each exact one, and a wildcard's keys
+        # listed (not one report per key it tracks, which may be 100 000).
+        shown = [
+            path
+            for limit in config.limits.values()
+            if limit.adaptive is not None
+            for path in (
+                [usage.key for usage in totals[limit.path].top]
+                if limit.wildcard and limit.path in totals
+                else [limit.path]
+            )
+        ]
+        payload["stats"] = gatekeeper.stats(adaptive_keys=shown)
+    except Exception as exc:
+        errors.append(f"stats: {type(exc).__name__}: {exc}")
+        payload["stats"] = gatekeeper.monitor.snapshot(0)
     limits = []
     concrete: dict[str, dict[str, Any]] = {}
     for limit in sorted(config.limits.values(), key=lambda lim: lim.path):

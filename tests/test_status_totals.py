@@ -228,6 +228,36 @@ def test_adaptive_report_follows_evictions(clock: FakeClock) -> None:
         gk.close()
 
 
+@pytest.mark.parametrize("backend", ["memory", "shared"])
+def test_status_reports_the_adaptive_limits_of_the_paths_it_shows(
+    clock: FakeClock, tmp_path: Any, backend: str
+) -> None:
+    """An adaptive wildcard limit tracking 300 keys: the status page reports the adaptive
+    limits of the exact limit and of the wildcard's keys it lists, not one per key
+    tracked (100 000 made a 7 MB page); stats() still reports every one."""
+    settings = {
+        "project": "shop",
+        "backend": "memory" if backend == "memory" else f"shared://{tmp_path}/gk.shm",
+        "limits": {
+            "shop": {"concurrency": "auto", "adaptive": {"min": 1, "max": 50, "initial": 40}},
+            "shop/api/*": {"concurrency": "auto", "adaptive": {"min": 1, "max": 50}},
+        },
+    }
+    gk = GateKeeper(settings, clock=clock)
+    try:
+        for index in range(300):
+            gk.admit("shop", "api", f"c{index}").release(200)
+        held = [gk.admit("shop", "api", name) for name in ("busy", "busy", "other")]
+        status = status_of(gk)
+        assert set(status["stats"]["adaptive"]) == {"shop", "shop/api/busy", "shop/api/other"}
+        assert set(status["inflight"]) == {"shop", "shop/api/busy", "shop/api/other"}
+        assert len(gk.stats()["adaptive"]) == 1 + 302
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()
+
+
 def test_status_carries_the_rejections_made_before_it_is_read(keeper: GateKeeper) -> None:
     """status.json lists the recent rejections per second by code, so a dashboard opened
     after them still charts them."""

@@ -359,9 +359,10 @@ class Backend(ABC):
         """Feed the adaptive limits of a grant (``grant.adaptive``) the request's latency,
         just before its :meth:`release`. Only backends that set ``adaptive`` are asked."""
 
-    def adaptive(self) -> dict[str, AdaptiveReport]:
+    def adaptive(self, keys: Collection[str] | None = None) -> dict[str, AdaptiveReport]:
         """``{concrete path: {"limit", "latency_ms", "min_latency_ms"}}`` of the adaptive
-        limits in use (``gk.stats()["adaptive"]``)."""
+        limits in use (``gk.stats()["adaptive"]``); with ``keys``, of those concrete paths
+        only, at a cost of O(keys asked) (a status read: not one report per key tracked)."""
         return {}
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:

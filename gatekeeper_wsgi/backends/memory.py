@@ -333,9 +333,12 @@ class MemoryBackend(Backend):
         # calls release right after, with the same now).
         grant.faulty = faulty
 
-    def adaptive(self) -> dict[str, AdaptiveReport]:
+    def adaptive(self, keys: Collection[str] | None = None) -> dict[str, AdaptiveReport]:
         with self._lock:
-            return {key: gauge.report() for key, gauge in self._gauges.items()}
+            gauges = self._gauges
+            if keys is None:
+                return {key: gauge.report() for key, gauge in gauges.items()}
+            return {key: gauges[key].report() for key in keys if key in gauges}
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:
         counter = self._counters.get(key)

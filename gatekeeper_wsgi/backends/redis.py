@@ -1189,11 +1189,15 @@ class RedisBackend(Backend):
             seen.clear()
         seen[path] = (limit, time.monotonic())
 
-    def adaptive(self) -> dict[str, AdaptiveReport]:
-        """The adaptive limits of the paths this process admitted on, read from their
-        hashes (one pipelined round trip): the value all hosts enforce, and the latencies
-        it was computed from. On a failure, the reports last read."""
+    def adaptive(self, keys: Collection[str] | None = None) -> dict[str, AdaptiveReport]:
+        """The adaptive limits of the paths this process admitted on (of ``keys`` among
+        them, when given), read from their hashes (one pipelined round trip): the value all
+        hosts enforce, and the latencies it was computed from. On a failure, the reports
+        last read."""
         known = list(self._adaptive.items())
+        if keys is not None:
+            wanted = set(keys)
+            known = [(hash_key, found) for hash_key, found in known if found[1] in wanted]
         if not known:
             return {}
         try:
@@ -1203,7 +1207,8 @@ class RedisBackend(Backend):
                     pipe.hmget(hash_key, "s", "limit")
                 replies = pipe.execute()
         except BackendError:
-            return dict(self._reports)
+            last = self._reports
+            return dict(last) if keys is None else {key: last[key] for key in keys if key in last}
         reports: dict[str, AdaptiveReport] = {}
         for (_, (spec, path)), (text, limit) in zip(known, replies, strict=True):
             controller = _restored(spec, path, _text(text or b""))
@@ -1215,7 +1220,8 @@ class RedisBackend(Backend):
                 report["limit"] = int(_text(limit))
             self._remember(path, report["limit"])
             reports[path] = report
-        self._reports = reports
+        if keys is None:
+            self._reports = reports
         return reports
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:

@@ -529,8 +529,8 @@ class SharedBackend(Table):
         assert isinstance(grant, _SharedGrant)
         grant.sample = (faulty, now)
 
-    def adaptive(self) -> dict[str, AdaptiveReport]:
-        return self._observed(0.0, lambda: read_adaptive(self._keys, self._gauges))
+    def adaptive(self, keys: Collection[str] | None = None) -> dict[str, AdaptiveReport]:
+        return self._observed(0.0, lambda: read_adaptive(self._keys, self._gauges, keys))
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:
         spec = limit.adaptive

@@ -123,10 +123,20 @@ def _busiest(keys: KeyTable, nodes: list[int], counts: list[int], top: int) -> l
     return [(key, node, view) for view, key, node in found]
 
 
-def read_adaptive(keys: KeyTable, gauges: Gauges) -> dict[str, AdaptiveReport]:
-    """The report of every gauge in use, found through the key table's tags: the limit,
-    latency and baseline (under the table the state was last made with)."""
+def read_adaptive(
+    keys: KeyTable, gauges: Gauges, wanted: Collection[str] | None = None
+) -> dict[str, AdaptiveReport]:
+    """The report of every gauge in use, found through the key table's tags (of the keys
+    ``wanted`` only, each looked up, when given): the limit, latency and baseline (under
+    the table the state was last made with)."""
     reports = {}
+    if wanted is not None:
+        for key in wanted:
+            found = _lookup(keys, key)
+            report = None if found is None else gauges.report(found[1])
+            if report is not None:
+                reports[key] = report
+        return reports
     for node in keys.in_use():
         report = gauges.report(node)
         if report is not None:
