@@ -219,11 +219,36 @@ def _is_xml_mimetype(mimetype: str) -> bool:
 def accept_prefers_xml(accept: str) -> bool | None:
     """What an ``Accept`` header prefers: True XML, False JSON (or a tie between types the
     client named), None when it says nothing about either. At most ``ACCEPT_CAP``
-    characters are parsed, so a 64 KiB header costs no more than a short one."""
+    characters are parsed, so a 64 KiB header costs no more than a short one: of a longer
+    header, the media ranges that can speak for XML or JSON (those types, ``+xml`` and
+    ``+json`` ones, wildcards) found in its first ``ACCEPT_SCAN`` characters by one regex
+    scan, so a client naming the type it wants at the end of a long list is heard."""
     if len(accept) > ACCEPT_CAP:
-        # Keep whole media ranges only: a range cut in half could read as another type.
-        accept = accept[:ACCEPT_CAP].rpartition(",")[0]
+        accept = _relevant_ranges(accept[:ACCEPT_SCAN].lower())
     return _parsed_preference(accept)
+
+
+def _relevant_ranges(accept: str) -> str:
+    """The media ranges of a long ``accept`` (lowercased) that name xml or json or hold a
+    wildcard, whole, in order, up to ``ACCEPT_CAP`` characters: the parser keeps the exact
+    types among them. Found from each keyword a regex scan meets (a C-level pass, ~25 µs
+    for 8 KiB); no more ranges are cut out than fit in ``ACCEPT_CAP``."""
+    found: list[str] = []
+    size = 0
+    done = 0  # where the last range taken ends: a keyword before it is in that range
+    for match in _KEYWORD.finditer(accept):
+        at = match.start()
+        if at < done:
+            continue
+        start = accept.rfind(",", 0, at) + 1
+        done = accept.find(",", at)
+        if done < 0:
+            done = len(accept)
+        size += done - start + 1
+        if size > ACCEPT_CAP:
+            break
+        found.append(accept[start:done])
+    return ",".join(found)
 
 
 @lru_cache(maxsize=512)
@@ -263,6 +288,11 @@ def _family_quality(
 #: How much of an Accept header is parsed: real ones are a few hundred characters, and a
 #: 64 KiB one must cost a fault no more than a short one (nor fill the parse cache).
 ACCEPT_CAP = 1024
+#: How much of a longer one is scanned for the media ranges that matter: 8 KiB, the longest
+#: header line gunicorn accepts by default (at most ~0.1 ms, however hostile).
+ACCEPT_SCAN = 8 * 1024
+#: What makes a media range one that can speak for XML or JSON (in lowercased text).
+_KEYWORD = re.compile(r"xml|json|\*")
 
 
 def _wants_xml(environ: WSGIEnvironment, mimetype: str) -> bool:

@@ -415,6 +415,16 @@ def test_soap_wins_over_format_and_renderer(environ: WSGIEnvironment, fault_form
         ("application/xml;q=nan", None, "json"),
         ("application/xml;q=2", None, "json"),
         ("\x00\xff/\x7f", "text/xml", "xml"),
+        # longer than the 1 KiB parsed: the types that matter are found wherever they are
+        (
+            ", ".join(f"text/x-{n}" for n in range(150))
+            + ", application/json;q=0.5, Application/XML",
+            None,
+            "xml",
+        ),
+        ("application/json, " + "x-a/b;q=0.1, " * 8_000 + "application/xml", None, "json"),
+        ("text/html, " + "xml," * 2_000 + "application/json", None, "json"),
+        ("x" * 64_000, "application/xml", "xml"),
     ],
 )
 def test_accept_negotiation(accept: str | None, content_type: str | None, expected: str) -> None:
