@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -374,17 +375,32 @@ def recorder() -> Iterator[Recorder]:
     server.close()
 
 
-@pytest.fixture
-def rejected_log(tmp_path: Path) -> Iterator[Path]:
-    """A log file with the JSON lines of three rejected requests (and one foreign line)."""
-    path = tmp_path / "rejected.log"
+@contextmanager
+def rejected_lines_to(path: Path, formatter: logging.Formatter | None = None) -> Iterator[None]:
+    """The gatekeeper.rejected log written to ``path`` alone (not propagated), flushed at
+    the end; the logger as it was afterwards."""
     logger = logging.getLogger("gatekeeper.rejected")
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    if formatter is not None:
+        handler.setFormatter(formatter)
     level, propagate = logger.level, logger.propagate
     logger.setLevel(logging.INFO)
     logger.propagate = False
     logger.addHandler(handler)
+    try:
+        yield
+        assert flush()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@pytest.fixture
+def rejected_log(tmp_path: Path) -> Iterator[Path]:
+    """A log file with the JSON lines of three rejected requests (and one foreign line)."""
+    path = tmp_path / "rejected.log"
 
     def ok(environ: Any, start_response: Any) -> list[bytes]:
         start_response("200 OK", [])
@@ -399,7 +415,7 @@ def rejected_log(tmp_path: Path) -> Iterator[Path]:
         },
     )
     client = Client(app)
-    try:
+    with rejected_lines_to(path, logging.Formatter("%(asctime)s %(message)s")):
         client.post(
             "/orders/7",
             query_string="expand=items&note=a%20b",
@@ -418,12 +434,6 @@ def rejected_log(tmp_path: Path) -> Iterator[Path]:
             headers={"Content-Type": "application/octet-stream", "X-Request-Id": "orig-2"},
         )
         client.delete("/orders/8", headers={"X-Request-Id": "orig-3"})
-        assert flush()
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-        logger.setLevel(level)
-        logger.propagate = propagate
     with path.open("a", encoding="utf-8") as log:
         log.write("2024-01-01 an unrelated line\n")
     yield path
@@ -470,26 +480,14 @@ def test_replay_sends_a_redacted_json_body_as_valid_json_in_its_encoding(
         "utf-16": '{"name": "caf\\u00e9", "token": "t"}'.encode("utf-16"),
     }
     path = tmp_path / "rejected.log"
-    logger = logging.getLogger("gatekeeper.rejected")
-    handler = logging.FileHandler(path, encoding="utf-8")
-    level, propagate = logger.level, logger.propagate
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    logger.addHandler(handler)
     app = GateKeeperMiddleware(
         lambda environ, start_response: [b""],
         {"project": "shop", "limits": {"shop": {"concurrency": 0}}},
     )
-    try:
+    with rejected_lines_to(path):
         for body in sent.values():
             response = Client(app).post("/orders", data=body, content_type="application/json")
             assert response.status_code == 503
-        assert flush()
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-        logger.setLevel(level)
-        logger.propagate = propagate
     out = io.StringIO()
     assert run_replay(path, recorder.url, out=out) == 0, out.getvalue()
     received = [request["body"] for request in recorder.requests]
