@@ -142,6 +142,64 @@ def test_the_next_request_of_the_process_is_never_refused_by_its_own_previous(
     assert gk.inflight() == {}
 
 
+def test_the_release_of_a_last_slot_reaches_redis_without_this_hosts_next_call(
+    prefixed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrency 1, no release sender (nothing leaves the outbox but with an admission
+    of this host): a finished request's slot is still free for another host, because the
+    release of a last slot is written to Redis as the response ends, not left to ride
+    along with this host's next admission (another host may have the client's next
+    request first). The answer is read with this host's next command."""
+    limits = {"shop/work": {"concurrency": 1}}
+    one = keeper(prefixed, limits, on_backend_error="reject")
+    two = keeper(prefixed, limits, on_backend_error="reject")
+    outbox = backend_of(one)._outbox
+    monkeypatch.setattr(outbox, "_arm", lambda: None)  # no sender thread
+    try:
+        for _ in range(20):
+            mine = wait_until(lambda: admitted(one), what="the slot on this host")
+            mine.release(200)
+            other = wait_until(lambda: admitted(two), what="the slot, on the other host")
+            with pytest.raises(Rejected):  # one slot, exactly
+                one.admit("shop", "work", "c")
+            other.release(200)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_release_never_waits_for_redis_even_after_a_refusal(
+    own_redis: ControlledRedis,
+) -> None:
+    """Once this host was refused (the slot is wanted: releases go at once), a response's
+    release is still only written, never waited for: with Redis frozen it returns, and
+    once Redis is back the slot is free."""
+    gk = keeper(
+        f"{own_redis.url}?socket_timeout=30",
+        {"shop/work": {"concurrency": 1}},
+        on_backend_error="reject",
+    )
+    held = gk.admit("shop", "work", "c")
+    with pytest.raises(Rejected):
+        gk.admit("shop", "work", "d")
+    own_redis.pause()
+    released = threading.Event()
+
+    def release() -> None:
+        held.release(200)
+        released.set()
+
+    try:
+        # The admitting thread's own connection writes it: no thread to wait for it.
+        threading.Thread(target=release, daemon=True).start()
+        assert released.wait(timeout=20), "the release waited for a frozen Redis"
+    finally:
+        own_redis.resume()
+    wait_until(lambda: admitted(gk), what="the slot").release(200)
+    assert gk.inflight() == {}
+    gk.close()
+
+
 def test_a_release_in_flight_is_held_never_double_counted(own_redis: ControlledRedis) -> None:
     """Releases caught in the sender while Redis is frozen count as held; once Redis is back
     a status read counts them released: exactly once, nothing negative, nothing left."""

@@ -122,6 +122,12 @@ _WINDOW = tuple(Controller.STATE.index(name) for name in ("_count", "_total", "_
 _DUE = Controller.STATE.index("_due")
 #: Infinities in a state are written as this (the script reads ``due`` as a Lua number).
 _HUGE = 1e300
+#: gate.lua's answer for an admission that took the last slot of a concurrency limit
+_TIGHT = 4
+#: releases written on a connection whose answers wait to be read before it is looked at
+_POSTED_UNREAD = 32
+#: seconds after which a written release whose answer no thread has read is sent again
+_POSTED_STALE = 1.0
 #: An adaptive limit seen this recently (seconds) is reported without asking Redis again.
 _FRESH = 0.5
 
@@ -276,7 +282,7 @@ def _number(value: float) -> str:
 
 
 class _RedisGrant(Grant):
-    __slots__ = ("input", "lease", "reserved", "sample", "started")
+    __slots__ = ("input", "lease", "reserved", "sample", "started", "tight")
 
     def __init__(
         self,
@@ -296,6 +302,8 @@ class _RedisGrant(Grant):
             self.started = time.monotonic()
         #: "<latency us>:<faulty>" once observed (adaptive slots only)
         self.sample = ""
+        #: it took the last slot of a concurrency limit: released at once (see release)
+        self.tight = False
 
 
 class _Release(NamedTuple):
@@ -371,6 +379,11 @@ class _Breaker:
         """The call was interrupted (not a Redis failure): let another caller probe."""
         self._probing = False
 
+    @property
+    def open(self) -> bool:
+        """Failing fast, or probing (a look that is not a call, and not a probe)."""
+        return bool(self._open_until)
+
     def failure(self, exc: BaseException) -> None:
         with self._lock:
             was_closed = not self._open_until
@@ -433,18 +446,44 @@ class _Outbox:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._generation = -1
+        #: batches written by RedisBackend._post whose answers no thread has read yet:
+        #: id -> (batch, when written); sent again by the sender once stale (their
+        #: connection may have broken, and its thread may not call again for long)
+        self._posted: dict[int, tuple[list[_Release], float]] = {}
 
     def __len__(self) -> int:
-        return len(self._waiting) + len(self._sending)
+        posted = sum(len(batch) for batch, _ in list(self._posted.values()))
+        return len(self._waiting) + len(self._sending) + posted
 
     def after_fork(self) -> None:
         """In a forked child: the parent sends what was waiting; locks may be held."""
         self._waiting = deque(maxlen=_PENDING_RELEASES)
         self._sending = []
+        self._posted = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._armed = False
         self._thread = None
+
+    def posted(self, batch: list[_Release]) -> None:
+        """``batch`` was written to Redis and its answer is yet to be read: watched until
+        :meth:`confirmed`, and sent again by the sender if that takes ``_POSTED_STALE``."""
+        self._posted[id(batch)] = (batch, time.monotonic())
+        if not self._armed:
+            self._arm()
+
+    def confirmed(self, batch: list[_Release]) -> None:
+        """``batch``'s answer was read (or it was put back to be sent again)."""
+        self._posted.pop(id(batch), None)
+
+    def _stale(self, now: float) -> None:
+        """Posted batches unanswered for ``_POSTED_STALE``: first in line to be sent again
+        (with ``_lock`` held; a release applied twice does nothing the second time)."""
+        posted = self._posted
+        for key, (batch, written) in list(posted.items()):
+            if written <= now - _POSTED_STALE:
+                del posted[key]
+                self._waiting.extendleft(reversed(batch))
 
     def put(self, release: _Release) -> None:
         self._waiting.append(release)
@@ -541,10 +580,12 @@ class _Outbox:
             idle = 0
             while not stop.is_set():
                 with self._lock:
+                    if self._posted:
+                        self._stale(time.monotonic())
                     waiting = self._waiting
                     if waiting:
                         oldest = waiting[0].placed
-                    elif idle < lingering:
+                    elif idle < lingering or self._posted:
                         oldest = None
                     else:
                         # Checked and disarmed in one step: a release put after this
@@ -1085,6 +1126,10 @@ class RedisBackend(Backend):
             raise
         if result == 1:
             return _RedisGrant(slots, (), lease, input, input.reserved)
+        if result == _TIGHT:
+            grant = _RedisGrant(slots, (), lease, input, input.reserved)
+            grant.tight = True
+            return grant
         if result[0] != 1:
             if result[0] == 0 and result[2] == 1:
                 self._contended_until = time.monotonic() + _CONTENDED_FOR
@@ -1126,7 +1171,7 @@ class RedisBackend(Backend):
         """Whether acquire would admit now: gate.lua without a lease checks only (it
         drops expired entries and records nothing)."""
         result, _ = self._call_with_releases(self._input(slots), "")
-        return None if result == 1 else _denial(result)
+        return None if result == 1 or result == _TIGHT else _denial(result)
 
     # --- adaptive limits ------------------------------------------------------------------
 
@@ -1259,19 +1304,103 @@ class RedisBackend(Backend):
             with self._delayed_lock:
                 heapq.heappush(self._delayed, placed + delay)
         release = _Release(grant.lease, input, codes, delay, placed)
+        if not grant.tight and placed >= self._contended_until:
+            self._outbox.put(release)
+            return
+        # The slot is wanted now: the request took the last one of a concurrency limit
+        # (another process's request, maybe this client's next one, may come for it before
+        # this process admits again), or a limit refused here lately (left waiting, a slot
+        # would go from request to request of this process while other hosts are refused).
+        if not self._cluster:
+            self._post(release)
+            return
         outbox = self._outbox
         if placed >= self._contended_until:
             outbox.put(release)
             return
-        # A concurrency limit refused here lately: the slot is wanted, maybe by another
-        # host. Sent now, it is free for whoever asks first; left waiting, it would ride
-        # along with this process's next admission and never be free in between (a slot
-        # handed from request to request of one process while the others are refused).
+        # redis-py's Cluster client cannot write without reading the answer: after a
+        # refusal a Cluster's releases are sent at once and waited for, as before.
         batch = [*outbox.take(), release]
         try:
             self._send(batch)
         except BackendError:
             outbox.give_back(batch)  # the sender tries again; no response fails for it
+
+    def _post(self, release: _Release) -> None:
+        """Write ``release`` (with those waiting) to Redis at once on this thread's own
+        connection, without waiting for its answer: that is read before the answer of
+        the thread's next command there (:meth:`_exchange`), and a release whose answer
+        is lost or an error goes to the outbox again. To the outbox when it cannot be
+        written so (the breaker open, a thread not connected yet, a failed write); not on
+        a Cluster (see :meth:`release`)."""
+        outbox = self._outbox
+        breaker = self._breaker
+        if breaker.open:  # the sender and the admissions probe; a release only waits
+            outbox.put(release)
+            return
+        local = self._local
+        connection = local.__dict__.get("connection")
+        if connection is None or local.generation != _generation or not connection.is_connected:
+            # Connecting is a round trip (the handshake): the sender sends it instead.
+            outbox.put(release)
+            return
+        batch = [*outbox.take(), release]
+        try:
+            connection.send_packed_command((self._pack(batch, None, ""),), check_health=False)
+        except Exception as exc:  # down, or a timeout: the sender sends them once it can
+            breaker.failure(exc)
+            connection.disconnect()
+            self._repost(connection)
+            outbox.give_back(batch)
+            return
+        posted: list[list[_Release]] | None = getattr(connection, "gatekeeper_posted", None)
+        if posted is None:
+            posted = connection.gatekeeper_posted = []
+        posted.append(batch)
+        outbox.posted(batch)
+        if len(posted) >= _POSTED_UNREAD:
+            # A thread that releases and does not admit (an event loop's): the answers
+            # that have come are read now, so neither they nor this list grow.
+            try:
+                while posted and connection.can_read(timeout=0):
+                    self._read_posted(connection, posted, 1)
+            except Exception:
+                connection.disconnect()
+                self._repost(connection)
+
+    def _read_posted(
+        self, connection: Any, posted: list[list[_Release]], count: int | None = None
+    ) -> None:
+        """Read the answers of the releases :meth:`_post` wrote on ``connection`` (the
+        first ``count``, or all), which come before that of any command sent after them;
+        a release refused by an error (a restarted Redis lost the script) goes to the
+        outbox again."""
+        outbox = self._outbox
+        for _ in range(len(posted) if count is None else count):
+            batch = posted.pop(0)
+            try:
+                reply = connection.read_response()
+            except redis.exceptions.ResponseError:
+                outbox.confirmed(batch)
+                outbox.give_back(batch)
+                continue
+            except BaseException:
+                posted.insert(0, batch)
+                raise
+            outbox.confirmed(batch)
+            if type(reply) is list and reply[0] == 2:
+                self._claimed(reply)
+
+    def _repost(self, connection: Any) -> None:
+        """The releases written on ``connection`` whose answers were not read (it broke, or
+        was replaced): to the outbox, to be sent again (a release applied twice does
+        nothing the second time)."""
+        posted: list[list[_Release]] | None = getattr(connection, "gatekeeper_posted", None)
+        outbox = self._outbox
+        while posted:
+            batch = posted.pop(0)
+            outbox.confirmed(batch)
+            outbox.give_back(batch)
 
     def _send(self, releases: list[_Release]) -> None:
         """Apply releases: one script call (on a Cluster, one per hash tag)."""
@@ -1391,6 +1520,7 @@ class RedisBackend(Backend):
         old = local.__dict__.get("connection")
         if old is not None and local.generation == _generation:
             old.disconnect()
+            self._repost(old)
         kind = pool.connection_class
         connection = local.connection = _KERNEL_TIMED.get(kind, kind)(**pool.connection_kwargs)
         local.generation = _generation
@@ -1401,6 +1531,9 @@ class RedisBackend(Backend):
         """One command and its answer (loading the script first when Redis lost it)."""
         try:
             connection.send_packed_command((command,), check_health=False)
+            posted = getattr(connection, "gatekeeper_posted", None)
+            if posted:
+                self._read_posted(connection, posted)
             try:
                 return connection.read_response()
             except redis.exceptions.NoScriptError:
@@ -1411,6 +1544,7 @@ class RedisBackend(Backend):
                 return connection.read_response()
         except redis.exceptions.ConnectionError as exc:
             connection.disconnect()
+            self._repost(connection)
             if isinstance(exc.__context__, BlockingIOError):
                 # The kernel's timeout ran out (see _kernel_timed): Redis is there but
                 # slow, and a timeout is not sent again (_evalsha).
@@ -1419,6 +1553,7 @@ class RedisBackend(Backend):
         except BaseException:
             # A reply half read, or a script error: start the next call on a clean line.
             connection.disconnect()
+            self._repost(connection)
             raise
 
     # --- observation ----------------------------------------------------------------------
@@ -1669,6 +1804,8 @@ class RedisBackend(Backend):
     def close(self) -> None:
         """Send the releases still waiting (best effort), stop the sender, disconnect."""
         outbox = self._outbox
+        for connection in list(self._connections):
+            self._repost(connection)  # written, not confirmed: sent again (idempotent)
         try:
             if len(outbox):
                 outbox.flush()

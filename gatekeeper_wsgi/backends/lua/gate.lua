@@ -83,7 +83,8 @@
 -- adaptive slot's hash. (A limit without a wildcard used to send its set three times: each
 -- KEYS entry costs the script an interned string and a table slot, ~900 instructions.)
 --
--- Returns 1 after releases alone, and for an admission admitted plainly; an admission
+-- Returns 1 after releases alone, and for an admission admitted plainly (4 when it took
+-- the last slot of an enforced concurrency limit, see tight); an admission
 -- admitted with shadow slots over their limits gets
 -- {1, {shadowed slot indexes}, {slot indexes whose full window was not extended}}
 -- (0-based); a refused one
@@ -154,6 +155,12 @@ local CLAIM_LIFE = 1
 local now
 
 local claims -- made by the first claim: most calls have none
+
+-- Whether the admission took the last slot of an enforced concurrency limit: it answers 4
+-- instead of 1, so that its release is sent the moment the response ends, not left to ride
+-- along with the process's next admission (another process's request, maybe the same
+-- client's next one, may be waiting for it).
+local tight
 
 -- One released request's sample on an adaptive path: into the window, or, when the
 -- window is due and unclaimed, claimed for the releasing process to compute. Made by the
@@ -577,6 +584,8 @@ repeat
       end
       over = over or {}
       over[i] = true
+    elseif enforce and concurrency >= 0 and held + 1 >= concurrency then
+      tight = true -- this admission takes the last slot: its release is wanted at once
     end
     if quota > 0 and entries >= quota then
       if enforce then
@@ -761,7 +770,13 @@ repeat
       end
     end
   end
-  if result ~= 1 or not over then
+  if result ~= 1 then
+    break
+  end
+  if not over then
+    if tight then
+      result = 4
+    end
     break
   end
   local shadowed, unrecorded = {}, {}
@@ -776,7 +791,7 @@ repeat
   result = {1, shadowed, unrecorded}
 until true
 
-if added and result ~= 1 and result[1] ~= 1 then
+if added and type(result) == 'table' and result[1] ~= 1 then
   -- Refused (or a give-back's tombstone found) after its new keys were added: out again.
   for i = 1, #added, 2 do
     call('ZREM', added[i], added[i + 1])
