@@ -64,8 +64,10 @@ DECLARED_LENGTHS: dict[str, int | None] = {}
 
 def declared_length(value: str) -> int | None:
     """The body length a ``Content-Length`` value declares, None unless a plain number."""
-    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work.
-    length = int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work. The blanks
+    # around a field value are not part of it (RFC 9110 5.5).
+    digits = value.strip(" \t")
+    length = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
     return remember(DECLARED_LENGTHS, value, length, len(value))
 
 

@@ -64,12 +64,15 @@ class _WatchedResponse(ResponseWatch):
     """
 
     # Set by GateKeeperMiddleware.__call__: the server's start_response, the headers
-    # (empty until start_response), then the app's iterable (no __init__ of its own,
-    # which would cost a super() call per request).
-    __slots__ = ("_headers", "_inner", "_start_response")
+    # (empty until start_response), the bytes the app wrote through write(), then the
+    # app's iterable (no __init__ of its own, which would cost a super() call per
+    # request); by start_response: the server's write().
+    __slots__ = ("_headers", "_inner", "_start_response", "_write", "_written")
     _headers: list[tuple[str, str]] | tuple[()]
     _inner: Iterable[bytes]
     _start_response: StartResponse
+    _write: Callable[[bytes], object]
+    _written: int
 
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
@@ -85,25 +88,54 @@ class _WatchedResponse(ResponseWatch):
         else:
             self.headers(code, headers)
         self._headers = headers
-        return self._start_response(status, headers, exc_info)
+        self._write = self._start_response(status, headers, exc_info)
+        return self.write
+
+    def write(self, data: bytes) -> object:
+        """PEP 3333's ``write()``: a body (or its start) written before the iterable is
+        returned. Watched as the iterable is: scanned for a body marker, and the slots
+        come back before the piece that completes the declared Content-Length goes out
+        (the client has its whole answer with it)."""
+        if self.admission.route.timeout_body is not None:
+            self.chunk(data)
+        self._written += len(data)
+        if not self.done:
+            length = self._declared()
+            if length is not None and self._written >= length:
+                self.done = True
+                self.admission.release(self.status, self.faulty)
+        return self._write(data)
+
+    def _declared(self) -> int | None:
+        """The body length the app's headers declare, if any (see ``__iter__``)."""
+        for name, value in self._headers:
+            if name in _CONTENT_LENGTH or (len(name) == 14 and name.lower() == "content-length"):
+                try:
+                    return DECLARED_LENGTHS[value]
+                except KeyError:
+                    return declared_length(value)
+        return None
 
     def __iter__(self) -> Iterator[bytes]:
         inner = self._inner
         length: int | None = None
-        if type(inner) is list:
+        if type(inner) is list or isinstance(inner, (list, tuple)):
             length = sum(map(len, inner))
         else:
-            # The Content-Length the app declared, if a plain number (read here, not by a
-            # helper: a call costs more than this loop over a few headers). Another
-            # spelling only means the slots come back when the body is exhausted rather
-            # than when its last byte is handed out.
+            # The Content-Length the app declared, if a number (read here, not by a
+            # helper, for the common spellings: a call costs more than this loop over a
+            # few headers; header names are case-insensitive, so any other is looked at).
             for name, value in self._headers:
-                if name in _CONTENT_LENGTH:
+                if name in _CONTENT_LENGTH or (
+                    len(name) == 14 and name.lower() == "content-length"
+                ):
                     try:  # a subscript: most responses repeat a few lengths
                         length = DECLARED_LENGTHS[value]
                     except KeyError:
                         length = declared_length(value)
                     break
+            if self._written and length is not None:  # the rest of a body write() began
+                length = max(0, length - self._written)
         return self.stream(inner, False, length)
 
     def close(self) -> None:
@@ -228,6 +260,7 @@ class GateKeeperMiddleware:
         response = _WatchedResponse(admission)
         response._start_response = start_response
         response._headers = ()
+        response._written = 0
         if "wsgi.file_wrapper" in environ:
             # A file is read through the watch like any body, not handed to the server's
             # sendfile: its end must be seen, or the slot would come back only when the

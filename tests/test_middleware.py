@@ -1899,3 +1899,49 @@ def test_a_response_collected_inside_the_backends_lock_never_waits_for_it(
     assert middleware.gatekeeper.inflight() == {"p/first": 0, "p/second": 1}
     b"".join(served[0])
     assert middleware.gatekeeper.inflight() == {"p/first": 0, "p/second": 0}
+
+
+class _Sized(list):  # type: ignore[type-arg]
+    """A list subclass: a sized body that is not exactly a list."""
+
+
+@pytest.mark.parametrize(
+    "case", ["CONTENT-LENGTH", "content-length", " 5 ", "tuple", "subclass", "write"]
+)
+def test_a_sized_body_is_released_before_its_last_byte_goes_out(case: str) -> None:
+    """However the app gives its length - a Content-Length in any letter case or with
+    blanks, a tuple or a list subclass (which servers size), a body written through
+    PEP 3333's write() - the slot is free when the server takes the body's last piece:
+    the client has its whole answer with it, and its next request must fit."""
+    middleware: GateKeeperMiddleware
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if case in ("tuple", "subclass"):
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return (b"hel", b"lo") if case == "tuple" else _Sized([b"hel", b"lo"])
+        name, value = ("Content-Length", case) if case.strip().isdigit() else (case, "5")
+        if case == "write":
+            name = "Content-Length"
+        write = start_response("200 OK", [("Content-Type", "text/plain"), (name, value)])
+        if case == "write":
+            write(b"hel")
+            write(b"lo")
+            return []
+        return iter([b"hel", b"lo"])
+
+    middleware = GateKeeperMiddleware(
+        app, {"project": "shop", "limits": {"shop": {"concurrency": 1}}}
+    )
+    sent: list[tuple[bytes, int]] = []  # each piece as it goes out, and the count then
+
+    def start_response(
+        status: str, headers: list[tuple[str, str]], exc_info: Any = None
+    ) -> Callable[[bytes], object]:
+        return lambda data: sent.append((data, middleware.gatekeeper.inflight()["shop"]))
+
+    result = middleware(environ_for("/"), start_response)
+    for piece in result:
+        sent.append((piece, middleware.gatekeeper.inflight()["shop"]))
+    result.close()  # type: ignore[attr-defined]
+    assert sent == [(b"hel", 1), (b"lo", 0)]
+    assert middleware.gatekeeper.inflight() == {"shop": 0}

@@ -125,6 +125,22 @@ def test_a_head_answered_never_refuses_the_next_request(server: Gunicorn) -> Non
     assert statuses == [200] * 50, statuses
 
 
+@pytest.mark.parametrize("app", ["bare"])
+@pytest.mark.parametrize("path", ["/upper", "/spaced", "/write", "/tuple"])
+def test_a_sized_body_in_any_spelling_never_refuses_the_next_request(
+    server: Gunicorn, path: str
+) -> None:
+    """A body whose length the client knows however the app gave it (a Content-Length
+    spelled in capitals or with blanks, a body written through write(), a one-element
+    tuple the server sizes): read whole, then the next request at once on a fresh
+    connection, 50 times: every one is admitted."""
+    statuses = []
+    for _ in range(50):
+        assert server.request(path) == (200, b"hello")
+        statuses.append(server.request("/one")[0])
+    assert statuses == [200] * 50, statuses
+
+
 def disconnect_mid_stream(server: Gunicorn) -> None:
     """Start the endless stream, read some of it, then vanish (RST, not a clean close)."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE)

@@ -9,7 +9,9 @@ what really ran.
 Paths: ``/one`` a one-element list body; ``/stream`` an endless stream (a client that
 goes away ends it); ``/file`` a file through ``wsgi.file_wrapper`` with its
 ``Content-Length`` (Flask's ``send_file`` in the Flask app); ``/chunks`` a generator of a
-few pieces and no ``Content-Length`` (a HEAD's is dropped by the server piece by piece).
+few pieces and no ``Content-Length`` (a HEAD's is dropped by the server piece by piece);
+``/upper``, ``/spaced``, ``/write``, ``/tuple`` sized bodies of the bare app in other
+spellings and ways (see ``inner``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ def inner(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[b
     if path == "/chunks":
         start_response("200 OK", [("Content-Type", "text/plain")])
         return pieces()
+    # Sized bodies in the other ways PEP 3333 and HTTP allow: the slot must come back
+    # before their last byte goes out as well.
+    if path == "/upper":  # a generator, its length under another spelling
+        start_response("200 OK", [("Content-Type", "text/plain"), ("CONTENT-LENGTH", "5")])
+        return iter([b"hel", b"lo"])
+    if path == "/spaced":  # blanks around the value
+        start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", " 5 ")])
+        return iter([b"hel", b"lo"])
+    if path == "/write":  # the body written through write(), nothing returned
+        write = start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "5")])
+        write(b"hel")
+        write(b"lo")
+        return []
+    if path == "/tuple":  # a one-element tuple, its length left to the server
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return (b"hello",)
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"hello"]
 
