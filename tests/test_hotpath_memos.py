@@ -42,12 +42,14 @@ def _released_after_declared_body(length: str) -> bool:
 
 
 def test_a_declared_length_releases_at_its_last_byte_memo_or_not() -> None:
-    """A plain Content-Length releases at its last byte, the first time and when read
-    from the memo; other spellings (non-ASCII digits, 5000 digits, signs) release only
-    when the body is exhausted."""
-    assert _released_after_declared_body("4")
-    assert _released_after_declared_body("4")  # from the memo now
-    for odd in ("\u0664", "+4", " 4", "4" * 5000, "4.0", ""):
+    """A plain Content-Length (blanks around it are no part of the value, RFC 9110 5.5)
+    releases at its last byte, the first time and when read from the memo; other
+    spellings (non-ASCII digits, 5000 digits, signs) release only when the body is
+    exhausted."""
+    for plain in ("4", " 4", "4\t"):
+        assert _released_after_declared_body(plain)
+        assert _released_after_declared_body(plain)  # from the memo now
+    for odd in ("\u0664", "+4", "4" * 5000, "4.0", ""):
         assert not _released_after_declared_body(odd)
         assert not _released_after_declared_body(odd)
 
