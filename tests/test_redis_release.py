@@ -168,6 +168,30 @@ def test_the_release_of_a_last_slot_reaches_redis_without_this_hosts_next_call(
         two.close()
 
 
+def test_a_written_release_never_answered_is_sent_again(
+    prefixed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A last slot's release written to Redis whose answer no thread reads (its write was
+    lost, and its thread does not call again) is sent again by the sender once stale:
+    the slot comes back without waiting for max_hold."""
+    monkeypatch.setattr(redis_backend, "_POSTED_STALE", 0.05)
+    limits = {"shop/work": {"concurrency": 1}}
+    gk = keeper(prefixed, limits)
+    other = keeper(prefixed, limits, on_backend_error="reject")
+    try:
+        held = gk.admit("shop", "work", "c")  # the last slot: its release is written at once
+        connection = backend_of(gk)._local.connection
+        connection.send_packed_command = lambda *args, **kwargs: None  # the write is lost
+        held.release(200)
+        del connection.send_packed_command
+        assert backend_of(gk).pending_releases() == 1  # written, not answered
+        wait_until(lambda: admitted(other), what="the release sent again").release(200)
+        assert other.inflight() == {}
+    finally:
+        gk.close()
+        other.close()
+
+
 def test_a_release_never_waits_for_redis_even_after_a_refusal(
     own_redis: ControlledRedis,
 ) -> None:

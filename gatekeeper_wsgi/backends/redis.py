@@ -481,8 +481,8 @@ class _Outbox:
         (with ``_lock`` held; a release applied twice does nothing the second time)."""
         posted = self._posted
         for key, (batch, written) in list(posted.items()):
-            if written <= now - _POSTED_STALE:
-                del posted[key]
+            # pop, not del: its thread may read its answer (confirmed) meanwhile
+            if written <= now - _POSTED_STALE and posted.pop(key, None) is not None:
                 self._waiting.extendleft(reversed(batch))
 
     def put(self, release: _Release) -> None:
