@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import inspect
 import types
 from abc import ABC, abstractmethod
@@ -56,6 +57,7 @@ __all__ = [
     "LimitTotals",
     "Slot",
     "WaitingLine",
+    "busiest",
     "unguarded",
 ]
 
@@ -64,6 +66,29 @@ TOP_KEYS = 50
 
 #: No keys to watch (the default of :meth:`Backend.totals`).
 NO_WATCH: Mapping[str, Collection[str]] = MappingProxyType({})
+
+_Item = TypeVar("_Item")
+
+
+def busiest(
+    items: list[_Item], counts: list[int], top: int, keys_of: Callable[[list[_Item]], Sequence[Any]]
+) -> list[_Item]:
+    """The ``top`` of ``items`` with the highest ``counts`` (one per item), ties by key, in
+    no order (the caller sorts the few it shows). Without a Python step per item for a
+    key function, and reading the keys (``keys_of``: those of a list of items, in order)
+    only of the items tied at the cut: with 100 000 keys in flight at one request each, a
+    status read picks its ``top`` without an object per key."""
+    if top <= 0:
+        return []
+    if len(items) <= top:
+        return list(items)
+    cut = heapq.nlargest(top, counts)[-1]
+    chosen = [item for item, count in zip(items, counts, strict=True) if count > cut]
+    tied = [item for item, count in zip(items, counts, strict=True) if count == cut]
+    keys = keys_of(tied)
+    least = heapq.nsmallest(top - len(chosen), range(len(tied)), key=keys.__getitem__)
+    return chosen + [tied[index] for index in least]
+
 
 #: The methods of the contract whose failures leave a backend as a BackendError. Not
 #: ``from_url`` / ``check_url``: refusing a URL is a ConfigError, and they run at start-up.

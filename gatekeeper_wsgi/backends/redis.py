@@ -69,6 +69,7 @@ from gatekeeper_wsgi.backends.base import (
     LimitTotals,
     Slot,
     WaitingLine,
+    busiest,
 )
 from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
@@ -1892,19 +1893,7 @@ _TotalsPlan = tuple["Counter[bytes]", list[tuple[bytes, int]], list[tuple[bool, 
 
 
 def _busiest(held: Counter[bytes], top: int) -> list[tuple[bytes, int]]:
-    """The ``top`` keys of ``held`` with the most in flight, ties by key, in that order,
-    without a Python step per key for a key function: with 100 000 keys at one request
-    each, those above the ``top``-th count, then the least of those at it."""
-    if len(held) <= top:
-        chosen = list(held.items())
-    elif top <= 0:
-        return []
-    else:
-        cut = heapq.nlargest(top, held.values())[-1]
-        chosen = [(key, count) for key, count in held.items() if count > cut]
-        tied = heapq.nsmallest(
-            top - len(chosen), [key for key, count in held.items() if count == cut]
-        )
-        chosen += [(key, cut) for key in tied]
-    chosen.sort(key=lambda item: (-item[1], item[0]))
-    return chosen
+    """The ``top`` keys of ``held`` with the most in flight, ties by key, in that order
+    (:func:`~gatekeeper_wsgi.backends.base.busiest`)."""
+    chosen = busiest(list(held), list(held.values()), top, lambda keys: keys)
+    return sorted(((key, held[key]) for key in chosen), key=lambda item: (-item[1], item[0]))

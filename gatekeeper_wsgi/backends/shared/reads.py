@@ -12,7 +12,6 @@ is made per key in flight but for the few shown.
 
 from __future__ import annotations
 
-import heapq
 import mmap
 import struct
 from collections.abc import Collection, Mapping, Sequence
@@ -20,7 +19,7 @@ from itertools import compress
 from typing import Any
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
-from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
+from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals, busiest
 from gatekeeper_wsgi.backends.shared.faults import NoRoom
 from gatekeeper_wsgi.backends.shared.gauges import Gauges
 from gatekeeper_wsgi.backends.shared.keys import KeyTable, path_digest
@@ -105,19 +104,9 @@ def read_totals(
 
 def _busiest(keys: KeyTable, nodes: list[int], counts: list[int], top: int) -> list[_Held]:
     """The ``top`` keys of ``nodes`` with the most in flight (``counts``), ties by key, in
-    that order. Only keys that can make the cut are read: those above the ``top``-th
-    count, and of those at it (with 100 000 keys at one request each, all of them) the
-    least, compared as the table holds them (UTF-8 bytes: the order of their text)."""
-    if top <= 0:
-        return []
-    chosen = nodes
-    if len(nodes) > top:
-        cut = heapq.nlargest(top, counts)[-1]
-        chosen = [node for node, count in zip(nodes, counts, strict=True) if count > cut]
-        at_cut = [node for node, count in zip(nodes, counts, strict=True) if count == cut]
-        raw = keys.raw_keys(at_cut)
-        least = heapq.nsmallest(top - len(chosen), range(len(at_cut)), key=raw.__getitem__)
-        chosen += [at_cut[index] for index in least]
+    that order (:func:`~gatekeeper_wsgi.backends.base.busiest`; ties at the cut compared
+    as the table holds the keys, UTF-8 bytes: the order of their text)."""
+    chosen = busiest(nodes, counts, top, keys.raw_keys)
     found = [(*keys.view(node), node) for node in chosen]
     found.sort(key=lambda item: (-item[0].inflight, item[1]))
     return [(key, node, view) for view, key, node in found]
