@@ -63,12 +63,12 @@ class _WatchedResponse(ResponseWatch):
     slots come back even when the inner ``close()`` raises.
     """
 
-    # Set by GateKeeperMiddleware.__call__: the server's start_response, the headers
-    # (empty until start_response), the bytes the app wrote through write(), then the
-    # app's iterable (no __init__ of its own, which would cost a super() call per
-    # request); by start_response: the server's write().
-    __slots__ = ("_headers", "_inner", "_start_response", "_write", "_written")
-    _headers: list[tuple[str, str]] | tuple[()]
+    # Set by GateKeeperMiddleware.__call__: the server's start_response, the body length
+    # the app's headers declare (None until start_response), the bytes the app wrote
+    # through write(), then the app's iterable (no __init__ of its own, which would cost
+    # a super() call per request); by start_response: the server's write().
+    __slots__ = ("_declared", "_inner", "_start_response", "_write", "_written")
+    _declared: int | None
     _inner: Iterable[bytes]
     _start_response: StartResponse
     _write: Callable[[bytes], object]
@@ -87,7 +87,18 @@ class _WatchedResponse(ResponseWatch):
             self.faulty = False
         else:
             self.headers(code, headers)
-        self._headers = headers
+        # The Content-Length the app declared, if a number (read here, not by a helper,
+        # for the common spellings: a call costs more than this loop over a few headers;
+        # header names are case-insensitive, so any other is looked at too).
+        length = None
+        for name, value in headers:
+            if name in _CONTENT_LENGTH or (len(name) == 14 and name.lower() == "content-length"):
+                try:  # a subscript: most responses repeat a few lengths
+                    length = DECLARED_LENGTHS[value]
+                except KeyError:
+                    length = declared_length(value)
+                break
+        self._declared = length
         self._write = self._start_response(status, headers, exc_info)
         return self.write
 
@@ -99,41 +110,18 @@ class _WatchedResponse(ResponseWatch):
         if self.admission.route.timeout_body is not None:
             self.chunk(data)
         self._written += len(data)
-        if not self.done:
-            length = self._declared()
-            if length is not None and self._written >= length:
-                self.done = True
-                self.admission.release(self.status, self.faulty)
+        length = self._declared
+        if not self.done and length is not None and self._written >= length:
+            self.done = True
+            self.admission.release(self.status, self.faulty)
         return self._write(data)
-
-    def _declared(self) -> int | None:
-        """The body length the app's headers declare, if any (see ``__iter__``)."""
-        for name, value in self._headers:
-            if name in _CONTENT_LENGTH or (len(name) == 14 and name.lower() == "content-length"):
-                try:
-                    return DECLARED_LENGTHS[value]
-                except KeyError:
-                    return declared_length(value)
-        return None
 
     def __iter__(self) -> Iterator[bytes]:
         inner = self._inner
-        length: int | None = None
         if type(inner) is list or isinstance(inner, (list, tuple)):
-            length = sum(map(len, inner))
+            length: int | None = sum(map(len, inner))
         else:
-            # The Content-Length the app declared, if a number (read here, not by a
-            # helper, for the common spellings: a call costs more than this loop over a
-            # few headers; header names are case-insensitive, so any other is looked at).
-            for name, value in self._headers:
-                if name in _CONTENT_LENGTH or (
-                    len(name) == 14 and name.lower() == "content-length"
-                ):
-                    try:  # a subscript: most responses repeat a few lengths
-                        length = DECLARED_LENGTHS[value]
-                    except KeyError:
-                        length = declared_length(value)
-                    break
+            length = self._declared
             if self._written and length is not None:  # the rest of a body write() began
                 length = max(0, length - self._written)
         return self.stream(inner, False, length)
@@ -259,7 +247,7 @@ class GateKeeperMiddleware:
         # helper of its own: a call per request costs ~600 instructions.
         response = _WatchedResponse(admission)
         response._start_response = start_response
-        response._headers = ()
+        response._declared = None
         response._written = 0
         if "wsgi.file_wrapper" in environ:
             # A file is read through the watch like any body, not handed to the server's
