@@ -29,7 +29,6 @@ from gatekeeper_wsgi.backends.shared.layout import (
     CHAIN,
     H_KEYGEN,
     H_NODES_USED,
-    KEY_LENGTH,
     KEYGEN,
     LRU_SCAN,
     N_INFLIGHT,
@@ -461,13 +460,6 @@ class KeyTable(Structure):
             mm[start + NODE_HEAD : start + NODE_HEAD + length]
             for start, length in zip(at, lengths, strict=True)
         ]
-
-    def key_of(self, node: int) -> str:
-        """The key a node holds."""
-        offset = self._nodes_off + node * self._node_size
-        length = KEY_LENGTH.unpack_from(self._mm, offset + N_KEY_LENGTH)[0]
-        raw = self._mm[offset + NODE_HEAD : offset + NODE_HEAD + length]
-        return raw.decode("utf-8", "surrogateescape")
 
     def view(self, node: int) -> tuple[NodeView, str]:
         """A node's fields and key."""

@@ -207,8 +207,6 @@ H_FIXED_END = 320
 # node fields
 NODE_HEAD = NODE.size  # 40: the key follows
 N_INFLIGHT, N_KEY_LENGTH, N_OFFSET, N_FLAGS, N_FIRST, N_LAST, N_LEN = 0, 4, 6, 7, 8, 12, 16
-#: at N_KEY_LENGTH: the key's length in bytes
-KEY_LENGTH = struct.Struct("<H")
 #: at N_OFFSET: a node's window (oldest entry's index, first and last chunk, entries)
 WINDOW = struct.Struct("<BxIII")
 #: in a node's flags: its gauge holds its key's controller (a new node's flags are 0, so

@@ -41,8 +41,8 @@ LEASE_READ = 5
 def read_inflight(keys: KeyTable) -> dict[str, int]:
     """Requests in flight of every key the table holds."""
     nodes, counts, _ = keys.held(idle=True)
-    key_of = keys.key_of
-    return {key_of(node): count for node, count in zip(nodes, counts, strict=True)}
+    texts = (raw.decode("utf-8", "surrogateescape") for raw in keys.raw_keys(nodes))
+    return dict(zip(texts, counts, strict=True))
 
 
 def read_totals(
