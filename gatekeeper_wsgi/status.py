@@ -184,16 +184,11 @@ def status_payload(gatekeeper: GateKeeper) -> dict[str, Any]:
     try:
         # The adaptive limits of the paths shown: each exact one, and a wildcard's keys
         # listed (not one report per key it tracks, which may be 100 000).
-        shown = [
-            path
-            for limit in config.limits.values()
-            if limit.adaptive is not None
-            for path in (
-                [usage.key for usage in totals[limit.path].top]
-                if limit.wildcard and limit.path in totals
-                else [limit.path]
-            )
-        ]
+        shown: list[str] = []
+        for limit in config.limits.values():
+            if limit.adaptive is not None:
+                found = totals.get(limit.path) if limit.wildcard else None
+                shown += [limit.path] if found is None else [usage.key for usage in found.top]
         payload["stats"] = gatekeeper.stats(adaptive_keys=shown)
     except Exception as exc:
         errors.append(f"stats: {type(exc).__name__}: {exc}")
