@@ -372,6 +372,19 @@ class Model:
             ),
         ]
 
+    def full(self, path: str, limit: ModelLimit) -> bool:
+        """Whether ``path``'s concurrency is all taken."""
+        return limit.concurrency is not None and self.inflight[path] >= limit.concurrency
+
+    def window_wait(self, path: str, limit: ModelLimit, now: float) -> float | None:
+        """Seconds until ``path``'s full rate window admits again; None if it has room."""
+        if limit.rate is None:
+            return None
+        number, seconds = limit.rate
+        cutoff = now - seconds
+        window = self.windows[path] = [t for t in self.windows.get(path, []) if t > cutoff]
+        return window[0] - cutoff if len(window) >= number else None
+
     def admit(self, service: str, caller: str, now: float) -> tuple[Any, ...]:
         """("admitted", slots, delay) or ("rejected", code, limit, retry_after)."""
         self.mature(now)
@@ -381,19 +394,23 @@ class Model:
             if limit is not None and limit.delay is not None:
                 delay = limit.delay
         slots = [(path, limit) for path, limit in levels if limit is not None]
-        for path, limit in slots:
-            if limit.concurrency is not None and self.inflight[path] >= limit.concurrency:
+        for at, (path, limit) in enumerate(slots):
+            if self.full(path, limit):
                 # When a delayed release holding this path matures (any moment if none).
                 soonest = min((due for due, paths in self.pending if path in paths), default=now)
                 self.rejected["GK-CONCURRENCY-LIMIT"] += 1
                 return ("rejected", "GK-CONCURRENCY-LIMIT", path, soonest - now)
-            if limit.rate is not None:
-                number, seconds = limit.rate
-                cutoff = now - seconds
-                window = self.windows[path] = [t for t in self.windows.get(path, []) if t > cutoff]
-                if len(window) >= number:
-                    self.rejected["GK-RATE-LIMIT"] += 1
-                    return ("rejected", "GK-RATE-LIMIT", path, window[0] - cutoff)
+            wait = self.window_wait(path, limit, now)
+            if wait is not None:
+                # Of the windows full now, the one that waits longest answers (a later
+                # limit whose concurrency is full is passed over, as the engine's look).
+                for later, other in slots[at + 1 :]:
+                    if not self.full(later, other):
+                        longer = self.window_wait(later, other, now)
+                        if longer is not None and longer > wait:
+                            path, wait = later, longer
+                self.rejected["GK-RATE-LIMIT"] += 1
+                return ("rejected", "GK-RATE-LIMIT", path, wait)
         taken: dict[str, tuple[float | None, frozenset[int] | None]] = {}
         for path, limit in slots:
             self.inflight[path] += 1
