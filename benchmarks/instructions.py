@@ -5,7 +5,10 @@ in its own process under callgrind, which is ~50x slower). Timings on a machine 
 other work move by tens of percent from one run to the next; the number of instructions a
 request executes does not. Each way serves ``GET /orders`` after a warm-up, and only the
 measured requests are counted: they run inside one ``any()`` call, and callgrind collects
-only while ``builtin_any`` runs (``--toggle-collect``).
+only while ``builtin_any`` runs (``--toggle-collect``), with the garbage collector off: a
+collection falls on one request or another by chance, which moved the figure of the same
+code by thousands of instructions per request between runs (what the collector then does is
+left out of every way alike).
 
 Ways: the bare Flask app; the core middleware around it (memory, 3 concurrency levels + 1
 rate, as ``overhead.py``); the Flask extension (the same limits); Flask-Limiter (one
@@ -19,6 +22,7 @@ instructions from the hot path is measured exactly.
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import shutil
 import subprocess
@@ -67,6 +71,8 @@ def serve(way: str, requests: int) -> None:
     def one(environ: dict[str, Any]) -> None:
         _common.call(app, environ)
 
+    gc.collect()
+    gc.disable()  # see the module's docstring
     any(map(one, repeat(_common.ENVIRON, requests)))
 
 

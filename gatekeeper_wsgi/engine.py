@@ -39,7 +39,7 @@ from gatekeeper_wsgi.errors import (
 from gatekeeper_wsgi.fileformats import open_for_writing, read_file
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.limitindex import counts
-from gatekeeper_wsgi.monitor import Monitor, Stats
+from gatekeeper_wsgi.monitor import SAMPLING, Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
 from gatekeeper_wsgi.values import RateInfo, Slot
@@ -64,6 +64,8 @@ _PERF_IS_MONOTONIC = (
 )
 # A backend outage is logged at most this often.
 _ERROR_LOG_INTERVAL = 10.0
+# A decision is timed when the count of decisions so far has none of these bits.
+_UNTIMED = SAMPLING - 1
 # A limit whose keys, leases or window entries ran out is named in a WARNING at most this
 # often (engine clock), however many requests it refuses meanwhile.
 _CAPACITY_LOG_INTERVAL = 60.0
@@ -468,8 +470,11 @@ class GateKeeper:
             delay = route.delay if caller_delay is None else caller_delay
         else:
             slots, delay = route.slots, route.delay
-        resolved = perf()
         monitor = self.monitor
+        # One decision in SAMPLING is timed (each one while an exporter observes
+        # them), and every one counted: see monitor.py. 0.0: not timed.
+        decisions = monitor.admitted + monitor.refused_decisions
+        resolved = perf() if monitor.observed or not decisions & _UNTIMED else 0.0
         grant: Grant | None = None
         # Whether this request may have waited in a queue (then `decide` leaves it out).
         queueing = False
@@ -520,7 +525,8 @@ class GateKeeper:
             monitor.decision(started, resolved, perf(), True)
         else:
             # Monitor.decision of a plain admission, without its frame (see Monitor.recent).
-            monitor.recent.append((started, resolved, perf(), 0.0, True))
+            if resolved:
+                monitor.recent.append((started, resolved, perf(), 0.0, True))
             monitor.admitted += 1
         admission = Admission()
         admission._keeper = self
@@ -911,8 +917,11 @@ class GateKeeper:
     def _settle(self, grant: Grant | None, status: int | None, faulty: bool, delay: float) -> None:
         """The work of :meth:`Admission.release`, once it has won the grant: feed an
         adaptive limit its sample, give the slots back (after ``delay``), wake waiters, and
-        time it as the ``response`` stage (``service_error`` when faulty)."""
+        time it as the ``response`` stage (``service_error`` when faulty; a plain release
+        is timed once in ``RESPONSE_SAMPLING``, see :mod:`~gatekeeper_wsgi.monitor`)."""
         started = time.perf_counter()
+        stage = self._error_stage if faulty else self._response_stage
+        timed = delay > 0 or not stage.count & stage.untimed
         if grant is not None:
             try:
                 now = started if self._perf_clock else self._clock()
@@ -928,10 +937,13 @@ class GateKeeper:
                 self._log_backend_error(self._failure(exc))
             if self._waiting:
                 self._line.wake()
+        if not timed:
+            stage.count += 1
+            return
         elapsed = time.perf_counter() - started
         if delay > 0:
             self.monitor.stages["delay_place"].record(elapsed)
-        (self._error_stage if faulty else self._response_stage).record(elapsed)
+        stage.record(elapsed)
 
     # --- observation ----------------------------------------------------------------------
 

@@ -4,6 +4,11 @@ Recording is cheap enough for every request. A stage keeps a count (over the lif
 process) and a ring of its most recent 1024 samples, from which ``mean_us``, ``p99_us``
 and ``max_us`` describe current behaviour.
 
+The stages every request passes - its decision's (below) and ``response`` - count every
+request but time one in :data:`SAMPLING` (each one while an exporter observes the stage):
+their clock readings and records were a tenth of a request's overhead, and the cost of a
+step varies little from one request to the next, so the sample describes them all.
+
 The three stages of an admission decision - ``resolve_limits``, ``decide`` and
 ``request`` - are not recorded one by one: :meth:`Monitor.decision` stores the decision's
 clock readings as they are, and the three durations are computed from them when asked
@@ -26,6 +31,7 @@ __all__ = [
     "DECISION_STAGES",
     "HISTORY_SECONDS",
     "REFUSED_KEYS",
+    "SAMPLING",
     "STAGES",
     "Counters",
     "Monitor",
@@ -50,6 +56,8 @@ STAGES = (
 )
 #: The stages read from :meth:`Monitor.decision`'s timestamps.
 DECISION_STAGES = ("resolve_limits", "decide", "request")
+#: One plain decision and release in this many is timed (a power of two; see above).
+SAMPLING = 8
 
 #: Keys remembered per limit as refused lately: the status page details them (a client
 #: locked out by a rate limit has nothing in flight, so it is not among the busiest).
@@ -115,24 +123,31 @@ class Stats(Snapshot):
 class Stage:
     """Timings of one stage, in seconds (``time.perf_counter`` differences)."""
 
-    __slots__ = ("count", "observer", "ring")
+    __slots__ = ("count", "observer", "ring", "timed", "untimed")
 
     def __init__(self) -> None:
+        #: occurrences, timed or not
         self.count = 0
+        #: samples recorded (the ring holds the latest of them)
+        self.timed = 0
         self.ring: list[float] = [0.0] * _RING
         #: called with every sample; exporters (Prometheus) set it through
         #: :meth:`Monitor.observe`
         self.observer: Observer | None = None
+        #: a mask of the count: an occurrence is timed when ``count & untimed`` is 0
+        #: (0: every one; the caller asks, see :data:`SAMPLING`)
+        self.untimed = 0
 
     def record(self, seconds: float) -> None:
-        count = self.count
-        self.ring[count & _RING_MASK] = seconds
-        self.count = count + 1
+        timed = self.timed
+        self.ring[timed & _RING_MASK] = seconds
+        self.timed = timed + 1
+        self.count += 1
         if self.observer is not None:
             self.observer(seconds)
 
     def summary(self) -> StageSummary:
-        return _summary(self.count, self.ring[: min(self.count, _RING)])
+        return _summary(self.count, self.ring[: min(self.timed, _RING)])
 
 
 def _summary(count: int, samples: list[float]) -> StageSummary:
@@ -154,16 +169,17 @@ class Monitor:
     def __init__(self) -> None:
         #: every stage; those of DECISION_STAGES only carry their observers
         self.stages = {name: Stage() for name in STAGES}
-        #: The most recent decisions, as (started, resolved, decided, waited, admitted):
+        self.stages["response"].untimed = SAMPLING - 1
+        #: The most recent timed decisions, as (started, resolved, decided, waited, admitted):
         #: its perf_counter readings, the seconds it waited in a queue and whether it
         #: admitted. Readings are stored as they come, not as durations (a subtraction
         #: makes a float object). A deque bounded to the ring's size: GateKeeper.admit
         #: appends a plain admission itself, one C call where :meth:`decision` is a
         #: Python frame (callgrind: ~1 300 instructions fewer per request).
         self.recent: deque[tuple[float, float, float, float, bool]] = deque(maxlen=_RING)
-        # Decisions that refused (admitted ones are ``admitted``): their sum is the count
-        # of decisions.
-        self._refused_decisions = 0
+        #: decisions that refused (admitted ones are ``admitted``): their sum is the count
+        #: of decisions
+        self.refused_decisions = 0
         #: whether an observer watches a decision stage (then every decision goes
         #: through :meth:`decision`)
         self.observed = False
@@ -195,13 +211,15 @@ class Monitor:
         resolved after ``started``, the backend decided after ``resolved``, ``waited``
         seconds of which in a queue (timed as ``queue_wait``, not as ``decide``). Times
         ``resolve_limits`` and ``decide``, and ``request`` (start to finish, waits
-        included) when admitted.
+        included) when admitted; ``resolved`` 0.0 counts an untimed one (see
+        :data:`SAMPLING`).
         """
-        self.recent.append((started, resolved, decided, waited, admitted))
+        if resolved:
+            self.recent.append((started, resolved, decided, waited, admitted))
         if admitted:
             self.admitted += 1
         else:
-            self._refused_decisions += 1
+            self.refused_decisions += 1
         if self.observed:
             stages = self.stages
             times = _decision_times(
@@ -213,14 +231,18 @@ class Monitor:
                     observer(seconds)
 
     def observe(self, name: str, observer: Observer | None) -> None:
-        """Call ``observer`` with every sample of stage ``name`` (None: stop)."""
-        self.stages[name].observer = observer
+        """Call ``observer`` with every sample of stage ``name`` (None: stop); a sampled
+        stage is timed every time while observed."""
+        stage = self.stages[name]
+        stage.observer = observer
+        if name == "response":
+            stage.untimed = 0 if observer is not None else SAMPLING - 1
         self.observed = any(self.stages[stage].observer for stage in DECISION_STAGES)
 
     def stage_summaries(self) -> dict[str, StageSummary]:
         """count, mean_us, p99_us and max_us of every stage."""
         summaries = {name: stage.summary() for name, stage in self.stages.items()}
-        decided = self.admitted + self._refused_decisions
+        decided = self.admitted + self.refused_decisions
         # A copy in one C call, which no other thread's append can interleave (the GIL).
         recent = self.recent.copy()
         summaries["resolve_limits"] = _summary(decided, [r - s for s, r, _, _, _ in recent])

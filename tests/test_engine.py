@@ -28,6 +28,7 @@ from gatekeeper_wsgi import resolve
 from gatekeeper_wsgi.config import load_config
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.monitor import SAMPLING
 from gatekeeper_wsgi.values import CALLER_RE
 from tests.conftest import FakeClock, busy
 from tests.servers import wait_until
@@ -1212,23 +1213,65 @@ def test_stats_count_what_happened(make: Make) -> None:
 
 
 def test_decision_timings_count_all_and_keep_the_latest(make: Make) -> None:
-    """Every decision is counted, an observer sees each one, and the timings are those of
-    the most recent decisions only: a long run keeps a bounded number of samples."""
+    """Every decision is counted; one in SAMPLING is timed, and each one while an observer
+    watches; the timings are those of the most recent decisions only: a long run keeps a
+    bounded number of samples."""
     gk = make({"shop": {"concurrency": 10}})
     seen: list[float] = []
-    for n in range(1500):
+    for n in range(2100):
         if n == 1000:
             gk.monitor.observe("request", seen.append)
         gk.admit("shop", "crm", "a").release(200)
+        if n == 999:
+            assert len(gk.monitor.recent) == 1000 // SAMPLING
     stages = gk.stats()["stages"]
-    assert stages["request"]["count"] == stages["decide"]["count"] == 1500
-    assert len(seen) == 500
+    assert stages["request"]["count"] == stages["decide"]["count"] == 2100
+    assert len(seen) == 1100
     assert all(seconds >= 0 for seconds in seen)
     assert len(gk.monitor.recent) == 1024
     gk.monitor.observe("request", None)
     gk.admit("shop", "crm", "a").release(200)
-    assert len(seen) == 500
-    assert gk.stats()["stages"]["request"]["count"] == 1501
+    assert len(seen) == 1100
+    assert gk.stats()["stages"]["request"]["count"] == 2101
+
+
+def test_refusals_are_sampled_as_admissions_are(make: Make) -> None:
+    """A run of refusals (a brute force against a rate limit) keeps the decision timings
+    current: one decision in SAMPLING is timed, whatever its outcome."""
+    gk = make({"shop/login/*": {"rate": "1/hour"}})
+    gk.admit("shop", "login", "alice").release(200)
+    for _ in range(8 * SAMPLING):
+        refused(gk, "shop", "login", "alice")
+    assert len(gk.monitor.recent) == 1 + 8
+    stages = gk.stats()["stages"]
+    assert stages["decide"]["count"] == 1 + 8 * SAMPLING
+    assert stages["request"]["count"] == 1
+
+
+def test_release_timings_count_all_and_time_a_sample(make: Make) -> None:
+    """Every release is counted as the response stage and one in SAMPLING timed; a faulty
+    one is timed each time, and so is every release while an observer watches."""
+    gk = make({"shop": {"concurrency": 10}})
+    for _ in range(4 * SAMPLING):
+        gk.admit("shop", "crm", "a").release(200)
+    response = gk.monitor.stages["response"]
+    assert (response.count, response.timed) == (4 * SAMPLING, 4)
+    assert gk.stats()["stages"]["response"]["count"] == 4 * SAMPLING
+    for _ in range(3):
+        gk.admit("shop", "crm", "a").release(500, faulty=True)
+    errors = gk.monitor.stages["service_error"]
+    assert (errors.count, errors.timed) == (3, 3)
+    seen: list[float] = []
+    gk.monitor.observe("response", seen.append)
+    for _ in range(5):
+        gk.admit("shop", "crm", "a").release(200)
+    assert len(seen) == 5
+    assert (response.count, response.timed) == (4 * SAMPLING + 5, 4 + 5)
+    gk.monitor.observe("response", None)
+    for _ in range(SAMPLING):
+        gk.admit("shop", "crm", "a").release(200)
+    assert len(seen) == 5
+    assert response.count == 5 * SAMPLING + 5
 
 
 def test_delay_stages_are_timed(make_clocked: Make, clock: FakeClock) -> None:
