@@ -83,6 +83,8 @@ class ResponseWatch:
     """
 
     __slots__ = ("_scanned", "_tail", "admission", "done", "faulty", "status")
+    _scanned: int
+    _tail: bytes
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
@@ -92,11 +94,8 @@ class ResponseWatch:
         #: after the body, then ``__del__``) skip the call. Only a shortcut - the
         #: admission's own release is what frees the slots exactly once, whatever races.
         self.done = False
-        # Only a route with a body marker scans; chunk() returns before reading these
-        # otherwise, and most requests are spared setting them.
-        if admission.route.timeout_body is not None:
-            self._scanned = 0
-            self._tail = b""
+        # _scanned and _tail are set by the first chunk() scanned: only a route with a
+        # body marker scans, and most requests are spared setting them.
 
     @property
     def scans_body(self) -> bool:
@@ -120,12 +119,15 @@ class ResponseWatch:
     def chunk(self, data: bytes) -> None:
         """A piece of the body as it streams through; scanned within the first 64 KiB."""
         pattern = self.admission.route.timeout_body
-        if pattern is None or self.faulty or self._scanned >= BODY_SCAN_LIMIT:
+        if pattern is None or self.faulty:
             return
-        data = data[: BODY_SCAN_LIMIT - self._scanned]
-        self._scanned += len(data)
+        scanned = getattr(self, "_scanned", 0)  # unset before the first piece
+        if scanned >= BODY_SCAN_LIMIT:
+            return
+        data = data[: BODY_SCAN_LIMIT - scanned]
+        self._scanned = scanned + len(data)
         # Keep a tail, so a marker split across two chunks is still found.
-        window = self._tail + data
+        window = (self._tail + data) if scanned else data
         if pattern.search(window):
             self.faulty = True
         self._tail = window[-256:]

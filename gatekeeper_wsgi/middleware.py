@@ -63,11 +63,13 @@ class _WatchedResponse(ResponseWatch):
     slots come back even when the inner ``close()`` raises.
     """
 
-    # Set by GateKeeperMiddleware.__call__: the server's start_response, the body length
-    # the app's headers declare (None until start_response), the bytes the app wrote
-    # through write(), then the app's iterable (no __init__ of its own, which would cost
-    # a super() call per request); by start_response: the server's write().
+    # Set by GateKeeperMiddleware.__call__, its only maker: the fields of ResponseWatch,
+    # the server's start_response, the body length the app's headers declare (None until
+    # start_response), the bytes the app wrote through write(), then the app's iterable;
+    # by start_response: the server's write(). object's __init__, not ResponseWatch's:
+    # calling a class whose __init__ is Python code costs ~800 instructions per request.
     __slots__ = ("_declared", "_inner", "_start_response", "_write", "_written")
+    __init__ = object.__init__
     _declared: int | None
     _inner: Iterable[bytes]
     _start_response: StartResponse
@@ -245,7 +247,11 @@ class GateKeeperMiddleware:
         # Admitted: run the app. The admission is released when the response is exhausted
         # or closed (or, failing both, garbage collected). In this method rather than a
         # helper of its own: a call per request costs ~600 instructions.
-        response = _WatchedResponse(admission)
+        response: _WatchedResponse = _WatchedResponse()  # filled here: see its __slots__
+        response.admission = admission
+        response.status = None
+        response.faulty = False
+        response.done = False
         response._start_response = start_response
         response._declared = None
         response._written = 0
