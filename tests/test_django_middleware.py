@@ -192,6 +192,52 @@ def test_user_key_reads_the_authenticated_request_user(settings: Any) -> None:
     assert busy(get_gatekeeper()) == {}
 
 
+def live(response: Any) -> dict[str, int]:
+    """The limit paths with requests in flight that /whoami/ saw."""
+    return {path: n for path, n in response.json()["inflight"].items() if n}
+
+
+@pytest.mark.django_db
+def test_user_key_counts_each_logged_in_user_with_the_middleware_first(
+    settings: Any, django_user_model: Any
+) -> None:
+    """Placed first, before AuthenticationMiddleware (as the test project's MIDDLEWARE
+    is), `key: "user"` still counts each logged-in user apart: it reads the session's user
+    as Django will, and leaves the session as it was."""
+    configure_gatekeeper(
+        settings, {"site/whoami/*": {"concurrency": 5, "rate": "1/hour", "key": "user"}}
+    )
+    alice, bob, anonymous = Client(), Client(), Client()
+    alice.force_login(django_user_model.objects.create_user("alice"))
+    bob.force_login(django_user_model.objects.create_user("bob"))
+    assert live(alice.get("/whoami/")) == {"site/whoami/alice": 1}
+    assert live(bob.get("/whoami/")) == {"site/whoami/bob": 1}
+    assert alice.get("/whoami/").status_code == 429
+    assert live(anonymous.get("/whoami/")) == {"site/whoami/-": 1}
+    assert anonymous.get("/whoami/").status_code == 429
+    assert bob.session.get("_auth_user_id") is not None  # still logged in
+
+
+@pytest.mark.django_db
+def test_user_key_does_not_flush_a_session_it_cannot_verify(
+    settings: Any, django_user_model: Any
+) -> None:
+    """A session whose password hash no longer verifies counts as anonymous, and is left
+    for Django's own middleware to flush (only a copy of it is read)."""
+    configure_gatekeeper(settings, {"site/whoami/*": {"concurrency": 5, "key": "user"}})
+    user = django_user_model.objects.create_user("carol", password="before")
+    client = Client()
+    client.force_login(user)
+    key = client.session.session_key
+    user.set_password("after")
+    user.save()
+    from django.contrib.sessions.models import Session
+
+    assert live(client.get("/whoami/")) == {"site/whoami/-": 1}
+    # Not flushed by the read (the view never asks for request.user, so Django does not).
+    assert Session.objects.filter(session_key=key).exists()
+
+
 def test_user_key_falls_back_to_remote_user(settings: Any) -> None:
     """Without `request.user` (GateKeeper runs first), `key: "user"` reads REMOTE_USER."""
     configure_gatekeeper(settings, {"site/whoami/*": {"concurrency": 1, "key": "user"}})

@@ -100,9 +100,58 @@ class _ReleasedWhenRead(list):  # type: ignore[type-arg]
 
 def _username(request: HttpRequest) -> str | None:
     user = getattr(request, "user", None)
+    if user is None:
+        user = _session_user(request)
     if user is None or not getattr(user, "is_authenticated", False):
         return None
     return str(user.get_username())
+
+
+# Django's AuthenticationMiddleware, whose request.user a per-user limit reads.
+_AUTHENTICATION = "django.contrib.auth.middleware.AuthenticationMiddleware"
+
+
+class _SessionCopy(dict[str, Any]):
+    """A copy of a session for ``get_user``: what it would change (a session whose
+    password hash no longer verifies is flushed) changes only the copy - the request's
+    own session is the business of Django's middleware, later."""
+
+    def flush(self) -> None:
+        self.clear()
+
+    def cycle_key(self) -> None:
+        pass
+
+
+class _SessionProbe:
+    """What ``django.contrib.auth.get_user`` reads of a request: its session."""
+
+    def __init__(self, session: _SessionCopy) -> None:
+        self.session = session
+
+
+def _session_user(request: HttpRequest) -> Any:
+    """The user Django's AuthenticationMiddleware will find for this request, found as it
+    will (session cookie, session store, the session's backend and password hash), or
+    None. Placed first, as it should be, this middleware runs before that one has set
+    ``request.user``; a site without it has no session users (None)."""
+    from importlib import import_module
+
+    from django.conf import settings
+    from django.contrib.auth import get_user
+
+    if _AUTHENTICATION not in settings.MIDDLEWARE:
+        return None
+    session_key = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
+    if not session_key:
+        return None  # anonymous: no session to read
+    try:
+        store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+        # get_user reads nothing of a request but its session.
+        return get_user(cast("HttpRequest", _SessionProbe(_SessionCopy(store.items()))))
+    except Exception:  # a store down or a session it cannot read: as if anonymous
+        logger.debug("gatekeeper: could not read the session's user", exc_info=True)
+        return None
 
 
 class _DjangoGate(Gate):
@@ -155,10 +204,12 @@ class GateKeeperMiddleware:
 
     **Caller.** From the configured header, or ``caller.resolver(request.META)``. Limits
     with ``key: "user"`` read ``request.user`` (its username when authenticated), else
-    ``REMOTE_USER``. Running first, this middleware sees ``request.user`` only if
-    something set it before Django's middleware ran - ``AuthenticationMiddleware`` comes
-    later - so for per-user limits authenticate at the server (``REMOTE_USER``) or derive
-    the caller with ``caller.resolver`` (e.g. from a token header) and key by ``caller``.
+    ``REMOTE_USER``. Running first, this middleware comes before Django's
+    ``AuthenticationMiddleware`` has set ``request.user``: it then finds the user the way
+    that one will (the session cookie, the session store, ``auth.get_user``) on a copy of
+    the session, so a per-user limit counts each logged-in user apart wherever it sits.
+    That is a session read per request of a project with a per-user limit (Django's own
+    read of it comes later).
 
     **Release.** Through the core's release path (:class:`ResponseWatch`): the slots
     come back when the response's body is read to its end or the server closes it,
