@@ -150,9 +150,7 @@ class ResponseWatch:
         self.done = True
         self.admission.release_collected(self.status, self.faulty)
 
-    def stream(
-        self, content: Iterable[bytes], finish_on_error: bool, length: int | None = None
-    ) -> Iterator[bytes]:
+    def stream(self, content: Iterable[bytes], length: int | None = None) -> Iterator[bytes]:
         """``content`` passed through, scanned for a body marker; finished when exhausted,
         or - when the body's ``length`` is known - as soon as that many bytes were handed
         out: a client reading a body of known size sees its end before the server asks
@@ -161,8 +159,8 @@ class ResponseWatch:
         Iterated with ``for``, not ``yield from``: closing this generator (a server
         dropping it when the client went away) must not close ``content`` as well - its
         ``close()`` is called once, by whoever closes the response. An error mid-stream
-        is faulty; with ``finish_on_error`` it also releases at once (for a server that
-        skips ``close()`` when the stream raises).
+        is faulty and releases at once: the response ends there, whether or not the
+        server (or a test client whose reader raised) closes it afterwards.
         """
         scans = self.admission.route.timeout_body is not None
         # Bytes still to hand out; -1: length unknown, _FINISHED: all handed out.
@@ -183,8 +181,7 @@ class ResponseWatch:
             raise
         except BaseException:
             self.faulty = True
-            if finish_on_error:
-                self.finish()
+            self.finish()
             raise
         if left != _FINISHED:  # else finished already (a second call would do nothing)
             self.finish()
@@ -192,7 +189,7 @@ class ResponseWatch:
     async def astream(
         self, content: AsyncIterator[bytes], length: int | None = None
     ) -> AsyncIterator[bytes]:
-        """The async form of :meth:`stream` (with ``finish_on_error``)."""
+        """The async form of :meth:`stream`."""
         left = -1 if length is None else length
         try:
             async for chunk in content:

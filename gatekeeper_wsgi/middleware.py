@@ -126,7 +126,7 @@ class _WatchedResponse(ResponseWatch):
             length = self._declared
             if self._written and length is not None:  # the rest of a body write() began
                 length = max(0, length - self._written)
-        return self.stream(inner, False, length)
+        return self.stream(inner, length)
 
     def close(self) -> None:
         try:
@@ -150,7 +150,7 @@ class _HeadWatchedResponse(_WatchedResponse):
     __slots__ = ()
 
     def __iter__(self) -> Iterator[bytes]:
-        return self.stream(self._inner, False, 0)
+        return self.stream(self._inner, 0)
 
 
 class _SizedHeadWatchedResponse(_HeadWatchedResponse):

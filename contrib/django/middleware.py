@@ -95,7 +95,7 @@ class _ReleasedWhenRead(list):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[bytes]:
         chunks = list.__iter__(self)
         length = sum(map(len, list.__iter__(self)))
-        return self.watch.stream(chunks, finish_on_error=True, length=length)
+        return self.watch.stream(chunks, length)
 
 
 def _username(request: HttpRequest) -> str | None:
@@ -315,9 +315,7 @@ class GateKeeperMiddleware:
                     cast("AsyncIterator[bytes]", content), length
                 )
             else:
-                response.streaming_content = watch.stream(
-                    cast("Iterator[bytes]", content), True, length
-                )
+                response.streaming_content = watch.stream(cast("Iterator[bytes]", content), length)
         elif isinstance(response, HttpResponse):
             if watch.scans_body:
                 watch.chunk(response.content)
