@@ -90,8 +90,8 @@ class Route:
         "_source",
         "_wildcard",
         "caller_candidates",
-        "config",
         "delay",
+        "ipv6_prefix",
         "marks_headers",
         "mode",
         "project",
@@ -103,7 +103,10 @@ class Route:
     )
 
     def __init__(self, config: Config, project: str, service: str) -> None:
-        self.config = config
+        # Only what requests read, not the Config itself: an admission in flight holds
+        # its Route, and once a reload swapped in another configuration nothing may keep
+        # the previous one alive (SPEC 3), however long the response streams.
+        self.ipv6_prefix = config.ipv6_prefix
         self.project = project
         self.service = service
         self.mode = config.mode
@@ -192,7 +195,7 @@ class Route:
     ) -> tuple[tuple[Slot, ...], float | None]:
         best = self._wildcard
         value = ""
-        ipv6 = self.config.ipv6_prefix
+        ipv6 = self.ipv6_prefix
         for source, by_segment in self._exact.items():
             found = by_segment.get(_key_value(source, caller, environ, user, ipv6))
             if found is not None and (best is None or found[0] < best[0]):

@@ -19,6 +19,7 @@ from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
 from gatekeeper_wsgi import middleware as core_middleware
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.resolve import MEMO_KEY_CHARS
+from tests.conftest import busy
 
 MiB = 1024 * 1024
 
@@ -187,6 +188,28 @@ def test_30_reloads_of_a_5000_limit_file_leave_one_live_config(tmp_path: Path) -
     gc.collect()
     alive = [ref() for ref in configs if ref() is not None]
     assert alive == [gk.config]
+    gk.close()
+
+
+def test_a_response_in_flight_across_reloads_keeps_no_old_config_alive(tmp_path: Path) -> None:
+    """A long response (a stream, an SSE feed) admitted before a reload holds its slots,
+    not the configuration it was admitted under: once swapped, that one is gone while the
+    response still streams, and the response still releases its slot exactly once."""
+    path = tmp_path / "limits.toml"
+    write_limits(path, 0)
+    app = GateKeeperMiddleware(ok_app, str(path))
+    gk = app.gatekeeper
+    first = weakref.ref(gk.config)
+    headers = [("X-Tenant", "t1"), ("X-Caller-Id", "crm")]
+    streaming = app(EnvironBuilder(path="/s1", headers=headers).get_environ(), lambda *a: None)
+    assert busy(gk) == {"shop/s1": 1, "shop/s1/t1": 1}
+    write_limits(path, 1)
+    assert gk.reload() is True
+    gc.collect()
+    assert first() is None
+    b"".join(streaming)
+    streaming.close()  # type: ignore[attr-defined]
+    assert busy(gk) == {}
     gk.close()
 
 
