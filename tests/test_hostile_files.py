@@ -21,7 +21,7 @@ import pytest
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.config import MAX_SECONDS, build_config
 from gatekeeper_wsgi.errors import ConfigError, Rejected
-from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, load_file, open_for_writing
+from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, MAX_KEY_PARTS, load_file, open_for_writing
 from tests.conftest import FakeClock
 
 GOOD = "project = shop\nlimits.shop.concurrency = 1\n"
@@ -285,6 +285,58 @@ def test_deep_toml_nesting_is_a_config_error(tmp_path: Path, text: str) -> None:
     assert info.value.file == str(path)
     assert info.value.line == 4
     assert str(info.value).startswith(f"{path}:4: ")
+
+
+def dotted(parts: int, part: str = "a", dot: str = ".") -> str:
+    return dot.join([part] * parts)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        dotted(20_000) + " = 1\n",
+        "[" + dotted(20_000) + "]\n",
+        dotted(20_000, '"a"') + " = 1\n",
+        "x = {" + dotted(20_000, dot=" . ") + " = 1}\n",
+        dotted(MAX_KEY_PARTS + 1) + " = 1\n",
+    ],
+    ids=["key", "table", "quoted parts", "inline table with blanks", "one part too many"],
+)
+def test_a_toml_key_of_thousands_of_parts_is_a_config_error(tmp_path: Path, text: str) -> None:
+    """tomllib's time grows with the square of a dotted key's parts (20 000 parts: seconds,
+    in the request that checks for a reload): a key of more than MAX_KEY_PARTS parts is a
+    ConfigError naming its file and line, found before tomllib reads it. Dots in strings,
+    comments and numbers are no key's."""
+    path = tmp_path / "long.toml"
+    head = '[gatekeeper]\nproject = "shop"  # ' + dotted(40) + "\nnote = '" + dotted(40)
+    path.write_text(head + "'\nratio = 1.5\n" + text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="more than 32 dotted parts") as info:
+        load_file(path)
+    assert info.value.file == str(path)
+    assert info.value.line == 5
+
+
+def test_a_toml_key_of_the_most_parts_is_read(tmp_path: Path) -> None:
+    """A key of MAX_KEY_PARTS parts (in a table the configuration does not read) loads."""
+    path = tmp_path / "long.toml"
+    path.write_text(
+        '[gatekeeper]\nproject = "shop"\n[other]\n' + dotted(MAX_KEY_PARTS) + " = 1\n",
+        encoding="utf-8",
+    )
+    assert load_file(path)[0]["project"] == "shop"
+
+
+def test_a_toml_reload_with_a_key_of_thousands_of_parts_fails_inside_a_request(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """Swapped in, such a file is a failed reload; the request goes on under the old limits."""
+    path = tmp_path / "gatekeeper.toml"
+    path.write_text('project = "shop"\n[limits.shop]\nconcurrency = 1\n', encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, 'project = "shop"\n' + dotted(50_000) + " = 1\n")
+    request(gk)
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert concurrency(gk) == 1
 
 
 def test_control_characters_are_escaped_in_messages(tmp_path: Path) -> None:
