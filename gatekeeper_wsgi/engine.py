@@ -948,7 +948,12 @@ class GateKeeper:
     # --- observation ----------------------------------------------------------------------
 
     def inflight(self) -> dict[str, int]:
-        """Requests in flight per concrete limit path, due delayed releases applied."""
+        """Requests in flight per concrete limit path, due delayed releases applied.
+
+        Raises :class:`BackendError` when the backend cannot be read (Redis unreachable, a
+        shared file replaced by something else): a count that cannot be read is no zero.
+        (``stats()`` reports such an outage in its counters instead, and the status page
+        says so.)"""
         _release_collected()
         return self.backend.inflight(self._clock())
 
