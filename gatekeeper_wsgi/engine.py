@@ -957,6 +957,12 @@ class GateKeeper:
         _release_collected()
         return self.backend.inflight(self._clock())
 
+    def delayed_pending(self) -> int:
+        """Delayed releases not matured yet (``stats()``'s ``delayed_pending``, alone);
+        raises :class:`BackendError` as :meth:`inflight` does."""
+        _release_collected()
+        return self.backend.delayed_pending(self._clock())
+
     def totals(self, *, top: int = TOP_KEYS) -> dict[str, LimitTotals] | None:
         """Per counting limit of the configuration: in flight summed over its keys, keys
         tracked and in flight, and details of its busiest and lately refused keys; None
@@ -975,7 +981,10 @@ class GateKeeper:
         _release_collected()
         backend = self.backend
         try:
-            self._last_read = (backend.delayed_pending(), backend.adaptive(adaptive_keys))
+            self._last_read = (
+                backend.delayed_pending(self._clock()),
+                backend.adaptive(adaptive_keys),
+            )
         except BackendError as exc:
             logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
         delayed, adaptive = self._last_read

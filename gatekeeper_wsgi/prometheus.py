@@ -163,7 +163,7 @@ class _Observation:
         )
         try:
             totals = limit_totals(keeper, top=ADAPTIVE_KEYS if wildcards else 0)
-            delayed = keeper.backend.delayed_pending()
+            delayed = keeper.delayed_pending()
             up = True
         except Exception:
             totals, delayed, up = {}, 0, False

@@ -730,6 +730,25 @@ def test_faulty_response_holds_slots_for_the_delay(make_clocked: Make, clock: Fa
     assert busy(gk) == {}
 
 
+def test_delayed_pending_drops_the_matured_ones_with_no_traffic(
+    make_clocked: Make, clock: FakeClock
+) -> None:
+    """`delayed_pending` counts the delays not matured yet: once they have, stats() reads
+    0 without any request in between (after an incident, when traffic stopped)."""
+    gk = make_clocked({"shop/crm": {"concurrency": 5, "delay": 2.0}})
+    for _ in range(3):
+        gk.admit("shop", "crm", "a").release(500, faulty=True)
+        clock.advance(0.5)
+    assert gk.stats()["counters"]["delayed_pending"] == 3
+    assert gk.delayed_pending() == 3
+    clock.advance(0.6)  # the first matured, two to go
+    assert gk.stats()["counters"]["delayed_pending"] == 2
+    clock.advance(1.0)
+    assert gk.stats()["counters"]["delayed_pending"] == 0
+    assert gk.delayed_pending() == 0
+    assert busy(gk) == {}
+
+
 def test_ok_response_frees_at_once_despite_delay(make: Make) -> None:
     """A healthy response releases immediately, whatever `delay` says."""
     gk = make({"shop": {"concurrency": 1, "delay": 60.0}})

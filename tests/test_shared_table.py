@@ -133,10 +133,10 @@ def test_reads_of_a_closed_table_answer_their_defaults(tmp_path: Path, clock: Fa
     assert limit.adaptive is not None
     gk.admit("shop", "api", "c").release(500, faulty=True)  # held back for 5 s
     assert backend.next_due() == clock.now + 5.0
-    assert backend.delayed_pending() == 1
+    assert backend.delayed_pending(clock.now) == 1
     backend.close()
     assert backend.next_due() is None
-    assert backend.delayed_pending() == 0
+    assert backend.delayed_pending(clock.now) == 0
     assert backend.adaptive_limit("shop", limit) == limit.adaptive.initial
 
 

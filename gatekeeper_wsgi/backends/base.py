@@ -424,8 +424,9 @@ class Backend(ABC):
         """When the next delayed release matures (engine clock), if known."""
         return None
 
-    def delayed_pending(self) -> int:
-        """How many delayed releases are waiting to mature."""
+    def delayed_pending(self, now: float) -> int:
+        """How many delayed releases have not matured by ``now`` (the engine's clock): due
+        ones are applied first, or left out of the count."""
         return 0
 
     def multiprocess(self) -> None:  # noqa: B027 - only per-process backends care

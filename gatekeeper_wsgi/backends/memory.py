@@ -551,8 +551,12 @@ class MemoryBackend(Backend):
         delayed = self._delayed
         return delayed[0][0] if delayed else None
 
-    def delayed_pending(self) -> int:
-        return len(self._delayed)
+    def delayed_pending(self, now: float) -> int:
+        with self._lock:
+            now = max(now, self._latest)
+            if self._delayed and self._delayed[0][0] <= now:
+                self._mature(now)
+            return len(self._delayed)
 
     def multiprocess(self) -> None:
         """Warn (once per process) that limits are counted per process: this runs in a

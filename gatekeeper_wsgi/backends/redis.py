@@ -1786,9 +1786,10 @@ class RedisBackend(Backend):
         seconds, micros = self.client.time()
         return int(seconds) * 1_000_000 + int(micros)
 
-    def delayed_pending(self) -> int:
+    def delayed_pending(self, now: float) -> int:
         """Delayed releases this process placed that have not matured yet (best effort:
-        other hosts' are not counted)."""
+        other hosts' are not counted; by this process's monotonic clock, as it placed
+        them)."""
         delayed = self._delayed
         if not delayed:
             return 0

@@ -414,10 +414,9 @@ class SharedBackend(Table):
         except BackendError:
             return None  # the table cannot be reached: nothing is known to be due
 
-    def delayed_pending(self) -> int:
+    def delayed_pending(self, now: float) -> int:
         try:
-            with self._reading:
-                return self._leases.pending()
+            return self._observed(now, self._leases.pending)
         except BackendError:
             return 0
 
