@@ -383,7 +383,9 @@ def render_fault(
     if rate is not None:
         name = _sf_string(rejected.limit_path or "default")
         window = max(1, math.ceil(rate.window - 1e-9))
-        reset = max(0, math.ceil(rate.reset - 1e-9))
+        # Whole seconds, rounded up as Retry-After is: a window with no room left is at
+        # least a second from having some (never t=0 beside Retry-After: 1).
+        reset = max(0 if rate.remaining > 0 else 1, math.ceil(rate.reset - 1e-9))
         headers.append(("RateLimit-Policy", f"{name};q={max(0, rate.quota)};w={window}"))
         headers.append(("RateLimit", f"{name};r={max(0, rate.remaining)};t={reset}"))
     return status_line, headers, body

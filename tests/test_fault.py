@@ -246,6 +246,15 @@ def test_ratelimit_headers_round_window_and_reset() -> None:
     assert header(headers, "RateLimit") == '"api";r=3;t=0'
 
 
+def test_ratelimit_reset_of_a_full_window_is_never_0() -> None:
+    """A window with no room left within a nanosecond of sliding still says t=1, as its
+    Retry-After does (whole seconds, at least 1): never t=0 on a refusal."""
+    rate = RateInfo(quota=1, window=10.0, remaining=0, reset=5e-10)
+    _, headers, _ = render_fault(login_rate(limit_path="api", rate=rate, retry_after=1), {}, "r")
+    assert header(headers, "Retry-After") == "1"
+    assert header(headers, "RateLimit") == '"api";r=0;t=1'
+
+
 def test_ratelimit_policy_name_is_escaped() -> None:
     """A limit path with quotes, backslashes, CR/LF or non-ASCII stays one valid sf-string."""
     _, headers, _ = render_fault(login_rate(limit_path='a"b\\c\r\nX-Evil: 1/é'), {}, "r")
