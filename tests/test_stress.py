@@ -30,7 +30,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from tests.conftest import FakeClock
@@ -142,21 +141,14 @@ class Observer:
                 self.holders[path].remove(limit)
 
 
-def concurrency_limits(config: Config, project: str, service: str, caller: str) -> dict[str, int]:
-    """The concurrency each concrete path of a request must respect, as the test reads
-    the configuration it wrote (exact paths beat wildcards)."""
-    limits = config.limits
-    found = {
-        project: limits.get(project),
-        f"{project}/{service}": limits.get(f"{project}/{service}"),
-        f"{project}/{service}/{caller}": limits.get(f"{project}/{service}/{caller}")
-        or limits.get(f"{project}/*/*"),
-    }
-    return {
-        path: limit.concurrency
-        for path, limit in found.items()
-        if limit is not None and limit.concurrency is not None
-    }
+def concurrency_limits(admission: Admission, caller: str) -> dict[str, int]:
+    """The concurrency each concrete path of a request must respect: those of the
+    configuration it was admitted under (reloads swap others in meanwhile), as its route
+    holds them, the caller level's included (a route keeps its limits, not the whole
+    configuration: SPEC 3)."""
+    route = admission.route
+    slots = route.caller_level(caller, {}, None)[0] if route.caller_candidates else route.slots
+    return {key: limit.concurrency for key, limit, _ in slots if limit.concurrency is not None}
 
 
 _PROJECTS = itertools.count()
@@ -234,7 +226,7 @@ def test_threads_never_exceed_any_limit(
             failures.append(traceback.format_exc())
 
     def serve(admission: Admission, service: str, caller: str, outcome: str) -> None:
-        limits = concurrency_limits(admission.route.config, project, service, caller)
+        limits = concurrency_limits(admission, caller)
         status: int | None = None
         try:
             observer.enter(limits)
