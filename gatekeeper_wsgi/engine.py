@@ -918,7 +918,7 @@ class GateKeeper:
         """The work of :meth:`Admission.release`, once it has won the grant: feed an
         adaptive limit its sample, give the slots back (after ``delay``), wake waiters, and
         time it as the ``response`` stage (``service_error`` when faulty; a plain release
-        is timed once in ``RESPONSE_SAMPLING``, see :mod:`~gatekeeper_wsgi.monitor`)."""
+        is timed once in ``SAMPLING``, see :mod:`~gatekeeper_wsgi.monitor`)."""
         started = time.perf_counter()
         stage = self._error_stage if faulty else self._response_stage
         timed = delay > 0 or not stage.count & stage.untimed
