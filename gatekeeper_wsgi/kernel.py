@@ -24,7 +24,7 @@ from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
 from gatekeeper_wsgi.rejectlog import log_rejected
-from gatekeeper_wsgi.requestvalues import remember
+from gatekeeper_wsgi.requestvalues import content_length, remember
 from gatekeeper_wsgi.resolve import Route
 
 if TYPE_CHECKING:
@@ -63,12 +63,9 @@ DECLARED_LENGTHS: dict[str, int | None] = {}
 
 
 def declared_length(value: str) -> int | None:
-    """The body length a ``Content-Length`` value declares, None unless a plain number."""
-    # isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work. The blanks
-    # around a field value are not part of it (RFC 9110 5.5).
-    digits = value.strip(" \t")
-    length = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
-    return remember(DECLARED_LENGTHS, value, length, len(value))
+    """The body length a ``Content-Length`` value declares, None unless a plain number
+    (:func:`~gatekeeper_wsgi.requestvalues.content_length`, memoized)."""
+    return remember(DECLARED_LENGTHS, value, content_length(value), len(value))
 
 
 class ResponseWatch:

@@ -16,7 +16,14 @@ from typing import TypeVar
 
 from gatekeeper_wsgi.values import CALLER_RE
 
-__all__ = ["MEMO_KEY_CHARS", "MEMO_SIZE", "ip_segment", "key_segment", "remember"]
+__all__ = [
+    "MEMO_KEY_CHARS",
+    "MEMO_SIZE",
+    "content_length",
+    "ip_segment",
+    "key_segment",
+    "remember",
+]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -45,6 +52,14 @@ def remember(memo: dict[K, V], key: K, value: V, size: int) -> V:
         memo.clear()
     memo[key] = value
     return value
+
+
+def content_length(value: str) -> int | None:
+    """The body length a ``Content-Length`` value states (a response's or a request's),
+    None unless it is a plain number. The blanks around a field value are not part of it
+    (RFC 9110 5.5); isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work."""
+    digits = value.strip(" \t")
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
 
 
 def key_segment(value: str | None) -> str:
