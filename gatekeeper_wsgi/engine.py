@@ -39,7 +39,7 @@ from gatekeeper_wsgi.errors import (
 from gatekeeper_wsgi.fileformats import open_for_writing, read_file
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.limitindex import counts
-from gatekeeper_wsgi.monitor import SAMPLING, Monitor, Stats
+from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
 from gatekeeper_wsgi.values import RateInfo, Slot
@@ -64,8 +64,6 @@ _PERF_IS_MONOTONIC = (
 )
 # A backend outage is logged at most this often.
 _ERROR_LOG_INTERVAL = 10.0
-# A decision is timed when the count of decisions so far has none of these bits.
-_UNTIMED = SAMPLING - 1
 # A limit whose keys, leases or window entries ran out is named in a WARNING at most this
 # often (engine clock), however many requests it refuses meanwhile.
 _CAPACITY_LOG_INTERVAL = 60.0
@@ -471,10 +469,10 @@ class GateKeeper:
         else:
             slots, delay = route.slots, route.delay
         monitor = self.monitor
-        # One decision in SAMPLING is timed (each one while an exporter observes
-        # them), and every one counted: see monitor.py. 0.0: not timed.
+        # One decision in monitor.SAMPLING is timed (each one while an exporter observes
+        # them), every one counted: see Monitor.untimed. 0.0: not timed.
         decisions = monitor.admitted + monitor.refused_decisions
-        resolved = perf() if monitor.observed or not decisions & _UNTIMED else 0.0
+        resolved = perf() if not decisions & monitor.untimed else 0.0
         grant: Grant | None = None
         # Whether this request may have waited in a queue (then `decide` leaves it out).
         queueing = False

@@ -183,6 +183,9 @@ class Monitor:
         #: whether an observer watches a decision stage (then every decision goes
         #: through :meth:`decision`)
         self.observed = False
+        #: a mask of the count of decisions, as :attr:`Stage.untimed` is of a stage's: a
+        #: decision is timed when ``decisions & untimed`` is 0 (every one while observed)
+        self.untimed = SAMPLING - 1
         self.admitted = 0
         self.rejected: dict[str, int] = {}
         self.rejected_by_limit: dict[str, int] = {}
@@ -237,7 +240,8 @@ class Monitor:
         stage.observer = observer
         if name == "response":
             stage.untimed = 0 if observer is not None else SAMPLING - 1
-        self.observed = any(self.stages[stage].observer for stage in DECISION_STAGES)
+        self.observed = any(self.stages[each].observer for each in DECISION_STAGES)
+        self.untimed = 0 if self.observed else SAMPLING - 1
 
     def stage_summaries(self) -> dict[str, StageSummary]:
         """count, mean_us, p99_us and max_us of every stage."""
