@@ -109,13 +109,11 @@ class _WatchedResponse(ResponseWatch):
         returned. Watched as the iterable is: scanned for a body marker, and the slots
         come back before the piece that completes the declared Content-Length goes out
         (the client has its whole answer with it)."""
-        if self.admission.route.timeout_body is not None:
-            self.chunk(data)
+        self.chunk(data)
         self._written += len(data)
         length = self._declared
         if not self.done and length is not None and self._written >= length:
-            self.done = True
-            self.admission.release(self.status, self.faulty)
+            self.finish()
         return self._write(data)
 
     def __iter__(self) -> Iterator[bytes]:
@@ -153,15 +151,6 @@ class _HeadWatchedResponse(_WatchedResponse):
         return self.stream(self._inner, 0)
 
 
-class _SizedHeadWatchedResponse(_HeadWatchedResponse):
-    """A HEAD's watched response around a sized iterable (see _SizedWatchedResponse)."""
-
-    __slots__ = ()
-
-    def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]
-
-
 class _SizedWatchedResponse(_WatchedResponse):
     """A watched response around a sized iterable (a list): ``len()`` stays visible, so
     servers still add ``Content-Length`` to a one-element body (wsgiref, waitress)."""
@@ -170,6 +159,13 @@ class _SizedWatchedResponse(_WatchedResponse):
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
+
+
+class _SizedHeadWatchedResponse(_HeadWatchedResponse, _SizedWatchedResponse):
+    """A HEAD's watched response around a sized iterable: the HEAD's ``__iter__``, the
+    sized one's ``__len__``."""
+
+    __slots__ = ()
 
 
 # Content-Length as apps spell it (see _WatchedResponse.__iter__).
