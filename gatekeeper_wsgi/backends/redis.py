@@ -533,7 +533,9 @@ class _Outbox:
         return taken
 
     def give_back(self, releases: list[_Release]) -> None:
-        """Releases whose call failed: first in line for the sender's next try."""
+        """Releases whose call failed: first in line for the sender's next try (a posted
+        batch given back is no longer watched: it is sent again from here)."""
+        self._posted.pop(id(releases), None)
         with self._lock:
             sending = self._sending
             mine = [release for release in releases if not release.again and release not in sending]
@@ -1382,7 +1384,6 @@ class RedisBackend(Backend):
             try:
                 reply = connection.read_response()
             except redis.exceptions.ResponseError:
-                outbox.confirmed(batch)
                 outbox.give_back(batch)
                 continue
             except BaseException:
@@ -1399,9 +1400,7 @@ class RedisBackend(Backend):
         posted: list[list[_Release]] | None = getattr(connection, "gatekeeper_posted", None)
         outbox = self._outbox
         while posted:
-            batch = posted.pop(0)
-            outbox.confirmed(batch)
-            outbox.give_back(batch)
+            outbox.give_back(posted.pop(0))
 
     def _send(self, releases: list[_Release]) -> None:
         """Apply releases: one script call (on a Cluster, one per hash tag)."""
