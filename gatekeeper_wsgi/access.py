@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote_plus
 
 from werkzeug.http import parse_cookie
+
+from gatekeeper_wsgi.redact import split_query
 
 __all__ = [
     "COOKIE_NAME",
@@ -81,17 +82,9 @@ class TokenLink(NamedTuple):
     rest: str
 
 
-# Parameters are split at '&' and ';' (the separators of application/x-www-form-urlencoded
-# and of older parsers), so a token sent after either is found and removed.
-_QUERY_SEPARATORS = re.compile(r"([&;])")
 # Bytes a request target cannot carry raw (controls, space, '#', non-ASCII): written
 # percent-encoded in the Location, so a header never carries them; all else kept as sent.
 _LOCATION_QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "#")
-
-
-def _form_decoded(text: str) -> str:
-    # As urllib.parse.parse_qsl decodes names and values ('+' is a space).
-    return unquote(text.replace("+", " "))
 
 
 def token_link(environ: Mapping[str, Any]) -> TokenLink | None:
@@ -100,13 +93,13 @@ def token_link(environ: Mapping[str, Any]) -> TokenLink | None:
     query = environ.get("QUERY_STRING", "")
     if not isinstance(query, str) or not query or len(query) > _MAX_CREDENTIAL_INPUT:
         return None
-    pieces = _QUERY_SEPARATORS.split(query)  # parameter, separator, parameter, ...
+    pieces = split_query(query)  # parameter, separator, parameter, ...
     linked: str | None = None
     kept: list[str] = []
     for index in range(0, len(pieces), 2):
         name, _, value = pieces[index].partition("=")
-        if _form_decoded(name) == "token":
-            linked = _form_decoded(value)
+        if unquote_plus(name) == "token":  # decoded as parse_qsl decodes
+            linked = unquote_plus(value)
         else:
             # A kept parameter keeps the separator sent before it (the first none).
             kept.append(pieces[index - 1] + pieces[index] if index and kept else pieces[index])

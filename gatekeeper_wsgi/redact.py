@@ -32,6 +32,7 @@ __all__ = [
     "mask_url",
     "redact_body",
     "redact_query",
+    "split_query",
 ]
 
 #: the value written in place of a secret
@@ -67,6 +68,16 @@ def is_secret_header(name: str, extra: frozenset[str]) -> bool:
     )
 
 
+def split_query(query: str) -> list[str]:
+    """A query string as sent, split into parameter, separator, parameter, ...: at '&' and
+    ';' (the separators of application/x-www-form-urlencoded and of older parsers), so a
+    parameter after either is found, and ``"".join`` gives the text back byte for byte."""
+    return _QUERY_SEPARATORS.split(query)
+
+
+_QUERY_SEPARATORS = re.compile(r"([&;])")
+
+
 def redact_query(query: str, fields: frozenset[str], mask: str = REDACTED) -> str:
     """``query`` (``a=1&b=2``, as sent) with the values of secret fields replaced.
 
@@ -75,10 +86,10 @@ def redact_query(query: str, fields: frozenset[str], mask: str = REDACTED) -> st
     """
     if "=" not in query:
         return query
-    parts = re.split(r"([&;])", query)
+    parts = split_query(query)
     for index in range(0, len(parts), 2):
         name, sep, _ = parts[index].partition("=")
-        if sep and unquote_plus(name).strip().lower() in fields:
+        if sep and _is_secret_name(unquote_plus(name), fields):
             parts[index] = f"{name}={mask}"
     return "".join(parts)
 

@@ -23,7 +23,7 @@ LEAVES: dict[str, frozenset[str]] = {
     "gatekeeper_wsgi.adaptive": frozenset(),
     "gatekeeper_wsgi.redact": frozenset(),
     "gatekeeper_wsgi.limitindex": frozenset({"gatekeeper_wsgi.values"}),
-    "gatekeeper_wsgi.access": frozenset(),
+    "gatekeeper_wsgi.access": frozenset({"gatekeeper_wsgi.redact"}),
     "gatekeeper_wsgi.naming": frozenset(),
     "gatekeeper_wsgi.monitor": frozenset({"gatekeeper_wsgi.adaptive"}),
     "gatekeeper_wsgi.values": frozenset({"gatekeeper_wsgi.adaptive", "gatekeeper_wsgi.redact"}),
