@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 from django.core.signals import setting_changed
@@ -123,13 +124,6 @@ class _SessionCopy(dict[str, Any]):
         pass
 
 
-class _SessionProbe:
-    """What ``django.contrib.auth.get_user`` reads of a request: its session."""
-
-    def __init__(self, session: _SessionCopy) -> None:
-        self.session = session
-
-
 def _session_user(request: HttpRequest) -> Any:
     """The user Django's AuthenticationMiddleware will find for this request, found as it
     will (session cookie, session store, the session's backend and password hash), or
@@ -148,7 +142,8 @@ def _session_user(request: HttpRequest) -> Any:
     try:
         store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
         # get_user reads nothing of a request but its session.
-        return get_user(cast("HttpRequest", _SessionProbe(_SessionCopy(store.items()))))
+        probe = SimpleNamespace(session=_SessionCopy(store.items()))
+        return get_user(cast("HttpRequest", probe))
     except Exception:  # a store down or a session it cannot read: as if anonymous
         logger.debug("gatekeeper: could not read the session's user", exc_info=True)
         return None
