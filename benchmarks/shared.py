@@ -4,9 +4,10 @@ the four targets of issue 18 checked side by side in one run.
 Run ``python benchmarks/shared.py`` (``--help``; ``--floor`` prints the floor alone). The
 sections, each against its target:
 
-- **floor**: what the primitives an admission is made of cost in CPython here: an OFD
-  lock + unlock pair (``fcntl.fcntl``, as ``flock``/``lockf``, and the GIL-holding call
-  the backend makes), a ``struct`` read-modify-write on an mmap, ``os.getpid()``, the
+- **floor**: what the primitives an admission is made of cost in CPython here: a file
+  lock + unlock pair (``flock`` by the GIL-holding call the backend makes, and by
+  ``fcntl.flock``; the OFD ``fcntl`` and ``lockf`` locks for comparison), a ``struct``
+  read-modify-write on an mmap, ``os.getpid()``, the
   clock. Their sum over what one admit + release must do is the path's floor.
 - **engine**: ``GateKeeper.admit`` + ``release`` in a loop (concurrency limits on all three
   levels plus a per-caller rate limit, none ever hit), memory and shared, 1, 2 and 4
@@ -108,9 +109,9 @@ def _scratch_map() -> Iterator[tuple[int, mmap.mmap]]:
 
 def floor(number: int) -> dict[str, float]:
     """ns per operation of the primitives (best of 5 runs of ``number``)."""
-    flock = struct.Struct("hhxxxxqqixxxx")
-    lock = flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-    unlock = flock.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
+    record = struct.Struct("hhxxxxqqixxxx")  # struct flock, for the OFD lock
+    lock = record.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+    unlock = record.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
     u32 = struct.Struct("<I")
     libc = ctypes.PyDLL(None, use_errno=True)
     lock_buffer = ctypes.create_string_buffer(lock, len(lock))
@@ -125,6 +126,10 @@ def floor(number: int) -> dict[str, float]:
             "ctypes.PyDLL fcntl F_OFD_SETLK + unlock (GIL held)": lambda: (
                 libc.fcntl(fd, fcntl.F_OFD_SETLK, lock_buffer),
                 libc.fcntl(fd, fcntl.F_OFD_SETLK, unlock_buffer),
+            ),
+            "ctypes.PyDLL flock LOCK_EX|LOCK_NB + LOCK_UN (GIL held)": lambda: (
+                libc.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+                libc.flock(fd, fcntl.LOCK_UN),
             ),
             "fcntl.flock LOCK_EX + LOCK_UN": lambda: (
                 fcntl.flock(fd, fcntl.LOCK_EX),
@@ -155,9 +160,9 @@ def floor(number: int) -> dict[str, float]:
 def path_floor(costs: dict[str, float]) -> float:
     """µs that one admit + release cannot go below, from the primitives' costs."""
     empty = costs["an empty lambda (the loop's own cost)"]
-    locks = min(
-        costs["fcntl.fcntl F_OFD_SETLKW + unlock"],
-        costs["ctypes.PyDLL fcntl F_OFD_SETLK + unlock (GIL held)"],
+    locks = min(  # the lock the table takes, by either call
+        costs["ctypes.PyDLL flock LOCK_EX|LOCK_NB + LOCK_UN (GIL held)"],
+        costs["fcntl.flock LOCK_EX + LOCK_UN"],
     )
     thread = costs["threading.Lock acquire + release"]
     rmw = costs["struct unpack_from + pack_into on the mmap"]

@@ -11,7 +11,6 @@ killed) can move the line: a lost wake-up shows as a queue timeout, never as a p
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import multiprocessing
 import os
 import random
@@ -30,6 +29,7 @@ from gatekeeper_wsgi.backends.shared.liveness import proc_stat
 from gatekeeper_wsgi.backends.shared.tickets import path_digest
 from gatekeeper_wsgi.engine import Admission
 from tests.servers import wait_until
+from tests.tablelock import try_lock
 
 DEADLINE = 30.0
 PATH = "shop/api"
@@ -364,12 +364,10 @@ def freeze_outside_the_lock(pid: int, table: Path) -> None:
         def stopped_without_the_lock() -> bool:
             os.kill(pid, signal.SIGSTOP)
             wait_until(lambda: (proc_stat(pid) or ("",))[0] == "T", DEADLINE, "the waiter stopped")
-            try:
-                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, filelock.LOCK)
-            except OSError:  # it holds the lock: let it finish, and stop it again
+            if not try_lock(fd):  # it holds the lock: let it finish, and stop it again
                 os.kill(pid, signal.SIGCONT)
                 return False
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, filelock.UNLOCK)
+            filelock.unlock_file(fd)
             return True
 
         wait_until(stopped_without_the_lock, DEADLINE, "the waiter stopped outside the lock")

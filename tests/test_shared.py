@@ -9,7 +9,6 @@ backend table in conftest.py; these tests cover what only a multi-process backen
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import http.client
 import logging
 import multiprocessing
@@ -41,6 +40,7 @@ from gatekeeper_wsgi.errors import ConfigError
 from tests.apps.shared_app import read_observer, reset_observer
 from tests.conftest import FakeClock
 from tests.servers import Gunicorn, gather, run_together, wait_until
+from tests.tablelock import lock_free
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 20.0
@@ -456,18 +456,6 @@ def _die_inside_the_lock(path: str, conn: Connection) -> None:
     del held
 
 
-def _lock_holder(path: Path) -> int:
-    """F_OFD_GETLK: the type of lock someone else holds on the table (F_UNLCK: none)."""
-    flock = struct.Struct("hhxxxxqqixxxx")
-    fd = os.open(path, os.O_RDWR)
-    try:
-        result = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
-    finally:
-        os.close(fd)
-    lock_type: int = flock.unpack(result)[0]
-    return lock_type
-
-
 @pytest.mark.slow
 def test_sigkill_inside_the_lock_leaves_neither_lock_nor_half_an_update(
     table: Path, caplog: pytest.LogCaptureFixture
@@ -478,9 +466,9 @@ def test_sigkill_inside_the_lock_leaves_neither_lock_nor_half_an_update(
     gk = GateKeeper(config(table, {"shop": {"concurrency": 3}}))
     held = gk.admit("shop", "api", "c")
     process, _ = _start(_die_inside_the_lock, str(table))
-    assert _lock_holder(table) == fcntl.F_WRLCK
+    assert not lock_free(table)
     _kill(process)
-    assert _lock_holder(table) == fcntl.F_UNLCK
+    assert lock_free(table)
     with caplog.at_level(logging.WARNING, "gatekeeper"):
         admission = gk.admit("shop", "api", "c")  # 3 in flight: would be rejected
     assert "its unfinished update was rolled back" in caplog.text

@@ -7,12 +7,10 @@ options in range or a ConfigError."""
 from __future__ import annotations
 
 import ast
-import fcntl
 import logging
 import multiprocessing
 import os
 import signal
-import struct
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -28,6 +26,7 @@ from gatekeeper_wsgi.backends.shared.table import Recreated
 from gatekeeper_wsgi.backends.shared.url import parse_url
 from gatekeeper_wsgi.errors import ConfigError
 from tests.conftest import FakeClock
+from tests.tablelock import lock_free
 
 PACKAGE = Path(SharedBackend.__module__.replace(".", "/")).parent
 #: where the locks are taken and dropped by hand: the transaction itself, and the table's
@@ -38,23 +37,9 @@ LOCKING |= {("table.py", "Table._enter")}
 #: seconds a child may take to report: a bound against a hang, never a timing asserted
 DEADLINE = 30.0
 
-_FLOCK = struct.Struct("hhxxxxqqixxxx")
-
 
 def _settings(path: Path, limits: dict[str, Any]) -> dict[str, Any]:
     return {"project": "shop", "backend": f"shared://{path}", "limits": limits}
-
-
-def _file_lock_free(path: Path) -> bool:
-    """Whether another open file description may take the table's lock now (F_OFD_GETLK)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        result = fcntl.fcntl(
-            fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-        )
-    finally:
-        os.close(fd)
-    return bool(_FLOCK.unpack(result)[0] == fcntl.F_UNLCK)
 
 
 def _admits_from_another_thread(gk: GateKeeper) -> bool:
@@ -96,7 +81,7 @@ def test_a_look_that_fails_passes_its_error_and_changes_nothing(
         raise error("found while looking")
     assert "damaged" not in caplog.text
     assert keeper.inflight()["shop"] == 1
-    assert _file_lock_free(tmp_path / "t.shm")
+    assert lock_free(tmp_path / "t.shm")
     assert _admits_from_another_thread(keeper)
     held.release(200)
     assert keeper.inflight()["shop"] == 0
@@ -118,7 +103,7 @@ def test_an_update_that_fails_the_same_way_re_creates_the_table(
         raise ValueError("an index out of range")
     assert "is damaged" in caplog.text
     assert keeper.inflight().get("shop", 0) == 0  # the new table does not count the old slot
-    assert _file_lock_free(tmp_path / "t.shm")
+    assert lock_free(tmp_path / "t.shm")
     assert _admits_from_another_thread(keeper)
 
 
@@ -152,7 +137,7 @@ def test_an_adaptive_limit_of_a_megabyte_key_is_the_initial_one(tmp_path: Path) 
     before = (tmp_path / "a.shm").read_bytes()
     assert gk.backend.adaptive_limit("shop/api/" + "x" * (1 << 20), limit) == limit.adaptive.initial
     assert (tmp_path / "a.shm").read_bytes() == before
-    assert _file_lock_free(tmp_path / "a.shm")
+    assert lock_free(tmp_path / "a.shm")
     gk.close()
 
 
@@ -192,7 +177,7 @@ def test_a_fork_while_another_thread_holds_the_locks_leaves_the_child_a_usable_t
     process.start()
     try:
         assert parent.poll(DEADLINE) and parent.recv() == "forked"
-        assert not _file_lock_free(tmp_path / "t.shm")  # the parent's update is still on
+        assert not lock_free(tmp_path / "t.shm")  # the parent's update is still on
         leave.set()
         holder.join()
         assert parent.poll(DEADLINE)

@@ -106,7 +106,7 @@ def ran():
     with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
         return int(stat.read().split()[0])
 fd = os.open(path, os.O_RDWR)
-fcntl.fcntl(fd, fcntl.F_OFD_SETLK, filelock.LOCK)
+fcntl.flock(fd, fcntl.LOCK_EX)
 start = ran()
 print("held", flush=True)
 end = time.monotonic() + deadline
@@ -118,7 +118,7 @@ sys.exit(0 if time.monotonic() < end else 1)
 
 
 @pytest.mark.skipif(
-    filelock.C_FCNTL is None or not Path(f"/proc/{os.getpid()}/schedstat").exists(),
+    filelock.C_FLOCK is None or not Path(f"/proc/{os.getpid()}/schedstat").exists(),
     reason="needs ctypes' C library and /proc/<pid>/task/<tid>/schedstat",
 )
 def test_a_lock_another_process_holds_is_retried_keeping_the_gil(

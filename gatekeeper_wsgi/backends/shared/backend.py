@@ -1,7 +1,7 @@
 """The host-wide backend: every counter, lease and rate window of all worker processes of
-one host in one memory-mapped file, guarded by an open-file-description lock.
+one host in one memory-mapped file, guarded by one ``flock`` file lock.
 
-``backend = "shared:///run/gatekeeper/shop.shm"``. Linux only (``F_OFD_SETLKW``). The
+``backend = "shared:///run/gatekeeper/shop.shm"``. Linux only (``/proc``). The
 table is sized from the configuration when the file is created; ``?size=``, ``?leases=``,
 ``?procs=`` and ``?windows=`` in the URL override the derived sizes, ``?mode=0660`` lets the
 processes of one group share it (:mod:`.url`).
@@ -150,7 +150,7 @@ class SharedBackend(Table):
     specific enforced concurrency slot is blamed (else the most specific enforced slot).
 
     **Locking, privacy, damage and crash safety** are the table's (:class:`.table.Table`):
-    one OFD file lock plus a thread lock around every call, a private file, a damaged
+    one ``flock`` file lock plus a thread lock around every call, a private file, a damaged
     table re-created, every update an undo-journaled transaction.
 
     **Leases and reclaim.** Each admission holds a lease: (owner pid, serial, expiry, node

@@ -3,7 +3,7 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
 
     header, 4096 bytes
       0   8  magic b"GKSHARED" (b"GKSHINIT" while being initialised)
-      8   4  u32 layout version (6)
+      8   4  u32 layout version (7)
      12   4  u32 journal bytes in use; 0 = no update in progress (the commit point)
      16   8  u64 epoch: random, new at every initialisation; grants of another epoch
              are void
@@ -111,8 +111,9 @@ MAGIC = b"GKSHARED"
 #: killed half-way leaves a file that is recognisably ours and unfinished.
 MAGIC_INIT = b"GKSHINIT"
 #: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges;
-#: 5: the queues' lines (waiters, lines); 6: the key generation at 104
-VERSION = 6
+#: 5: the queues' lines (waiters, lines); 6: the key generation at 104; 7: the same bytes,
+#: locked by ``flock`` instead of an OFD ``fcntl`` lock (which does not exclude it)
+VERSION = 7
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF

@@ -30,10 +30,9 @@ from typing import NoReturn
 from gatekeeper_wsgi.backends.base import PASSING, Backend
 from gatekeeper_wsgi.backends.shared.faults import Damaged
 from gatekeeper_wsgi.backends.shared.filelock import (
-    C_FCNTL,
-    C_LOCK,
-    C_UNLOCK,
-    SETLK,
+    C_FLOCK,
+    LOCK_TRY,
+    UNLOCK,
     file_size,
     lock_file,
     lseek,
@@ -128,13 +127,12 @@ class Table(Backend):
     map and the structures as attributes of the backend, one load each (through a member
     they would be two, several times on every request).
 
-    **Locking.** Every read and write of the table happens under one exclusive Linux
-    open-file-description lock (``F_OFD_SETLKW`` on byte 0) plus a thread lock
-    (:class:`~gatekeeper_wsgi.turns.TurnLock`; OFD locks belong to the open file
-    description, which the threads of a process share). The kernel drops an OFD lock
-    when its last descriptor closes, so a killed process cannot leave it held; each
-    process opens the file itself
-    (the descriptor inherited across ``fork`` is closed in the child at once). The system
+    **Locking.** Every read and write of the table happens under one exclusive ``flock``
+    of the file plus a thread lock (:class:`~gatekeeper_wsgi.turns.TurnLock`; a ``flock``
+    belongs to the open file description, which the threads of a process share). The
+    kernel drops it when the description's last descriptor closes, so a killed process
+    cannot leave it held; each process opens the file itself (the descriptor inherited
+    across ``fork`` is closed in the child at once). The system
     calls are :mod:`.filelock`'s; none of those made holding the thread lock lets go of
     the GIL unless another process holds the file lock through all of a few retries, so
     the other threads do not run up to the thread lock meanwhile.
@@ -366,7 +364,7 @@ class Table(Backend):
                 size = file_size(self._fd)
             # filelock.lock_file's first try inlined (a call less on every update); it
             # waits, or raises why not, when that try fails.
-            if C_FCNTL is None or C_FCNTL(self._fd, SETLK, C_LOCK):
+            if C_FLOCK is None or C_FLOCK(self._fd, LOCK_TRY):
                 lock_file(self._fd)
         except (OSError, ConfigError) as exc:
             turns.release()
@@ -407,7 +405,7 @@ class Table(Backend):
         try:
             fd = self._fd
             # filelock.unlock_file's try inlined, as above
-            if fd >= 0 and (C_FCNTL is None or C_FCNTL(fd, SETLK, C_UNLOCK)):
+            if fd >= 0 and (C_FLOCK is None or C_FLOCK(fd, UNLOCK)):
                 unlock_file(fd)
         finally:
             turns = self._tlock
