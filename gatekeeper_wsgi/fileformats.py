@@ -434,11 +434,16 @@ def _load_toml(
         if not isinstance(exc, tomllib.TOMLDecodeError):
             # int() refusing thousands of digits: tomllib lets its ValueError through.
             long_number = re.search(r"[0-9][0-9_]{999,}", text)
+            if long_number is None:  # pragma: no cover - int() refuses only those
+                raise ConfigError(
+                    "", "invalid TOML: a number of thousands of digits", file=file
+                ) from exc
+            number_line = text.count("\n", 0, long_number.start()) + 1
             raise ConfigError(
-                "",
+                _key_on_line(text, long_number, number_line),
                 "invalid TOML: a number of thousands of digits",
                 file=file,
-                line=None if long_number is None else text.count("\n", 0, long_number.start()) + 1,
+                line=number_line,
             ) from exc
         message = str(exc)
         line: int | None = None
@@ -476,6 +481,20 @@ def _load_toml(
                     line=located.get(key),
                 )
     return settings, _LazyLines(_TomlLocator(text, prefix).locate)
+
+
+def _key_on_line(text: str, number: re.Match[str], line: int) -> str:
+    """The dotted settings key whose value is ``number``, on ``line`` of ``text`` (found
+    with the number cut to one digit, which the parser takes), or "" if none is there."""
+    patched = text[: number.start()] + "0" + text[number.end() :]
+    located = _TomlLocator(patched, ()).locate()
+    # The last key noted on the line is the innermost (an inline table's member).
+    keys = [key for key, at in located.items() if at == line]
+    if not keys:
+        return ""
+    key = keys[-1]
+    head = f"{_SETTINGS_TABLE}."
+    return key[len(head) :] if key.startswith(head) else key
 
 
 # What moves the nesting of a TOML document: brackets and braces, newlines (to count lines),

@@ -312,10 +312,12 @@ def _read_body(environ: WSGIEnvironment) -> bytes:
     if text:
         if not (text.isascii() and text.isdigit()):
             raise _Refused(400, "invalid Content-Length")
-        length = int(text)
-        if length > MAX_BODY:
+        # More than 18 significant digits is far past MAX_BODY, and bounds int()'s work
+        # (which refuses thousands of digits with a ValueError).
+        digits = text.lstrip("0") or "0"
+        if len(digits) > 18 or int(digits) > MAX_BODY:
             raise _Refused(413, _TOO_LARGE)
-        return _read(stream, length)
+        return _read(stream, int(digits))
     # No length: only a server that marks the stream as terminated (chunked requests)
     # lets us read to its end (PEP 3333 otherwise forbids reading past CONTENT_LENGTH).
     if not environ.get("wsgi.input_terminated"):

@@ -865,6 +865,40 @@ def test_long_integers_in_files_state_the_bound_of_the_dict_form(
     assert len(str(error)) < 400
 
 
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        (
+            f'[gatekeeper]\nproject = "shop"\n\n[gatekeeper.limits.shop]\nconcurrency = {HUGE}\n',
+            "limits.shop.concurrency",
+            5,
+        ),
+        (
+            f'project = "shop"\n[limits."shop/login/*"]\nrate = "5/minute"\ndelay = {HUGE}\n',
+            "limits.shop/login/*.delay",
+            4,
+        ),
+        (f'project = "shop"\nipv6_prefix = {HUGE}\n', "ipv6_prefix", 2),
+        (
+            f'project = "shop"\nlimits = {{ shop = {{ concurrency = {HUGE} }} }}\n',
+            "limits.shop.concurrency",
+            2,
+        ),
+    ],
+    ids=["table", "quoted table", "top level", "inline tables"],
+)
+def test_a_number_of_thousands_of_digits_in_toml_names_its_key(
+    tmp_path: Path, text: str, key: str, line: int
+) -> None:
+    """tomllib cannot read a number of thousands of digits at all: the error still names
+    the key whose value it is, with the file and line, as every other ConfigError does."""
+    path = write(tmp_path, "gatekeeper.toml", text)
+    with pytest.raises(ConfigError, match="a number of thousands of digits") as info:
+        GateKeeper(path)
+    assert (info.value.key, info.value.file, info.value.line) == (key, str(path), line)
+    assert len(str(info.value)) < 400
+
+
 def test_long_concurrency_message(tmp_path: Path) -> None:
     """A 13-digit concurrency says the real bound, 10**9."""
     path = write(tmp_path, "gatekeeper.properties", "limits.shop.concurrency = 9999999999999\n")

@@ -461,8 +461,10 @@ def test_body_of_exactly_64_KiB_is_accepted() -> None:
     assert post(client, body) == (200, 0, "not restricted")
 
 
-def test_oversized_body_is_refused_unread() -> None:
-    """A Content-Length over 64 KiB is answered 413 without reading the body."""
+@pytest.mark.parametrize("length", [str(10**9), "9" * 20, "9" * 5000], ids=["1e9", "20", "5000"])
+def test_oversized_body_is_refused_unread(length: str) -> None:
+    """A Content-Length over 64 KiB is answered 413 without reading the body, however
+    many digits it has (int() refuses thousands: that must not become a 500)."""
 
     class Unreadable(io.BytesIO):
         def read(self, size: int | None = -1) -> bytes:
@@ -470,10 +472,20 @@ def test_oversized_body_is_refused_unread() -> None:
 
     client = memory_client(LIMITS)
     response = client.post(
-        "/", input_stream=Unreadable(), environ_overrides={"CONTENT_LENGTH": str(10**9)}
+        "/", input_stream=Unreadable(), environ_overrides={"CONTENT_LENGTH": length}
     )
     assert response.status_code == 413
     assert answer_of(response.data) == (None, f"body too large: at most {MAX_BODY} bytes")
+
+
+def test_leading_zeros_do_not_make_a_content_length_large() -> None:
+    """Thousands of zeros before the digits are still the small length they spell."""
+    body = xml_request("query")
+    client = memory_client(LIMITS)
+    response = client.post(
+        "/", data=body, environ_overrides={"CONTENT_LENGTH": "0" * 5000 + str(len(body))}
+    )
+    assert (response.status_code, answer_of(response.data)) == (200, (0, "not restricted"))
 
 
 @pytest.mark.parametrize("length", ["abc", "-1", "1e3", "\u00b2"])
