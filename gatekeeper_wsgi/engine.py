@@ -614,22 +614,26 @@ class GateKeeper:
         self, slots: tuple[Slot, ...], denial: Denial, now: float, request: _Request
     ) -> Grant:
         slot = slots[denial.at]
-        if slot.limit.queue is not None:
+        queue = slot.limit.queue
+        answer, longest = self._longest_wait(slots, denial, now)
+        # A request waits in the queue of the limit that refused it, unless a rate limit
+        # refuses it for longer than it may wait there: it would only time out.
+        if queue is not None and (longest is denial or longest.retry_after <= queue.wait):
             return self._wait(slots, slot, now, request)
-        raise self._rejection(*self._longest_wait(slots, denial, now))
+        raise self._rejection(answer, longest)
 
     def _longest_wait(
         self, slots: tuple[Slot, ...], denial: Denial, now: float
     ) -> tuple[Slot, Denial]:
-        """The refusal to answer: ``denial``, or, when it is a rate limit's, the one of the
-        rate limits full now that waits longest. A backend answers with the first slot
-        that does not fit; with two windows full (2/10s and 2/minute), the time until the
-        request can be admitted (its Retry-After, SPEC 5) is the longer wait, and the
-        limit named is the one whose window it waits for. Looked up on this path only,
-        by peeks; a backend failing one leaves the refusal found so far."""
+        """The refusal to answer: ``denial``, or the one of the rate limits after it full
+        now that waits longer. A backend answers with the first slot that does not fit;
+        with two windows full (2/10s and 2/minute), or a concurrency limit full and a
+        caller's window after it, the time until the request can be admitted (its
+        Retry-After, SPEC 5) is the longest wait, and the limit named is the one whose
+        window it waits for (a concurrency refusal waits for no time it can state: any
+        full window's is longer). Looked up on this path only, by peeks; a backend
+        failing one leaves the refusal found so far."""
         slot = slots[denial.at]
-        if denial.kind != "rate":
-            return slot, denial
         rest = tuple(
             other for other in slots[denial.at + 1 :] if other.enforce and other.limit.rate
         )

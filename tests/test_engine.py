@@ -608,6 +608,31 @@ def test_two_full_windows_on_every_backend(make: Make) -> None:
     assert rejection.retry_after in (59, 60)  # 60 less the moments the test took
 
 
+@pytest.mark.parametrize("queue", [None, {"size": 5, "wait": 2}], ids=["no queue", "queue"])
+def test_a_full_window_behind_a_full_concurrency_limit_is_answered(
+    make: Make, queue: dict[str, float] | None
+) -> None:
+    """A caller whose window is full is refused by it, with the window's wait, also while
+    a concurrency limit before it is full: told to come back in a second, it would be
+    refused for the rest of the minute. Nor does it wait in that limit's queue (up to 2
+    seconds) for an admission the window refuses for longer. Another caller, whose window
+    has room, is refused by the concurrency limit (or waits in its queue) as before."""
+    service: dict[str, Any] = {"concurrency": 1}
+    if queue is not None:
+        service["queue"] = queue
+    gk = make({"shop/login": service, "shop/login/*": {"rate": "1/minute"}})
+    held = gk.admit("shop", "login", "alice")
+    for rejection in (refused(gk, "shop", "login", "alice"), gk.query("shop", "login", "alice")):
+        assert rejection is not None
+        assert (rejection.code, rejection.limit_path) == ("GK-RATE-LIMIT", "shop/login/*")
+        assert rejection.retry_after in (59, 60)  # 60 less the moments the test took
+    if queue is None:
+        assert refused(gk, "shop", "login", "bob").code == "GK-CONCURRENCY-LIMIT"
+    query = gk.query("shop", "login", "bob")
+    assert query is not None and query.code == "GK-CONCURRENCY-LIMIT"
+    held.release(200)
+
+
 def test_concurrency_retry_after_follows_this_limits_delayed_releases(
     make_clocked: Make, clock: FakeClock
 ) -> None:

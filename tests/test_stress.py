@@ -390,19 +390,21 @@ class Model:
             if self.full(path, limit):
                 # When a delayed release holding this path matures (any moment if none).
                 soonest = min((due for due, paths in self.pending if path in paths), default=now)
-                self.rejected["GK-CONCURRENCY-LIMIT"] += 1
-                return ("rejected", "GK-CONCURRENCY-LIMIT", path, soonest - now)
-            wait = self.window_wait(path, limit, now)
-            if wait is not None:
-                # Of the windows full now, the one that waits longest answers (a later
-                # limit whose concurrency is full is passed over, as the engine's look).
-                for later, other in slots[at + 1 :]:
-                    if not self.full(later, other):
-                        longer = self.window_wait(later, other, now)
-                        if longer is not None and longer > wait:
-                            path, wait = later, longer
-                self.rejected["GK-RATE-LIMIT"] += 1
-                return ("rejected", "GK-RATE-LIMIT", path, wait)
+                code, wait = "GK-CONCURRENCY-LIMIT", soonest - now
+            else:
+                found = self.window_wait(path, limit, now)
+                if found is None:
+                    continue
+                code, wait = "GK-RATE-LIMIT", found
+            # Of the windows full now after it, one that waits longer answers (a later
+            # limit whose concurrency is full is passed over, as the engine's look).
+            for later, other in slots[at + 1 :]:
+                if not self.full(later, other):
+                    longer = self.window_wait(later, other, now)
+                    if longer is not None and longer > wait:
+                        code, path, wait = "GK-RATE-LIMIT", later, longer
+            self.rejected[code] += 1
+            return ("rejected", code, path, wait)
         taken: dict[str, tuple[float | None, frozenset[int] | None]] = {}
         for path, limit in slots:
             self.inflight[path] += 1
