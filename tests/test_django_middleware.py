@@ -164,6 +164,33 @@ def test_required_caller_missing_is_rejected_with_400(settings: Any, client: Cli
     assert client.get("/work/", headers={"X-Caller-Id": "crm"}).status_code == 200
 
 
+def test_a_refused_head_request_gets_the_headers_and_no_content(settings: Any) -> None:
+    """RFC 9110: a HEAD answer has no content, even a fault's, as the WSGI middleware
+    answers it; it keeps the fault's status and headers. Through Django's own WSGI
+    handler: its test client drops a HEAD's content itself, not every server does."""
+    configure_gatekeeper(settings, {"site": {"concurrency": 0}})
+    seen: list[tuple[str, list[tuple[str, str]]]] = []
+    for method in ("HEAD", "GET"):
+        environ = {
+            "REQUEST_METHOD": method,
+            "PATH_INFO": "/work/",
+            "SERVER_NAME": "testserver",
+            "SERVER_PORT": "80",
+            "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(),
+        }
+        result = WSGIHandler()(
+            environ, lambda status, given, exc_info=None: seen.append((status, given))
+        )
+        body = b"".join(result)
+        result.close()  # type: ignore[attr-defined]
+        status, headers = seen[-1]
+        assert status.startswith("503")
+        assert dict(headers)["Retry-After"] == "1"
+        assert (body == b"") == (method == "HEAD")
+    assert busy(get_gatekeeper()) == {}
+
+
 def run_middleware(request: Any) -> dict[str, int]:
     """Run one request through the Django middleware around a view; what it counted."""
     seen: dict[str, int] = {}

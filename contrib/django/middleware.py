@@ -336,7 +336,10 @@ class GateKeeperMiddleware:
         )
         status, headers, body = gate.fault(identifier, meta, rejected, log_environ)
         code, _, reason = status.partition(" ")
-        response = HttpResponse(body, status=int(code), reason=reason or None)
+        # A HEAD response carries the GET's headers and no content (RFC 9110 9.3.2), as the
+        # WSGI middleware sends it: not every server drops what a HEAD response holds.
+        content = b"" if request.method == "HEAD" else body
+        response = HttpResponse(content, status=int(code), reason=reason or None)
         for name, value in headers:
             response[name] = value
         # Reported once, on gatekeeper.rejected (INFO); without this mark django.request
