@@ -269,9 +269,9 @@ def lock_share(iterations: int) -> tuple[float, float]:
     held = [0]
     clock = time.perf_counter_ns
     taken = [0]
-    # The table makes filelock's GIL-holding try itself (its C_FCNTL) and falls back on
+    # The table makes filelock's GIL-holding try itself (its C_FLOCK) and falls back on
     # lock_file / unlock_file: all three are wrapped where the table looks them up.
-    lock_file, unlock_file, c_fcntl = module.lock_file, module.unlock_file, module.C_FCNTL
+    lock_file, unlock_file, c_flock = module.lock_file, module.unlock_file, module.C_FLOCK
 
     def timed_lock(fd: int) -> None:
         lock_file(fd)
@@ -281,15 +281,15 @@ def lock_share(iterations: int) -> tuple[float, float]:
         held[0] += clock() - taken[0]
         unlock_file(fd)
 
-    def timed_c_fcntl(fd: int, command: int, buffer: Any) -> int:
-        assert c_fcntl is not None
-        if buffer is module.C_LOCK:
-            answer = c_fcntl(fd, command, buffer)
+    def timed_c_flock(fd: int, operation: int) -> int:
+        assert c_flock is not None
+        if operation == module.LOCK_TRY:
+            answer = c_flock(fd, operation)
             if answer == 0:
                 taken[0] = clock()
             return answer
         held[0] += clock() - taken[0]
-        answer = c_fcntl(fd, command, buffer)
+        answer = c_flock(fd, operation)
         if answer:  # unlock_file, called next, tries again: counted once
             taken[0] = clock()
         return answer
@@ -300,8 +300,8 @@ def lock_share(iterations: int) -> tuple[float, float]:
         for _ in range(200):
             admit("shop", "orders", "crm").release(200)
         module.lock_file, module.unlock_file = timed_lock, timed_unlock
-        if c_fcntl is not None:
-            module.C_FCNTL = timed_c_fcntl
+        if c_flock is not None:
+            module.C_FLOCK = timed_c_flock
         try:
             started = clock()
             for _ in range(iterations):
@@ -309,7 +309,7 @@ def lock_share(iterations: int) -> tuple[float, float]:
             elapsed = clock() - started
         finally:
             module.lock_file, module.unlock_file = lock_file, unlock_file
-            module.C_FCNTL = c_fcntl
+            module.C_FLOCK = c_flock
             gk.close()
     return elapsed / iterations / 1000, held[0] / iterations / 1000
 
