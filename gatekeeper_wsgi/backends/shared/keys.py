@@ -20,7 +20,7 @@ import array
 import hashlib
 import mmap
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from itertools import compress
 
 from gatekeeper_wsgi.backends.shared.faults import NoRoom
@@ -430,35 +430,37 @@ class KeyTable(Structure):
         if nodes_off % 4 or node_size % 4:  # not this version's layout: field by field
             fields = [NODE.unpack_from(mm, nodes_off + node * node_size) for node in range(count)]
             counts = [field[0] for field in fields]
-            registries = [field[6] for field in fields]
-        else:
-            start, stride = nodes_off // 4, node_size // 4
-            stop = start + count * stride
-            with memoryview(mm) as whole, whole.cast("I") as words:
-                counts = words[start + N_INFLIGHT // 4 : stop : stride].tolist()
-                registries = words[start + N_REG // 4 : stop : stride].tolist()
-        # A node counts if it holds a key (its tag) and, unless ``idle``, has something
-        # in flight; compress() then picks its fields in C.
-        chosen = (
-            tags if idle else [tag and inflight for tag, inflight in zip(tags, counts, strict=True)]
-        )
-        return (
-            list(compress(range(count), chosen)),
-            list(compress(counts, chosen)),
-            list(compress(registries, chosen)),
-        )
+            return _picked(tags, counts, [field[6] for field in fields], idle)
+        start, stride = nodes_off // 4, node_size // 4
+        stop = start + count * stride
+        with memoryview(mm) as whole, whole.cast("I") as words:
+            counts = words[start + N_INFLIGHT // 4 : stop : stride].tolist()
+            # The registry fields are read only for the nodes picked, through a view.
+            with words[start + N_REG // 4 : stop : stride] as column:
+                return _picked(tags, counts, column, idle)
 
     def raw_keys(self, nodes: list[int]) -> list[bytes]:
         """The keys of ``nodes`` as the table holds them (UTF-8, whose byte order is the
         keys' order), read without a struct per node."""
         mm = self._mm
         base, size = self._nodes_off, self._node_size
-        at = [base + node * size for node in nodes]
-        # the key's length: the u16 at N_KEY_LENGTH, little-endian
-        lengths = [mm[start + N_KEY_LENGTH] | mm[start + N_KEY_LENGTH + 1] << 8 for start in at]
+        head = base + NODE_HEAD
+        if base % 2 or size % 2:  # not this version's layout: the u16 length byte by byte
+            at = [base + node * size + N_KEY_LENGTH for node in nodes]
+            lengths = [mm[start] | mm[start + 1] << 8 for start in at]
+        else:
+            # the key's length: the u16 at N_KEY_LENGTH (native order is little-endian
+            # here, as the table is: see layout), through a strided view of that column
+            first, stride = (base + N_KEY_LENGTH) // 2, size // 2
+            with (
+                memoryview(mm) as whole,
+                whole.cast("H") as halves,
+                halves[first : first + self._nodes * stride : stride] as column,
+            ):
+                lengths = [column[node] for node in nodes]
         return [
-            mm[start + NODE_HEAD : start + NODE_HEAD + length]
-            for start, length in zip(at, lengths, strict=True)
+            mm[start : start + length]
+            for start, length in zip([head + node * size for node in nodes], lengths, strict=True)
         ]
 
     def view(self, node: int) -> tuple[NodeView, str]:
@@ -485,3 +487,17 @@ class KeyTable(Structure):
             for index, (digest, count, _, _) in enumerate(REG.iter_unpack(regs))
             if digest
         ]
+
+
+def _picked(
+    tags: Sequence[int], counts: list[int], registries: Sequence[int], idle: bool
+) -> tuple[list[int], list[int], list[int]]:
+    """The nodes holding a key (their tag) and, unless ``idle``, something in flight,
+    with their counts and registry fields: picked in C by the tags or the counts (a free
+    node's count is not zero only in a damaged table), the other looked at only for the
+    few picked."""
+    if idle:
+        nodes = list(compress(range(len(counts)), tags))
+    else:
+        nodes = [node for node in compress(range(len(counts)), counts) if tags[node]]
+    return nodes, [counts[node] for node in nodes], [registries[node] for node in nodes]
