@@ -7,6 +7,7 @@ plugins all call it; none of them re-implements admission or release.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -244,6 +245,11 @@ class GateKeeper:
         # Per thread: how long its request's queue wait took (see _take_wait).
         self._waited = threading.local()
         self._last_error_log = -_ERROR_LOG_INTERVAL
+        #: the backend's incidents this engine has answered (see Backend.incidents), and
+        #: whether it can have any: looked up once here, a class attribute read through
+        #: an instance costs ~300 instructions on every admission
+        self._incidents = 0
+        self._recovers = self.backend.recovers
         # limit path -> engine time of its last capacity WARNING (paths come from the
         # configuration, not from requests, so this stays small)
         self._capacity_logged: dict[str, float] = {}
@@ -487,6 +493,8 @@ class GateKeeper:
                     )
                     route, slots, delay = self._resolved(route, slots, delay)
                 else:
+                    recovers = self._recovers
+                    incidents = self.backend.incidents if recovers else 0
                     try:
                         result = self._acquire(slots, now)
                     except CapacityError as exc:
@@ -501,6 +509,8 @@ class GateKeeper:
                         route, slots, delay = self._resolved(route, slots, delay)
                     else:
                         grant = result
+                    if recovers and self.backend.incidents != self._incidents:
+                        grant = self._incident(grant, incidents, now)
                 # A grant for fewer slots than asked left untrackable shadow slots out.
                 if grant.shadowed or grant.slots is not slots:
                     self._shadow(slots, grant)
@@ -782,6 +792,24 @@ class GateKeeper:
             else "shadow mode: requests it cannot track are admitted without counting there"
         )
         logger.warning("gatekeeper: limit %r is at capacity: %s; %s", path, exc.what, consequence)
+
+    def _incident(self, grant: Grant, before: int, now: float) -> Grant:
+        """Failures the backend recovered from by itself (a damaged shared table
+        re-created, a replaced one followed; the backend logged each) since the last
+        admission: counted in ``backend_errors`` (SPEC 4.6). One this admission met (the
+        backend's count moved while it acquired ``grant``) refuses it under
+        ``on_backend_error = "reject"``: its slots in the recovered backend go back, and a
+        BackendError takes the way of any failure. Else it stays admitted, counted there
+        (one a release or a status read met is only counted)."""
+        backend = self.backend
+        seen, self._incidents = self._incidents, backend.incidents
+        if self.config.on_backend_error != "reject" or backend.incidents == before:
+            self.monitor.backend_errors += backend.incidents - seen
+            return grant
+        self.monitor.backend_errors += backend.incidents - seen - 1  # the raise counts one
+        with contextlib.suppress(BackendError):
+            backend.release(grant, None, 0.0, now)
+        raise BackendError(f"{backend.label} failed and recovered: see the ERROR it logged")
 
     def _log_backend_error(self, exc: BaseException) -> None:
         self.monitor.backend_errors += 1

@@ -412,6 +412,40 @@ def _write(path: Path, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("policy", ["allow", "reject"])
+@pytest.mark.parametrize(
+    "damage",
+    [(0, bytes(HEADER)), (H_JLEN, struct.pack("<I", 0xFFFFFFF0))],
+    ids=["zeroed header", "corrupt journal"],
+)
+def test_the_admission_that_meets_a_damaged_table_follows_on_backend_error(
+    table: Path, policy: str, damage: tuple[int, bytes]
+) -> None:
+    """SPEC 4.6: a shared file found corrupted is a backend failure, counted in
+    backend_errors, and ``on_backend_error`` decides the admission that meets it: refused
+    with GK-BACKEND-UNAVAILABLE (its slots in the re-created table given back), or
+    admitted, counted in the new table. The admissions after it are decided there."""
+    gk = GateKeeper(settings_for(table, on_backend_error=policy))
+    gk.admit("shop", "api", "c").release(200)
+    _write(table, *damage)
+    if policy == "reject":
+        with pytest.raises(Rejected) as info:
+            gk.admit("shop", "api", "c")
+        assert info.value.code == "GK-BACKEND-UNAVAILABLE"
+        assert not any(gk.inflight().values())
+        held = [gk.admit("shop", "api", "c") for _ in range(3)]
+    else:
+        held = [gk.admit("shop", "api", "c") for _ in range(3)]  # the first met the damage
+    with pytest.raises(Rejected) as info:
+        gk.admit("shop", "api", "c")
+    assert info.value.code == "GK-CONCURRENCY-LIMIT"  # all 3 counted in the new table
+    assert gk.stats()["counters"]["backend_errors"] == 1
+    for admission in held:
+        admission.release(200)
+    assert not any(gk.inflight().values())
+    gk.close()
+
+
 def test_middleware_answers_on_a_corrupt_journal(table: Path) -> None:
     """Through the middleware a corrupt journal is no 500: the request is served."""
 

@@ -74,10 +74,12 @@ def refusal(gk: GateKeeper) -> str:
 
 
 def path_errors(caplog: pytest.LogCaptureFixture, path: Path) -> list[str]:
+    """The ERRORs the table logged about ``path`` (not the engine's of a refusal)."""
     return [
         record.getMessage()
         for record in caplog.records
-        if record.levelno >= logging.ERROR and str(path) in record.getMessage()
+        if record.levelno >= logging.ERROR
+        and record.getMessage().startswith(f"gatekeeper: shared table {path}")
     ]
 
 
@@ -148,12 +150,15 @@ def test_deleted_table_is_created_again(
 ) -> None:
     """The path deleted and nobody creating it again: A's next operation after the interval
     creates it (private, as at start), with one ERROR, and a process starting then counts
-    in it with A."""
+    in it with A. The admission that found it deleted is a backend failure: refused, as
+    on_backend_error says here (SPEC 4.6)."""
     caplog.set_level(logging.ERROR, "gatekeeper")
     a = GateKeeper(settings_for(table))
     old = a.admit("shop", "api", "a")
     os.unlink(table)
     path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert refusal(a) == "GK-BACKEND-UNAVAILABLE"
+    assert a.stats()["counters"]["backend_errors"] == 1
     new = a.admit("shop", "api", "a")  # the old file's lease is not counted in the new one
     assert stat.S_IMODE(table.stat().st_mode) == 0o600
     errors = path_errors(caplog, table)
@@ -194,6 +199,7 @@ def test_symlink_put_at_the_path_is_never_followed(
     assert table.is_symlink()
     table.unlink()
     path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert refusal(a) == "GK-BACKEND-UNAVAILABLE"  # the admission that found it deleted
     admission = a.admit("shop", "api", "a")
     assert table.is_file() and not table.is_symlink()
     assert refusal(a) == "GK-CONCURRENCY-LIMIT"

@@ -292,6 +292,12 @@ class Backend(ABC):
     #: True when the backend enforces an adaptive limit's current value (``observe``,
     #: ``adaptive``); a backend without it enforces ``adaptive.max`` (the engine warns).
     adaptive_limits = False
+    #: Failures the backend met and recovered from by itself, having logged an ERROR (a
+    #: damaged shared table re-created, a replaced one followed): the engine counts each
+    #: in ``backend_errors`` and applies ``on_backend_error`` to the admission that sees
+    #: it (SPEC 4.6). Only looked at when ``recovers`` says the backend has any.
+    incidents = 0
+    recovers = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Guard the contract methods the subclass defines (see :func:`guard`)."""

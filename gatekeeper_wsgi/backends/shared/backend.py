@@ -185,6 +185,8 @@ class SharedBackend(Table):
 
     local = False
     adaptive_limits = True
+    #: a damaged table re-created, a replaced one followed (Table counts them)
+    recovers = True
 
     def __init__(
         self,

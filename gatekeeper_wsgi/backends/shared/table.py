@@ -293,6 +293,7 @@ class Table(Backend):
             self.path,
             what,
         )
+        self.incidents += 1
         old = self._fd
         self._unmap()
         # The file at the path is not the one this process mapped: garbage there is no
@@ -518,6 +519,7 @@ class Table(Backend):
             self.path,
             reason,
         )
+        self.incidents += 1
         last = self._last_layout
         self._unmap()
         layout = self._wanted if last is None else last.merged(self._wanted)
