@@ -19,8 +19,9 @@ re-exported here, where they were first defined.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from werkzeug.wsgi import FileWrapper
 
@@ -61,6 +62,12 @@ class _WatchedResponse(ResponseWatch):
     One object per request serves as the ``start_response`` wrapper, the iterable and
     the closer. ``close()`` forwards to the inner iterable inside try/finally, so the
     slots come back even when the inner ``close()`` raises.
+
+    The app gets it as ``start_response`` through a weak proxy (``_proxy``), and the same
+    proxy back as ``write``: a generator app holds what it was given in its frame, which
+    the response holds as its iterable; a strong reference would make a cycle, and a
+    response dropped without ``close()`` (a test client) would keep its slots until the
+    cycle collector ran instead of coming back at once (SPEC 4.2).
     """
 
     # Set by GateKeeperMiddleware.__call__, its only maker: the fields of ResponseWatch,
@@ -68,17 +75,33 @@ class _WatchedResponse(ResponseWatch):
     # start_response), the bytes the app wrote through write(), then the app's iterable;
     # by start_response: the server's write(). object's __init__, not ResponseWatch's:
     # calling a class whose __init__ is Python code costs ~800 instructions per request.
-    __slots__ = ("_declared", "_inner", "_start_response", "_write", "_written")
+    __slots__ = (
+        "__weakref__",
+        "_declared",
+        "_inner",
+        "_proxy",
+        "_start_response",
+        "_write",
+        "_written",
+    )
     __init__ = object.__init__
     _declared: int | None
     _inner: Iterable[bytes]
     _start_response: StartResponse
     _write: Callable[[bytes], object]
     _written: int
+    _proxy: Any
 
-    def start_response(
-        self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
-    ) -> Callable[[bytes], object]:
+    def __call__(
+        self,
+        status: Any,
+        headers: list[tuple[str, str]] | None = None,
+        exc_info: OptExcInfo | None = None,
+    ) -> Any:
+        """The app's ``start_response(status, headers, exc_info=None)``, and ``write(data)``
+        (called with the data alone) through the proxy it returns."""
+        if headers is None:
+            return self.write(status)
         try:  # a subscript: a hit costs a bytecode, not a method call
             code = _STATUS_CODES[status]
         except KeyError:
@@ -102,7 +125,9 @@ class _WatchedResponse(ResponseWatch):
                 break
         self._declared = length
         self._write = self._start_response(status, headers, exc_info)
-        return self.write
+        return self._proxy
+
+    start_response = __call__
 
     def write(self, data: bytes) -> object:
         """PEP 3333's ``write()``: a body (or its start) written before the iterable is
@@ -251,6 +276,7 @@ class GateKeeperMiddleware:
         response._start_response = start_response
         response._declared = None
         response._written = 0
+        response._proxy = proxy = weakref.proxy(response)
         if "wsgi.file_wrapper" in environ:
             # A file is read through the watch like any body, not handed to the server's
             # sendfile: its end must be seen, or the slot would come back only when the
@@ -259,7 +285,7 @@ class GateKeeperMiddleware:
             # whole file could be refused its next request by it (SPEC 4.2).
             environ["wsgi.file_wrapper"] = FileWrapper
         try:
-            result = response._inner = self.app(environ, response.start_response)
+            result = response._inner = self.app(environ, proxy)
         except BaseException:
             admission.release(response.status, True)
             raise

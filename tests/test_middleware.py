@@ -1857,6 +1857,57 @@ def test_sized_body_keeps_its_len_and_unsized_has_none(make: Any) -> None:
     result.close()  # type: ignore[attr-defined]
 
 
+@contextmanager
+def collector_off() -> Iterator[None]:
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _generator_app(environ: Any, start_response: Any) -> Iterator[bytes]:
+    """A streaming app as PEP 3333 writes one: a generator that keeps what it was given
+    (``start_response`` and the ``write`` it returns) in its frame while it runs."""
+    write = start_response("200 OK", [("Content-Type", "text/plain")])
+    yield b"part 1"
+    write(b"")
+    yield b"part 2"
+
+
+class _BodyKeepingStart:
+    """A body object that keeps ``start_response`` as an attribute."""
+
+    def __init__(self, environ: Any, start_response: Any) -> None:
+        self.start_response = start_response
+        start_response("200 OK", [])
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b"body"
+
+
+@pytest.mark.parametrize("app", [_generator_app, _BodyKeepingStart], ids=["generator", "body"])
+def test_a_dropped_streaming_response_comes_back_at_once(app: Any) -> None:
+    """A test client without ``with`` drops the response unclosed: its slot (and a rate
+    reservation of a status not counted) comes back as soon as the last reference goes,
+    not when the cycle collector runs (it is off here): what the app keeps of
+    ``start_response`` does not hold the response (SPEC 4.2)."""
+    gk = GateKeeper(
+        {
+            "project": "shop",
+            "limits": {
+                "shop/stream": {"concurrency": 1},
+                "shop/login/*": {"rate": "2/minute", "key": "ip", "count": [401]},
+            },
+        }
+    )
+    client = Client(GateKeeperMiddleware(app, gk))
+    with collector_off():
+        assert [client.get("/stream").status_code for _ in range(5)] == [200] * 5
+        assert [client.get("/login").status_code for _ in range(4)] == [200] * 4
+        assert busy(gk) == {}
+
+
 def test_a_response_collected_inside_the_backends_lock_never_waits_for_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
