@@ -168,7 +168,9 @@ class ResponseWatch:
                     self.chunk(chunk)
                 if left >= 0:
                     left -= len(chunk)
-                    if left <= 0:
+                    # Not before the status is known: an app may hand out empty chunks
+                    # before it calls start_response (PEP 3333), and a HEAD's length is 0.
+                    if left <= 0 and self.status is not None:
                         left = _FINISHED
                         # finish(), inlined: a frame less on every sized body
                         self.done = True

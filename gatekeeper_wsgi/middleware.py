@@ -287,7 +287,9 @@ class GateKeeperMiddleware:
         try:
             result = response._inner = self.app(environ, proxy)
         except BaseException:
-            admission.release(response.status, True)
+            # The server answers 500, whatever status the app started: that one never
+            # went out (a `count` limit counts what the client got).
+            admission.release(500, True)
             raise
         sized = type(result) is list or hasattr(result, "__len__")
         if environ.get("REQUEST_METHOD") == "HEAD":

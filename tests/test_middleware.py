@@ -381,6 +381,57 @@ def test_a_refused_head_request_gets_the_headers_and_no_content(make: Any) -> No
     assert all_zero(mw.gatekeeper)
 
 
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_empty_chunks_before_start_response_do_not_end_the_response(
+    make: Any, clock: FakeClock, method: str
+) -> None:
+    """PEP 3333 lets an app hand out empty chunks before it calls start_response. A HEAD
+    response (released at its first piece) is not released before its status is known:
+    a 504 is held for its delay and a counted 401 counts, as for a GET."""
+
+    def app(environ: Any, start_response: Any) -> Iterator[bytes]:
+        yield b""
+        status = "504 Gateway Timeout" if environ["PATH_INFO"] == "/slow" else "401 No"
+        start_response(status, [("Content-Length", "4")])
+        yield b"body"
+
+    mw = make(
+        app,
+        {
+            "project": "shop",
+            "limits": {
+                "shop/slow": {"concurrency": 5, "delay": 2},
+                "shop/login/*": {"rate": "2/minute", "key": "ip", "count": [401]},
+            },
+        },
+    )
+    client = Client(mw)
+    assert client.open("/slow", method=method, buffered=True).status_code == 504
+    assert busy(mw.gatekeeper) == {"shop/slow": 1}  # held for the delay
+    clock.advance(2.5)
+    assert busy(mw.gatekeeper) == {}
+    codes = [client.open("/login", method=method, buffered=True).status_code for _ in range(4)]
+    assert codes == [401, 401, 429, 429]
+
+
+def test_a_status_the_app_started_and_raised_after_is_not_counted(make: Any) -> None:
+    """An app that calls start_response("401 ...") and then raises sends no 401: the
+    server answers 500, and a limit counting 401s does not count it."""
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        start_response("401 Unauthorized", [])
+        raise RuntimeError("after start_response")
+
+    mw = make(
+        app,
+        {"project": "shop", "limits": {"shop/login/*": {"rate": "2/minute", "count": [401]}}},
+    )
+    for _ in range(4):
+        with pytest.raises(RuntimeError):
+            fetch(mw, "/login")
+    assert busy(mw.gatekeeper) == {}
+
+
 def test_hostile_first_segment_is_digested_not_echoed(make: Any) -> None:
     """A path segment that is not a plain name is counted under a digest, never verbatim."""
     app = Seen()
