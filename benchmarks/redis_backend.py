@@ -11,9 +11,10 @@ the WSGI app directly:
 - Flask with Flask-Limiter on ``redis://`` (moving window, one limit).
 
 Prints, per way: round trips per request (commands clients sent, seen by ``MONITOR``): those
-the request's thread waits for, and those sent in the background (gatekeeper-wsgi's release
-sender); commands per request (``INFO commandstats`` deltas, including those scripts ran),
-in all and as a table per command; and median µs per request, split into the part the client
+the request's thread waits for, and those no request waits for (gatekeeper-wsgi's releases,
+written as the response ends or sent by its release sender); commands per request (``INFO
+commandstats`` deltas, including those scripts ran), in all and as a table per command;
+and median µs per request, split into the part the client
 waits for (until the body is returned) and ``close()`` after the response is sent, then the
 whole (call + iterate + close) over bare Flask and as a share of Flask-Limiter's. The ways
 take turns in every round in a freshly shuffled order, and the cost over bare Flask is the
@@ -66,28 +67,43 @@ def run(app: WSGIApp, n: int) -> tuple[float, float]:
 
 
 def round_trips(server: redis.Redis, app: WSGIApp, n: int) -> tuple[float, float]:
-    """Commands clients sent per request (scripts' own commands excluded), by ``MONITOR``,
-    per connection: (those of the busiest connection, the request thread's own, which it
-    waits for, since neither client sends a command without reading its answer; those of
-    every other connection, e.g. gatekeeper-wsgi's release sender, which no request waits
-    for)."""
+    """Commands clients sent per request (scripts' own commands excluded), by ``MONITOR``:
+    (those a request's thread waits for, the others). Waited for: every command of the
+    busiest connection, the request thread's own (neither client sends a command there
+    without reading its answer), but for gatekeeper-wsgi's releases written on it as the
+    response ends, whose answers are read with the thread's next command: a release-only
+    call of its script (``EVALSHA`` whose arguments are the count of releases and those
+    releases, no admission). The others: every other connection's, e.g. gatekeeper-wsgi's
+    release sender, which no request waits for."""
     pool = redis.ConnectionPool(**server.connection_pool.connection_kwargs)
     sender = redis.Redis(connection_pool=pool)
     own = sender.client_info()["addr"]  # the end marker's sender, connected before MONITOR
     sent: dict[str, int] = {}
+    written: dict[str, int] = {}  # release-only calls, per connection
     with server.monitor() as monitor:
         for _ in range(n):
             _common.call(app)
         sender.echo("end")
         while True:
-            command = monitor.next_command()
-            origin = f"{command['client_address']}:{command['client_port']}"
+            raw = monitor.connection.read_response()
+            text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+            _, data = text.split(" ", 1)
+            found = monitor.monitor_re.match(data)
+            assert found is not None
+            _, origin, command = found.groups()
             if origin == own:
                 break
-            if command["client_type"] != "lua":
-                sent[origin] = sent.get(origin, 0) + 1
+            if origin == "lua":
+                continue
+            sent[origin] = sent.get(origin, 0) + 1
+            words = monitor.command_re.findall(command)
+            if words[0].upper() == "EVALSHA" and len(words) > 3 and words[2].isdigit():
+                argv = words[3 + int(words[2]) :]
+                if argv and argv[0].isdigit() and len(argv) == 1 + int(argv[0]):
+                    written[origin] = written.get(origin, 0) + 1
     sender.close()
-    waited = max(sent.values(), default=0)
+    busiest = max(sent, key=sent.__getitem__, default=None)
+    waited = 0 if busiest is None else sent[busiest] - written.get(busiest, 0)
     return waited / n, (sum(sent.values()) - waited) / n
 
 
