@@ -73,7 +73,9 @@ class Exchange:
 
 
 async def until(condition: Any, what: str) -> None:
-    """Poll ``condition`` on the event loop until it holds; fail after the deadline."""
+    """Poll ``condition`` on the event loop until it holds; fail after the deadline. Only
+    for what no event announces: a sync view's slot, released on its worker thread after
+    the exchange the test awaited has ended."""
     deadline = time.monotonic() + DEADLINE
     while not condition():
         if time.monotonic() > deadline:
@@ -161,7 +163,7 @@ def test_concurrency_limit_is_exact_under_asgi(settings: Any) -> None:
         try:
             holders = [Exchange("/hold/") for _ in range(2)]
             tasks = [asyncio.create_task(exchange.run()) for exchange in holders]
-            await until(lambda: hold.active == 2, "two views running")
+            assert await asyncio.to_thread(hold.running, 2, DEADLINE), "two views running"
             extra = [Exchange("/hold/") for _ in range(3)]
             await asyncio.gather(*(exchange.run() for exchange in extra))
             assert [exchange.status for exchange in extra] == [503, 503, 503]
@@ -184,7 +186,7 @@ def test_disconnect_frees_the_slot_when_the_view_stops(settings: Any) -> None:
         exchange = Exchange("/hold/")
         task = asyncio.create_task(exchange.run())
         try:
-            await until(lambda: hold.active == 1, "the view running")
+            assert await asyncio.to_thread(hold.running, 1, DEADLINE), "the view running"
             exchange.disconnect.set()
             assert busy(get_gatekeeper()) == {"site/hold": 1}
         finally:
@@ -204,7 +206,7 @@ def test_disconnect_cancels_an_async_view_and_frees_its_slot(settings: Any) -> N
         hold = views.reset_hold()
         exchange = Exchange("/ahold/")
         task = asyncio.create_task(exchange.run())
-        await until(lambda: hold.active == 1, "the view running")
+        assert await asyncio.to_thread(hold.running, 1, DEADLINE), "the view running"
         assert busy(get_gatekeeper()) == {"site/ahold": 1}
         exchange.disconnect.set()
         await task

@@ -35,6 +35,12 @@ class Hold:
         with self.lock:
             self.active -= 1
 
+    def running(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` executions run at once; False if ``timeout`` passes first
+        (woken by :meth:`enter`, no polling)."""
+        with self.lock:
+            return self.lock.wait_for(lambda: self.active >= count, timeout=timeout)
+
     def wait_for_company(self, count: int, deadline: float) -> None:
         """Wait until ``count`` executions run at once or the deadline passes (load shaping:
         it makes overlap likely, the tests assert nothing about it)."""
