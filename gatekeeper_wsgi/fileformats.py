@@ -401,6 +401,10 @@ _TOML_LONG_KEY = re.compile(
 )
 
 
+#: A number tomllib cannot read (int() refuses more than 4 300 digits).
+_TOML_LONG_NUMBER = re.compile(r"[0-9][0-9_]{999,}")
+
+
 def _refuse_long_keys(text: str, file: str) -> None:
     """A ConfigError for the first key of more than MAX_KEY_PARTS parts, before tomllib
     spends quadratic time on it."""
@@ -433,14 +437,14 @@ def _load_toml(
     except ValueError as exc:
         if not isinstance(exc, tomllib.TOMLDecodeError):
             # int() refusing thousands of digits: tomllib lets its ValueError through.
-            long_number = re.search(r"[0-9][0-9_]{999,}", text)
+            long_number = _TOML_LONG_NUMBER.search(text)
             if long_number is None:  # pragma: no cover - int() refuses only those
                 raise ConfigError(
                     "", "invalid TOML: a number of thousands of digits", file=file
                 ) from exc
             number_line = text.count("\n", 0, long_number.start()) + 1
             raise ConfigError(
-                _key_on_line(text, long_number, number_line),
+                _key_on_line(text, number_line),
                 "invalid TOML: a number of thousands of digits",
                 file=file,
                 line=number_line,
@@ -483,18 +487,20 @@ def _load_toml(
     return settings, _LazyLines(_TomlLocator(text, prefix).locate)
 
 
-def _key_on_line(text: str, number: re.Match[str], line: int) -> str:
-    """The dotted settings key whose value is ``number``, on ``line`` of ``text`` (found
-    with the number cut to one digit, which the parser takes), or "" if none is there."""
-    patched = text[: number.start()] + "0" + text[number.end() :]
-    located = _TomlLocator(patched, ()).locate()
+def _key_on_line(text: str, line: int) -> str:
+    """The dotted settings key on ``line`` of ``text``, whose value is a number of
+    thousands of digits: located as :func:`_load_toml` locates a key, in the text with
+    each such number cut to one digit (which the parser takes); "" if none is found."""
+    patched = _TOML_LONG_NUMBER.sub("0", text)
+    try:
+        document = tomllib.loads(patched)
+    except ValueError:  # another fault in the file: the line alone is reported
+        return ""
+    prefix = (_SETTINGS_TABLE,) if isinstance(document.get(_SETTINGS_TABLE), dict) else ()
+    located = _TomlLocator(patched, prefix).locate()
     # The last key noted on the line is the innermost (an inline table's member).
     keys = [key for key, at in located.items() if at == line]
-    if not keys:
-        return ""
-    key = keys[-1]
-    head = f"{_SETTINGS_TABLE}."
-    return key[len(head) :] if key.startswith(head) else key
+    return keys[-1] if keys else ""
 
 
 # What moves the nesting of a TOML document: brackets and braces, newlines (to count lines),

@@ -32,7 +32,7 @@ from gatekeeper_wsgi.access import parse_bearer, same_token
 from gatekeeper_wsgi.engine import ConfigSource, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.fault import accept_prefers_xml, xml_text
-from gatekeeper_wsgi.requestvalues import key_segment
+from gatekeeper_wsgi.requestvalues import content_length, key_segment
 from gatekeeper_wsgi.resolve import Route
 from gatekeeper_wsgi.values import CALLER_RE, Limit
 
@@ -312,12 +312,10 @@ def _read_body(environ: WSGIEnvironment) -> bytes:
     if text:
         if not (text.isascii() and text.isdigit()):
             raise _Refused(400, "invalid Content-Length")
-        # More than 18 significant digits is far past MAX_BODY, and bounds int()'s work
-        # (which refuses thousands of digits with a ValueError).
-        digits = text.lstrip("0") or "0"
-        if len(digits) > 18 or int(digits) > MAX_BODY:
+        length = content_length(text)
+        if length is None or length > MAX_BODY:  # None: more than 18 digits
             raise _Refused(413, _TOO_LARGE)
-        return _read(stream, int(digits))
+        return _read(stream, length)
     # No length: only a server that marks the stream as terminated (chunked requests)
     # lets us read to its end (PEP 3333 otherwise forbids reading past CONTENT_LENGTH).
     if not environ.get("wsgi.input_terminated"):

@@ -127,8 +127,6 @@ class _WatchedResponse(ResponseWatch):
         self._write = self._start_response(status, headers, exc_info)
         return self._proxy
 
-    start_response = __call__
-
     def write(self, data: bytes) -> object:
         """PEP 3333's ``write()``: a body (or its start) written before the iterable is
         returned. Watched as the iterable is: scanned for a body marker, and the slots

@@ -56,10 +56,14 @@ def remember(memo: dict[K, V], key: K, value: V, size: int) -> V:
 
 def content_length(value: str) -> int | None:
     """The body length a ``Content-Length`` value states (a response's or a request's),
-    None unless it is a plain number. The blanks around a field value are not part of it
-    (RFC 9110 5.5); isdigit() alone admits non-ASCII digits; 18 digits bound int()'s work."""
+    None unless it is a plain number of at most 18 digits (zeros before them are none).
+    The blanks around a field value are not part of it (RFC 9110 5.5); isdigit() alone
+    admits non-ASCII digits; 18 digits bound int()'s work."""
     digits = value.strip(" \t")
-    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else None
 
 
 def key_segment(value: str | None) -> str:
