@@ -85,6 +85,7 @@ class Route:
     """The limits of one (project, service), plus the effective delay and timeout markers."""
 
     __slots__ = (
+        "_claimed",
         "_exact",
         "_memo",
         "_source",
@@ -141,6 +142,16 @@ class Route:
             else:
                 by_segment = self._exact.setdefault(candidate.source, {})
                 by_segment.setdefault(candidate.segment, (position, candidate))
+        # The segments of the exact limits that can win on this route and take a slot:
+        # their counters are named prefix + segment, and the `*` limit's counter of the
+        # same value, read from another key, must not be the same one (a header, a user
+        # name or a caller named "vip" would spend the limit of caller "vip"; SPEC 4.5).
+        wildcard_at = len(self.caller_candidates) if self._wildcard is None else self._wildcard[0]
+        self._claimed = frozenset(
+            candidate.segment
+            for candidate in self.caller_candidates[:wildcard_at]
+            if candidate.counts
+        )
         # When every candidate reads the same request value, the caller level depends on
         # that value alone and is memoized by it: a repeat caller costs one dict lookup.
         sources = {candidate.source for candidate in self.caller_candidates}
@@ -209,6 +220,10 @@ class Route:
             return self.slots, limit.delay
         if candidate.segment == "*":
             value = _key_value(candidate.source, caller, environ, user, ipv6)
+            if value in self._claimed:
+                # An exact limit's counter (of another key: one of the same key would
+                # have won): this value counts apart, under a digest of key and value.
+                value = key_segment(f"{candidate.source}\0{value}")
         slot = _new_slot(Slot, (candidate.prefix + value, limit, candidate.enforce))
         return (*self.slots, slot), limit.delay
 

@@ -1059,15 +1059,73 @@ def test_least_recently_used_idle_key_goes_first(make_clocked: Make) -> None:
 # that refuse a key they cannot track.
 
 
-def test_exact_caller_path_and_user_keyed_wildcard_share_a_key(make: Make) -> None:
-    """A user whose name equals an exact caller path's segment is admitted, not a server error."""
+def test_a_user_named_as_an_exact_caller_path_counts_apart(make: Make) -> None:
+    """A user whose name is an exact caller limit's segment neither spends that caller's
+    limit nor shares its counter (nor is a server error): the `*` limit counts the user
+    under a digest of its own."""
     gk = make(
-        {"shop/login/alice": {"concurrency": 2}, "shop/login/*": {"concurrency": 2, "key": "user"}}
+        {"shop/login/alice": {"concurrency": 2}, "shop/login/*": {"concurrency": 1, "key": "user"}}
     )
-    gk.admit("shop", "login", "alice")
     gk.admit("shop", "login", "bob", user="alice")
-    assert busy(gk) == {"shop/login/alice": 2}
     assert refused(gk, "shop", "login", "carol", user="alice").limit_path == "shop/login/*"
+    gk.admit("shop", "login", "alice")
+    gk.admit("shop", "login", "alice")
+    assert refused(gk, "shop", "login", "alice").limit_path == "shop/login/alice"
+    keys = busy(gk)
+    assert keys.pop("shop/login/alice") == 2
+    [(digest, count)] = keys.items()
+    assert re.fullmatch(r"shop/login/~[0-9a-f]{16}", digest) and count == 1
+
+
+@pytest.mark.parametrize(
+    ("limits", "attacker", "victim"),
+    [
+        (  # a header value naming the exact limit of caller "vip"
+            {
+                "p/x/vip": {"rate": "2/minute"},
+                "p/x/*": {"rate": "2/minute", "key": "header:X-Key"},
+            },
+            ("mallory", {"HTTP_X_KEY": "vip"}),
+            ("vip", {}),
+        ),
+        (  # a caller naming itself as the exact limit of an address
+            {
+                "p/x/10.0.0.7": {"rate": "2/minute", "key": "ip"},
+                "p/x/*": {"rate": "2/minute"},
+            },
+            ("10.0.0.7", {"REMOTE_ADDR": "192.0.2.1"}),
+            ("crm", {"REMOTE_ADDR": "10.0.0.7"}),
+        ),
+        (  # an IPv6 network's segment, named by a caller, spends nobody's quota
+            {
+                "p/x/2001:db8::-64": {"rate": "2/minute"},
+                "p/x/*": {"rate": "2/minute", "key": "ip"},
+            },
+            ("mallory", {"REMOTE_ADDR": "2001:db8::7"}),
+            ("2001:db8::-64", {"REMOTE_ADDR": "192.0.2.9"}),
+        ),
+    ],
+    ids=["header-vs-caller", "caller-vs-ip", "ip-vs-caller"],
+)
+def test_a_wildcard_value_cannot_spend_an_exact_limit_read_from_another_key(
+    make: Make,
+    limits: dict[str, Any],
+    attacker: tuple[str, dict[str, str]],
+    victim: tuple[str, dict[str, str]],
+) -> None:
+    """Two caller-level limits of one route counting by different keys: a request value
+    equal to the exact limit's segment counts under the `*` limit apart, so an attacker
+    exhausting it leaves the exact limit's quota whole (SPEC 4.5)."""
+    gk = make(limits)
+    caller, environ = attacker
+    for _ in range(2):
+        gk.admit("p", "x", caller, environ=environ).release(200)
+    assert refused(gk, "p", "x", caller, environ=environ).limit_path == "p/x/*"
+    caller, environ = victim
+    for _ in range(2):
+        gk.admit("p", "x", caller, environ=environ).release(200)
+    exact = next(path for path in limits if not path.endswith("*"))
+    assert refused(gk, "p", "x", caller, environ=environ).limit_path == exact
 
 
 # ------------------------------------------------------------------------------- hot reload
