@@ -39,7 +39,7 @@ from gatekeeper_wsgi.errors import (
 )
 from gatekeeper_wsgi.fileformats import open_for_writing, read_file
 from gatekeeper_wsgi.identify import Identifier
-from gatekeeper_wsgi.limitindex import counts
+from gatekeeper_wsgi.limitindex import counting_limit, counts
 from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
@@ -1017,14 +1017,42 @@ class GateKeeper:
             )
         except BackendError as exc:
             logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
-        delayed, adaptive = self._last_read
+        delayed, reported = self._last_read
         snapshot = self.monitor.snapshot(delayed)
+        adaptive = _adaptive_in_force(self.config, reported, adaptive_keys)
         return Stats(counters=snapshot["counters"], stages=snapshot["stages"], adaptive=adaptive)
 
     def close(self) -> None:
         """Release backend resources (after the releases still waiting)."""
         _release_collected()
         self.backend.close()
+
+
+def _adaptive_in_force(
+    config: Config, reported: Mapping[str, AdaptiveReport], keys: Collection[str] | None
+) -> dict[str, AdaptiveReport]:
+    """``stats()["adaptive"]``: what the backend reports of the paths an adaptive limit of
+    ``config`` governs (one that a reload made fixed is no longer adaptive, though the
+    backend still holds its controller for a while), and each adaptive limit without
+    ``*`` from the start, at its ``initial`` until it has measured (the value its faults
+    and Prometheus give). ``keys``: of those concrete paths only."""
+    index = config.limit_index
+    adaptive: dict[str, AdaptiveReport] = {}
+    for key, report in reported.items():
+        limit = counting_limit(index, key)
+        if limit is not None and limit.adaptive is not None:
+            adaptive[key] = report
+    for limit in config.limits.values():
+        spec = limit.adaptive
+        if spec is None or limit.wildcard or limit.path in adaptive:
+            continue
+        if keys is None or limit.path in keys:
+            adaptive[limit.path] = {
+                "limit": spec.initial,
+                "latency_ms": 0.0,
+                "min_latency_ms": 0.0,
+            }
+    return adaptive
 
 
 #: what :meth:`GateKeeper.admit` resolves a request's slots from: (project, service,

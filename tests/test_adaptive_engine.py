@@ -218,13 +218,53 @@ def test_wildcard_keys_each_have_their_own_limit(clock: FakeClock) -> None:
 def test_stats_adaptive_shape(clock: FakeClock) -> None:
     """`gk.stats()["adaptive"]` maps each path to its int limit and float latencies."""
     gk = keeper(clock)
-    assert gk.stats()["adaptive"] == {}
     simulate(gk, clock, capacity=20, seconds=2.0)
     report = gk.stats()["adaptive"]["shop"]
     assert set(report) == {"limit", "latency_ms", "min_latency_ms"}
     assert isinstance(report["limit"], int)
     assert isinstance(report["latency_ms"], float) and report["latency_ms"] > 0
     assert isinstance(report["min_latency_ms"], float) and report["min_latency_ms"] > 0
+
+
+def test_stats_report_an_adaptive_limit_from_the_start(clock: FakeClock) -> None:
+    """Before its first request an adaptive limit without `*` is in stats() at its
+    initial value, as its faults would give it; a wildcard limit has no key yet."""
+    gk = keeper(
+        clock,
+        {
+            "shop": {"concurrency": "auto", "adaptive": {"initial": 7}},
+            "shop/a/*": AUTO,
+            "shop/b": {"concurrency": 3},
+        },
+    )
+    assert gk.stats()["adaptive"] == {
+        "shop": {"limit": 7, "latency_ms": 0.0, "min_latency_ms": 0.0}
+    }
+    assert gk.stats(adaptive_keys=["shop/b"])["adaptive"] == {}
+    held = [gk.admit("shop", "a", "c") for _ in range(7)]
+    assert refusal(gk).limit_value == "7"
+    assert set(gk.stats()["adaptive"]) == {"shop", "shop/a/c"}
+    for admission in held:
+        admission.release(200)
+
+
+def test_a_reload_to_a_fixed_limit_leaves_the_adaptive_report(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    """A limit a reload turns from "auto" into a number is no longer reported as
+    adaptive, though its controller has learned a value."""
+    file = tmp_path / "gk.properties"
+    file.write_text("project = shop\nlimits.shop.concurrency = auto\n")
+    gk = GateKeeper(str(file), clock=clock)
+    simulate(gk, clock, capacity=20, seconds=2.0)
+    assert set(gk.stats()["adaptive"]) == {"shop"}
+    file.write_text("project = shop\nlimits.shop.concurrency = 6\n")
+    assert gk.reload()
+    assert gk.stats()["adaptive"] == {}
+    held = [gk.admit("shop", "a", "c") for _ in range(6)]
+    assert refusal(gk).limit_value == "6"
+    for admission in held:
+        admission.release(200)
 
 
 def test_a_reload_to_a_lower_max_applies_at_once(clock: FakeClock, tmp_path: Path) -> None:
