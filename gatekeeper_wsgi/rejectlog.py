@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import logging
 import logging.handlers
 import os
 import queue
+import socket
 import threading
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -207,6 +209,46 @@ def _headers(
     return headers, cut
 
 
+#: The longest the log waits for a rejected request's body still on its way, in seconds,
+#: where the server lets it tell (see :func:`_read_arrived`): a client that sent its
+#: headers first (``Expect: 100-continue``) has its body there within a round trip
+BODY_WAIT = 0.005
+
+
+def _read_arrived(environ: Mapping[str, Any], stream: Any, size: int) -> bytes | None:
+    """:func:`_read`, waiting for the client at most :data:`BODY_WAIT` under gunicorn:
+    None when the body had not arrived by then.
+
+    gunicorn reads the body from the client's socket as the app asks, waiting for bytes
+    the client may never send: a refused request that declares a body and holds it back
+    would keep the worker (a gthread thread for good, a sync worker until the arbiter
+    kills it), though the app, refusing it, never reads it. gunicorn hands the app that
+    socket (``gunicorn.socket``), so this read gets a deadline; one missed leaves
+    gunicorn's reader mid-body, so the socket is shut for reading: the response still
+    goes out, and gunicorn ends the connection instead of reading the rest as a next
+    request. Buffered bodies (waitress, test clients) are there at once; other servers
+    stream as they do: werkzeug's development server with a thread per connection (a
+    held-back body holds only its own), uWSGI within its ``socket-timeout``.
+    """
+    sock = environ.get("gunicorn.socket")
+    if not isinstance(sock, socket.socket):
+        return _read(stream, size)
+    try:
+        previous = sock.gettimeout()
+        sock.settimeout(BODY_WAIT)
+    except OSError:  # closed meanwhile: the read below fails as it would
+        return _read(stream, size)
+    try:
+        return _read(stream, size)
+    except OSError:  # the deadline (or the client went away) mid-body
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(previous)
+
+
 def _read(stream: Any, size: int) -> bytes:
     """Up to ``size`` bytes of ``stream`` (fewer only at its end)."""
     chunks = []
@@ -254,17 +296,19 @@ def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None
     stream = environ.get("wsgi.input")
     if length == 0 or stream is None:
         return b"", bool(length), None
+    if length is not None and cap <= 0:
+        return b"", True, None
     try:
-        if length is None:
-            # Read to the stream's end, one byte past the cap to know whether it goes on.
-            data = _read(stream, cap + 1)
-            return data[:cap], len(data) > cap, None
-        if cap <= 0:
-            return b"", True, None
-        data = _read(stream, min(length, cap))
+        # Without a length, read to the stream's end, one byte past the cap to know
+        # whether it goes on.
+        read = _read_arrived(environ, stream, cap + 1 if length is None else min(length, cap))
     except Exception:  # a client that went away must not break the fault
         return b"", True, None
-    return data, len(data) < length, None
+    if read is None:
+        return b"", True, f"not sent within {BODY_WAIT * 1000:g} ms: not read"
+    if length is None:
+        return read[:cap], len(read) > cap, None
+    return read, len(read) < length, None
 
 
 def _request_path(environ: Mapping[str, Any]) -> str:

@@ -9,6 +9,7 @@ import http.client
 import io
 import json
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -282,3 +283,47 @@ def test_a_chunked_body_is_logged_under_a_real_server(kind: str, tmp_path: Path)
     assert second["body_truncated"] is True
     assert second["body"].startswith('{"user": "bob", "password": "[redacted]"')
     assert "s3cret" not in log.read_text("utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker", ["sync", "gthread"])
+def test_a_held_back_body_does_not_hold_a_gunicorn_worker(worker: str, tmp_path: Path) -> None:
+    """A refused request declaring a body it never sends (a slow-body attack) gets its
+    503 at once: the log's read of the body gives up on it (logged as not sent), the
+    connection is ended rather than read on, and the worker serves the next request,
+    whose body is logged whole."""
+    log = tmp_path / "rejected.jsonl"
+    env = {"GK_TEST_REJECTED_LOG": str(log), "PYTHONPATH": APPS}
+    args = ["--worker-class", worker, "--threads", "2", "--timeout", "300"]
+    with Gunicorn(tmp_path, *args, "--pythonpath", APPS, "rejected_log_app:app", env=env) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as held:
+            held.sendall(
+                b"POST /orders HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+                b"Content-Length: 2048\r\n\r\nthe first bytes"
+            )
+            answer = b""
+            while b"\r\n\r\n" not in answer:  # the whole head, however it is split
+                chunk = held.recv(65536)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503 ")
+            while held.recv(65536):  # the rest of the response, then the server's close
+                pass
+        status, _ = server.request("/orders", "POST", {"Content-Type": "text/plain"})
+        assert status == 503
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+        try:
+            connection.request("POST", "/orders", body=b"a whole body")
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 503
+        finally:
+            connection.close()
+        lines = wait_until(
+            lambda: len(text := log.read_text("utf-8").splitlines()) >= 3 and text,
+            what="three lines in the rejected-request log",
+        )
+    held_back, _, whole = (json.loads(line) for line in lines)
+    assert held_back["body_truncated"] is True and "not sent" in held_back["body_omitted"]
+    assert "body" not in held_back
+    assert (whole["body"], whole["body_truncated"]) == ("a whole body", False)
