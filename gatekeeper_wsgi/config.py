@@ -343,6 +343,17 @@ class _Checker:
             return None
         return self.string(key, value)
 
+    def optional_path(self, key: str, value: object) -> str | None:
+        text = self.optional_string(key, value)
+        return None if text is None else self.no_nul(key, text)
+
+    def no_nul(self, key: str, value: str) -> str:
+        """``value``, a path or URL the OS will be given: one with a NUL byte names no file
+        (the OS would be handed a shorter name, Python refuses it with ValueError)."""
+        if "\0" in value:
+            raise self.error(key, f"a NUL byte in {shown(value)}: no file can be named so")
+        return value
+
     def boolean(self, key: str, value: object) -> bool:
         if isinstance(value, bool):
             return value
@@ -555,7 +566,7 @@ class _Checker:
         return imported  # type: ignore[no-any-return]
 
     def backend(self, value: object) -> str:
-        url = self.string("backend", value)
+        url = self.no_nul("backend", self.string("backend", value))
         try:
             scheme_of(url)
         except ValueError as exc:
@@ -577,7 +588,7 @@ class _Checker:
     def reload(self, value: object) -> ReloadConfig:
         section = self.section("reload", value)
         return ReloadConfig(
-            file=self.optional_string("reload.file", section["file"]),
+            file=self.optional_path("reload.file", section["file"]),
             every_seconds=self.number(
                 "reload.every_seconds",
                 section["every_seconds"],

@@ -74,6 +74,8 @@ def read_file(path: str | os.PathLike[str]) -> tuple[bytes, os.stat_result]:
     """
     file = str(path)
     _check_suffix(file)
+    if "\0" in file:  # os.open would raise ValueError: no file can be named so
+        raise ConfigError("", "cannot read file: its name holds a NUL byte", file=repr(file))
     try:
         descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:

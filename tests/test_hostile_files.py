@@ -244,6 +244,30 @@ def test_regexes_the_engine_cannot_compile_are_config_errors_with_file_and_line(
     assert len(str(info.value)) < 400
 
 
+@pytest.mark.parametrize("where", ["backend", "reload.file", "config path", "toml backend"])
+def test_a_nul_byte_in_a_file_name_is_a_config_error(tmp_path: Path, where: str) -> None:
+    """A path or URL holding a NUL byte names no file: ConfigError naming the key (or the
+    file, and its line), not the ValueError the OS call would raise."""
+    source: Any
+    if where == "backend":
+        source = {"project": "shop", "backend": "shared:///tmp/a\x00b.shm"}
+    elif where == "reload.file":
+        source = {"project": "shop", "reload": {"file": "/tmp/a\x00b.toml"}}
+    elif where == "config path":
+        source = "/tmp/a\x00b.toml"
+    else:
+        source = tmp_path / "gk.toml"
+        source.write_text('project = "shop"\nbackend = "shared:///tmp/a\\u0000b.shm"\n')
+    with pytest.raises(ConfigError) as info:
+        GateKeeper(source)
+    message = str(info.value)
+    assert "NUL" in message
+    if where in ("backend", "toml backend"):
+        assert "backend" in message
+    if where == "toml backend":
+        assert f"{source}:2" in message
+
+
 def test_huge_numbers_in_settings_are_config_errors() -> None:
     """A 5 000-digit int or a 1e308 delay in a settings dict is a ConfigError too."""
     with pytest.raises(ConfigError, match="concurrency"):

@@ -7,12 +7,16 @@ what the configuration derives or the default: ``size`` (keys), ``leases``, ``pr
 
 from __future__ import annotations
 
+import re
 from urllib.parse import parse_qsl, urlsplit
 
 from gatekeeper_wsgi.backends.shared.files import check_mode
 from gatekeeper_wsgi.errors import ConfigError
 
 __all__ = ["parse_url"]
+
+_DECIMAL = re.compile(r"[0-9]{1,11}")
+_OCTAL = re.compile(r"[0-7]{1,11}")
 
 
 def parse_url(url: str) -> tuple[str, dict[str, int]]:
@@ -30,10 +34,10 @@ def parse_url(url: str) -> tuple[str, dict[str, int]]:
                 "backend",
                 f"unknown option {name!r} in {url!r}; expected size, leases, procs, windows, mode",
             )
-        try:
-            number = int(value, 8 if name == "mode" else 10) if len(value) < 12 else 0
-        except ValueError:
-            number = 0
+        # ASCII digits only, as every other number of the configuration (int() would also
+        # take "1_000" and non-ASCII digits: SPEC 4.10); at most 11, which bounds int().
+        digits = _OCTAL if name == "mode" else _DECIMAL
+        number = int(value, 8 if name == "mode" else 10) if digits.fullmatch(value) else 0
         if number < 1 or number >= 1 << 31:
             expected = "an octal mode such as 0660" if name == "mode" else "a positive integer"
             raise ConfigError(
