@@ -21,7 +21,7 @@ import pytest
 from werkzeug.serving import make_server
 from werkzeug.test import Client
 
-from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.cli import main, parse_rate, run_check, run_replay, run_status
 from gatekeeper_wsgi.rejectlog import flush
 from tests.conftest import BACKENDS, new_backend_url
@@ -220,6 +220,29 @@ def test_status_of_a_missing_shared_file_fails_without_creating_it(tmp_path: Pat
     assert run_status(f"shared://{missing}", as_json=False, out=out) == 1
     assert "no such backend file" in out.getvalue()
     assert not missing.exists()
+
+
+def test_status_with_a_bigger_configuration_leaves_the_live_table_alone(tmp_path: Path) -> None:
+    """`gatekeeper status --config` with a configuration that needs a bigger shared table
+    (a limit added to the file the server reloaded) reads the table as it is: it does not
+    re-create it, so a caller that used its window stays refused (SPEC 4.1)."""
+    url = f"shared://{tmp_path / 'live.shm'}"
+    small = {"project": "shop", "backend": url, "limits": {"shop/login/*": {"rate": "2/minute"}}}
+    server = GateKeeper(small)
+    for _ in range(2):
+        server.admit("shop", "login", "alice").release(200)
+    file = tmp_path / "ops.toml"
+    file.write_text(
+        f'[gatekeeper]\nproject = "shop"\nbackend = "{url}"\n'
+        '[gatekeeper.limits."shop/login/*"]\nrate = "2/minute"\n'
+        '[gatekeeper.limits."shop/api/*"]\nconcurrency = 5\nmax_keys = 300000\n'
+    )
+    out = io.StringIO()
+    assert run_status(None, as_json=True, out=out, config=str(file)) == 0
+    assert json.loads(out.getvalue())["requests"] == 0
+    with pytest.raises(Rejected):
+        server.admit("shop", "login", "alice")
+    server.close()
 
 
 def test_status_of_an_unreachable_redis_fails_cleanly() -> None:

@@ -73,7 +73,10 @@ def run_status(
                 return _status_error(
                     out, errors, as_json, shown_url, f"no such backend file: {path or '(none)'}", 1
                 )
-        backend = backend_from_url(url, loaded)
+        # Without the configuration: a reader takes the table as the servers made it. Given
+        # one that needs a bigger shared table, the backend would re-create it whenever
+        # nothing is in flight, and every rate window with it (SPEC 4.1).
+        backend = backend_from_url(url)
     except ConfigError as exc:
         return _status_error(out, errors, as_json, None, mask_text(str(exc)), 2)
     try:
