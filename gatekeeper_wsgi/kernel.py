@@ -281,9 +281,10 @@ class Gate:
             request_id_header=config.request_id_header,
             renderer=config.fault.renderer,
         )
-        if not log_rejected(
-            environ if log_environ is None else log_environ, rejected, request_id, config
-        ):
+        logged = environ if log_environ is None else log_environ
+        # The status the client gets: a SOAP fault's is 500 whatever the rejection's.
+        status = int(response[0][:3])
+        if not log_rejected(logged, rejected, request_id, config, status):
             self.keeper.monitor.rejected_log_dropped += 1
         self.keeper.monitor.stages["reject"].record(time.perf_counter() - started)
         return response

@@ -41,7 +41,7 @@ REDACTED = "[redacted]"
 SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie"})
 # A header whose name contains one of these is secret too (X-Auth-Token, X-Api-Key, ...).
 _SECRET_HEADER_PARTS = ("token", "secret", "password", "api-key", "apikey", "auth")
-#: form / JSON / query field names (lower case) whose values are always secret
+#: form / JSON / XML / query field names (lower case) whose values are always secret
 SECRET_FIELDS = frozenset(
     {
         "password",
@@ -409,6 +409,60 @@ def _redact_multipart(text: str, boundaries: list[str], fields: frozenset[str]) 
     return _splice(text, spans, REDACTED)
 
 
+# XML names (letters, digits, "_", "-", "."; non-ASCII letters too), a qualified one with
+# its prefix. Matched only where a tag or an attribute can begin (after "<", after a
+# blank), and the rest found with str.find: no pattern here backtracks over a run of
+# hostile text, so a 16 KiB body costs linear time.
+_XML_QNAME = re.compile(r"(?:[^\W\d][\w.\-]*:)?(?P<local>[^\W\d][\w.\-]*)")
+_XML_ATTRIBUTE = re.compile(
+    r"(?<!\S)(?:[^\W\d][\w.\-]*:)?(?P<local>[^\W\d][\w.\-]*)\s*=\s*"
+    # A value cut by the body cap lacks its closing quote; one unquoted is not XML, but a
+    # reader may take it all the same: both are values too.
+    r"(?:\"(?P<double>[^\"]*)\"?|'(?P<single>[^']*)'?|(?P<bare>[^\s\"'/]+))"
+)
+
+
+def _xml_secret_spans(text: str, fields: frozenset[str]) -> list[tuple[int, int]]:
+    """Where the values of secret elements and attributes are in an XML text (a SOAP
+    envelope's ``<wsse:Password>``, ``<login password="…">``), matched by local name as
+    form and JSON fields are: an element's whole content up to its end tag, or to the end
+    of a body the cap cut inside it."""
+    spans: list[tuple[int, int]] = []
+    position = 0
+    while (opening := text.find("<", position)) >= 0:
+        position = opening + 1
+        name = _XML_QNAME.match(text, position)
+        if name is None:
+            continue  # an end tag, a comment, a declaration, CDATA: nothing to look at
+        closing = text.find(">", name.end())
+        if closing < 0:
+            closing = len(text)  # cut by the cap inside the tag
+        elif "<" in text[name.end() : closing]:
+            continue  # not a tag: the next "<" is looked at next
+        attributes = text[name.end() : closing]
+        if "=" in attributes:
+            offset = name.end()
+            for attribute in _XML_ATTRIBUTE.finditer(attributes):
+                if _is_secret_name(attribute.group("local"), fields):
+                    value = next(
+                        group
+                        for group in ("double", "single", "bare")
+                        if attribute.group(group) is not None
+                    )
+                    spans.append((offset + attribute.start(value), offset + attribute.end(value)))
+        position = closing + 1
+        if attributes.endswith("/") or not _is_secret_name(name.group("local"), fields):
+            continue
+        end = text.find(f"</{name.group()}", position)
+        spans.append((position, len(text) if end < 0 else end))
+        position = len(text) if end < 0 else end
+    return [(start, end) for start, end in spans if end > start]
+
+
+def _redact_xml(text: str, fields: frozenset[str]) -> str:
+    return _splice(text, _xml_secret_spans(text, fields), REDACTED) if "<" in text else text
+
+
 def _redact_text(text: str, mimetype: str, boundaries: list[str], fields: frozenset[str]) -> str:
     if mimetype == "application/x-www-form-urlencoded":
         return redact_query(text, fields)
@@ -416,7 +470,9 @@ def _redact_text(text: str, mimetype: str, boundaries: list[str], fields: frozen
         return _redact_multipart(text, boundaries, fields)
     if "json" in mimetype:
         return _redact_json_text(text, fields)
-    text = _redact_json_members(redact_query(text, fields), fields)
+    if "xml" in mimetype:
+        return _redact_xml(text, fields)
+    text = _redact_xml(_redact_json_members(redact_query(text, fields), fields), fields)
     return _redact_multipart(text, [], fields)
 
 
@@ -533,8 +589,8 @@ def _decode(body: bytes, reading: _Reading) -> tuple[str, bytes] | None:
 
 def redact_body(body: bytes, content_type: str, fields: frozenset[str]) -> bytes:
     """The logged part of a request body with the values of secret fields replaced:
-    urlencoded forms, JSON (also when cut short), multipart forms; a body of another type
-    is searched with the form and JSON rules both, since a client may label it wrongly.
+    urlencoded forms, JSON (also when cut short), multipart forms, XML (SOAP); a body of
+    another type is searched with every rule, since a client may label it wrongly.
 
     The body is read as each reader of it would (:func:`_readings`: its charset, JSON's
     own encoding rules, its bytes) and redacted in that encoding, everything but the

@@ -19,7 +19,7 @@ decoding in the charset it declares, holding secrets in two readings) is left ou
 claimed complete.
 
 Secrets never reach the line (SPEC §4.8, rules in :mod:`gatekeeper_wsgi.redact`): the
-values of secret headers and of secret form / JSON / query fields are written as
+values of secret headers and of secret form / JSON / XML / query fields are written as
 ``"[redacted]"``. Nothing a request sends can make a line long: a header value is cut at
 1 KiB (``"headers_truncated": [names]``), path and query at 4 KiB each, and a record that
 is still over 16 KiB loses its body, then its last headers (``"truncated": true``).
@@ -322,9 +322,14 @@ def _request_path(environ: Mapping[str, Any]) -> str:
 
 
 def rejection_record(
-    environ: Mapping[str, Any], rejected: Rejected, request_id: str, config: Config
+    environ: Mapping[str, Any],
+    rejected: Rejected,
+    request_id: str,
+    config: Config,
+    status: int | None = None,
 ) -> dict[str, Any]:
-    """The log record of one rejected request, as a JSON-ready dict (SPEC §7).
+    """The log record of one rejected request, as a JSON-ready dict (SPEC §7). ``status``
+    is the one the client got, when not the rejection's own (a SOAP fault's 500).
 
     Reads up to ``rejected_log.body_bytes`` of the request body (the request is refused,
     so nobody else will read it). Secrets are redacted and long values cut (module doc).
@@ -349,7 +354,7 @@ def rejection_record(
     record: dict[str, Any] = {
         "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         "requestId": request_id,
-        "status": rejected.status,
+        "status": rejected.status if status is None else status,
         "code": rejected.code,
         "level": rejected.level,
         "limit": {
@@ -412,7 +417,11 @@ def _line(record: dict[str, Any]) -> str:
 
 
 def log_rejected(
-    environ: Mapping[str, Any], rejected: Rejected, request_id: str, config: Config
+    environ: Mapping[str, Any],
+    rejected: Rejected,
+    request_id: str,
+    config: Config,
+    status: int | None = None,
 ) -> bool:
     """Log one rejected request as a JSON line, through the queue (never blocks on I/O).
 
@@ -422,7 +431,7 @@ def log_rejected(
     """
     if not logger.isEnabledFor(logging.INFO):
         return True
-    line = _line(rejection_record(environ, rejected, request_id, config))
+    line = _line(rejection_record(environ, rejected, request_id, config, status))
     record = logger.makeRecord(REJECTED_LOGGER, logging.INFO, __file__, 0, line, (), None)
     if not logger.filter(record):
         return True
