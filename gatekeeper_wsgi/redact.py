@@ -157,8 +157,18 @@ def _skip_space(text: str, position: int) -> int:
     return match.end() if match else position
 
 
+# Where a field name nests others: "password[]", "user[password]" (PHP, Rails and
+# werkzeug's MultiDict readers of such forms), "user.password".
+_NAME_PARTS = re.compile(r"[\[\].]")
+
+
 def _is_secret_name(name: str, fields: frozenset[str]) -> bool:
-    return name.strip().lower() in fields
+    lower = name.strip().lower()
+    if lower in fields:
+        return True
+    return _NAME_PARTS.search(lower) is not None and any(
+        part.strip() in fields for part in _NAME_PARTS.split(lower)
+    )
 
 
 def _json_name(raw: str) -> str:

@@ -113,6 +113,22 @@ def test_query_fields_are_redacted(field: str) -> None:
     assert record["query"] == f"page=2&{field}=[redacted]"
 
 
+@pytest.mark.parametrize(
+    "name", ["password[]", "user[password]", "user[Token][]", "user.api_key", "password%5B%5D"]
+)
+def test_nested_field_names_are_redacted(name: str) -> None:
+    """Names that nest a secret field (PHP / Rails forms, dotted names) are secret too, in
+    the query and in a form; a name that only contains one is not."""
+    record = record_of(query_string=f"page=2&{name}={SECRET}&passwords=2")
+    assert record["query"] == f"page=2&{name}=[redacted]&passwords=2"
+    form = record_of(
+        method="POST",
+        data=f"{name}={SECRET}&user=alice",
+        content_type="application/x-www-form-urlencoded",
+    )
+    assert form["body"] == f"{name}=[redacted]&user=alice"
+
+
 def test_configured_field_is_redacted_in_query_form_and_json() -> None:
     """A name in `redact_fields` is redacted in the query, a form body and a JSON body."""
     config = {"rejected_log": {"redact_fields": ["pin"]}}
