@@ -90,6 +90,12 @@ def ip_segment(value: object, ipv6_prefix: int) -> str:
     as its IPv4 address; one in brackets (``[2001:db8::7]``) as without. Anything else is
     made safe by :func:`key_segment`.
     """
+    if isinstance(value, str) and "%" in value:
+        # An IPv6 zone (fe80::1%eth0) names a link of this host, not the client, and its
+        # /64 counts the same: cut, so long ones cannot pass the length check below as
+        # a key each.
+        head, _, zone = value.partition("%")
+        value = head + ("]" if zone.endswith("]") else "")
     if not isinstance(value, str) or len(value) > _ADDRESS_CHARS:
         return key_segment(value if isinstance(value, str) else None)
     found = _NETWORK_MEMO.get((value, ipv6_prefix))

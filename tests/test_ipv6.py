@@ -137,6 +137,17 @@ def test_odd_addresses_never_raise() -> None:
         assert len(key) <= 128 and "/" not in key.removeprefix("shop/login/")
 
 
+@pytest.mark.parametrize("zone", ["eth0", "z" * 70, "0" * 5000])
+def test_a_zone_id_of_any_length_counts_by_the_network(zone: str) -> None:
+    """Zone ids are cut before anything else: a client spraying long ones (which would
+    not fit an address's length) still counts by its /64, bracketed or not."""
+    gk = keeper()
+    assert admitted(gk, f"fe80::1%{zone}")
+    assert not admitted(gk, f"fe80::2%{zone}x")
+    assert not admitted(gk, f"[fe80::3%{zone}]")
+    assert set(gk.inflight()) == {"shop/login/fe80::-64"}
+
+
 def test_ipv4_is_counted_per_address(gk: GateKeeper) -> None:
     """IPv4 addresses still count one by one."""
     assert admitted(gk, "192.0.2.1")
