@@ -308,6 +308,12 @@ class StatusApp:
         allow: Allow | None = None,
         refresh_seconds: float = 2.0,
     ) -> None:
+        if token is not None and not token.strip():
+            # token=os.environ.get("GK_TOKEN", "") with the variable unset: a "?token="
+            # link would match it and let anyone in.
+            raise ValueError(
+                "StatusApp token must not be empty (None: the dashboard.token setting)"
+            )
         self.gatekeeper = gatekeeper
         self._token = token
         self._allow = allow

@@ -108,6 +108,14 @@ def test_requests_without_the_token_are_refused(
         assert response.headers["WWW-Authenticate"].startswith("Bearer")
 
 
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_at_construction(gatekeeper: GateKeeper, token: str) -> None:
+    """StatusApp(token="") (an unset environment variable's default) would let a
+    `?token=` link in: it is an error, not an open dashboard."""
+    with pytest.raises(ValueError, match="must not be empty"):
+        StatusApp(gatekeeper, token=token)
+
+
 def test_a_wrong_token_link_is_forbidden_without_a_cookie(app: StatusApp) -> None:
     """A wrong ?token= gets 403: no redirect, no cookie."""
     response = Client(app).get("/?token=guess")
