@@ -76,6 +76,10 @@ _CAPACITY_LOG_INTERVAL = 60.0
 _collected: deque[tuple[Admission, int | None, bool]] = deque()
 
 
+#: how often a nudge of the local line tries its lock (see _LocalLine.nudge)
+_NUDGE_TRIES = 3
+
+
 def _release_collected() -> None:
     """Make the releases the garbage collector asked for, outside any lock."""
     while True:
@@ -158,6 +162,11 @@ class Admission:
         a backend's lock, which a release here would wait for forever."""
         if self._held:
             _collected.append((self, status, faulty))
+            keeper = self._keeper
+            if keeper._waiting:
+                # Its waiters make it (they hold no lock when they look): told without
+                # waiting for any lock, which this thread may hold already.
+                keeper._line.nudge()
 
 
 class GateKeeper:
@@ -290,6 +299,9 @@ class GateKeeper:
         self.identifier = Identifier(config)
         # Admissions under the old config keep their own Route; new requests re-resolve.
         self._routes = {}
+        if self._waiting:
+            # A limit raised (or removed) may have room for them now: no release will say so.
+            self._line.wake()
 
     def _check_adaptive(self, config: Config) -> None:
         """Warn when a backend cannot follow ``concurrency = "auto"`` yet (it enforces
@@ -868,6 +880,8 @@ class GateKeeper:
         rate_wait: tuple[float, float] | None = None
         try:
             while True:
+                if _collected:  # a response collected unclosed: its slots may be ours
+                    _release_collected()
                 retry_hint = None
                 now = clock()
                 if self.config is not config:
@@ -1109,7 +1123,8 @@ class _LocalLine(WaitingLine[_Place]):
         if self._poll is not None:
             timeout = min(timeout, self._poll)
         with keeper._cond:
-            if ticket.seen == keeper._wakes:
+            # Not with releases waiting to be made: a nudge may have found the lock held.
+            if ticket.seen == keeper._wakes and not _collected:
                 keeper._cond.wait(timeout)
 
     def leave(self, ticket: _Place) -> None:
@@ -1130,3 +1145,17 @@ class _LocalLine(WaitingLine[_Place]):
         keeper = self._keeper
         keeper._wakes += 1
         keeper._cond.notify_all()
+
+    def nudge(self) -> None:
+        cond = self._keeper._cond
+        # A few tries: a waiter holds the lock only between its look and its wait (which
+        # looks at _collected too); a thread that holds it and waits for a backend lock
+        # this thread holds would never let go.
+        for _ in range(_NUDGE_TRIES):
+            if cond.acquire(blocking=False):
+                try:
+                    self.wake_locked()
+                finally:
+                    cond.release()
+                return
+            time.sleep(0)

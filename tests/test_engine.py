@@ -23,15 +23,16 @@ from typing import Any, Protocol
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from werkzeug.test import EnvironBuilder
 
-from gatekeeper_wsgi import resolve
+from gatekeeper_wsgi import GateKeeperMiddleware, resolve
 from gatekeeper_wsgi.config import load_config
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import SAMPLING
 from gatekeeper_wsgi.values import CALLER_RE
 from tests.conftest import FakeClock, busy
-from tests.servers import wait_until
+from tests.servers import DEADLINE, wait_until
 
 
 class Make(Protocol):
@@ -916,6 +917,48 @@ def test_queue_waiter_woken_by_release(make: Make) -> None:
     thread.join(10)
     assert len(got) == 1
     assert busy(gk) == {"shop/checkout": 1}
+
+
+def test_queue_waiter_woken_by_a_reload_that_raises_the_limit(make: Make, tmp_path: Path) -> None:
+    """A reload that raises a full limit admits its waiters at once (no release will tell
+    them), while the holder still holds its slot."""
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, "limits.shop/checkout.concurrency = 1\nlimits.shop/checkout.queue = 5, 120\n")
+    gk = reloading(make, path)
+    holder = gk.admit("shop", "checkout", "a")
+    got: list[Admission] = []
+    thread = start(lambda: got.append(gk.admit("shop", "checkout", "b")))
+    wait_until(lambda: waiters(gk) == 1)
+    rewrite(path, "limits.shop/checkout.concurrency = 2\nlimits.shop/checkout.queue = 5, 120\n")
+    assert gk.reload()
+    thread.join(DEADLINE)
+    assert len(got) == 1
+    assert busy(gk) == {"shop/checkout": 2}
+    holder.release(200)
+    got[0].release(200)
+
+
+def test_queue_waiter_gets_the_slot_of_a_response_collected_unclosed(make: Make) -> None:
+    """A response dropped without close() (a test client's) gives its slot back when
+    collected: to the waiter in line, at once, not to whoever comes next."""
+    gk = make({"shop/checkout": {"concurrency": 1, "queue": {"size": 5, "wait": 120}}})
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    middleware = GateKeeperMiddleware(app, gk)
+    environ = EnvironBuilder(path="/checkout").get_environ()
+    response = middleware(environ, lambda *args: None)
+    assert busy(gk) == {"shop/checkout": 1}
+    got: list[Admission] = []
+    thread = start(lambda: got.append(gk.admit("shop", "checkout", "b")))
+    wait_until(lambda: waiters(gk) == 1)
+    del response  # collected: no close(), never iterated
+    thread.join(DEADLINE)
+    assert len(got) == 1
+    assert busy(gk) == {"shop/checkout": 1}
+    got[0].release(200)
 
 
 def test_queue_waiter_woken_by_maturing_delay(make_clocked: Make, clock: FakeClock) -> None:

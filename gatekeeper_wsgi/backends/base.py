@@ -277,6 +277,13 @@ class WaitingLine(ABC, Generic[TicketT]):
     def wake(self) -> None:
         """Told after a release while this process has waiters."""
 
+    def nudge(self) -> None:
+        """Told, while this process has waiters, that a response was collected unclosed:
+        its release is left for them to make (the engine's wait loop looks
+        before each try). Called by the garbage collector, perhaps inside a lock: never
+        waits for one. A line whose waiters look again by themselves now and then (a
+        backend that is not local) may leave it to them, as this does."""
+
 
 class Backend(ABC):
     """A counter store. Methods raise :class:`~gatekeeper_wsgi.errors.BackendError` when
