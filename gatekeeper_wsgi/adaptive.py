@@ -34,9 +34,10 @@ not walk the limit down to ``min``.
 The minimum latency is the no-load baseline. It falls whenever a window is faster, and it
 is measured again, up or down, by a *probe* (as Envoy does): at the start and then about
 every ``PROBE_EVERY`` seconds (jittered per path) the limit is pinned to a few requests
-until ``PROBE_SAMPLES`` requests admitted under it have finished; their mean latency is the
-new baseline. Without it a baseline would never rise after a slower deploy and the limit
-would collapse; a window gathered at that low concurrency anyway also counts as a probe.
+until ``PROBE_SAMPLES`` requests admitted under it have finished, or ``PROBE_SECONDS`` have
+passed with at least one; their mean latency is the new baseline. Without it a baseline
+would never rise after a slower deploy and the limit would collapse; a window gathered at
+that low concurrency anyway also counts as a probe.
 
 A limit only grows when the window was busy (at least half the limit in flight), so an idle
 or lightly used path never drifts upwards for lack of a signal. Everything here is pure
@@ -58,6 +59,7 @@ __all__ = [
     "ALGORITHMS",
     "PROBE_EVERY",
     "PROBE_SAMPLES",
+    "PROBE_SECONDS",
     "SAMPLE_CEILING",
     "WINDOW_SAMPLES",
     "WINDOW_SECONDS",
@@ -77,8 +79,12 @@ WINDOW_SAMPLES = 10
 WINDOW_SECONDS = 0.1
 #: Seconds between two probes of the no-load latency (± 15 % per path).
 PROBE_EVERY = 30.0
-#: Requests admitted under the pinned limit that a probe waits for.
+#: Requests admitted under the pinned limit that a probe waits for ...
 PROBE_SAMPLES = 10
+#: ... or, with at least one, this many seconds: light traffic would otherwise keep the
+#: limit pinned until ten requests came, minutes on a quiet path (and a burst meanwhile
+#: refused at 3); busy traffic brings its ten in a fraction of that.
+PROBE_SECONDS = 1.0
 #: The concurrency a probe pins the limit to (raised to ``min`` when that is higher).
 PROBE_CONCURRENCY = 3
 
@@ -401,7 +407,7 @@ class Controller:
             return
         self._probe_count += 1
         self._probe_total += latency
-        if self._probe_count < PROBE_SAMPLES:
+        if self._probe_count < PROBE_SAMPLES and now - self._probing < PROBE_SECONDS:
             return
         self._set_baseline(max(self._probe_total / self._probe_count, 0.0))
         self._probing = None

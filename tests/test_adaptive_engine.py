@@ -13,7 +13,7 @@ import pytest
 from werkzeug.test import Client
 
 from gatekeeper_wsgi import GateKeeperMiddleware
-from gatekeeper_wsgi.adaptive import PROBE_CONCURRENCY
+from gatekeeper_wsgi.adaptive import PROBE_CONCURRENCY, PROBE_SAMPLES, PROBE_SECONDS
 from gatekeeper_wsgi.backends.memory import MemoryBackend
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
@@ -224,6 +224,27 @@ def test_stats_adaptive_shape(clock: FakeClock) -> None:
     assert isinstance(report["limit"], int)
     assert isinstance(report["latency_ms"], float) and report["latency_ms"] > 0
     assert isinstance(report["min_latency_ms"], float) and report["min_latency_ms"] > 0
+
+
+def test_light_traffic_keeps_the_probe_pin_short(clock: FakeClock) -> None:
+    """A quiet path (a request every 0.2 s) is pinned by its first probe only until
+    PROBE_SECONDS have passed, not until PROBE_SAMPLES requests came: a burst then gets
+    the limit it had, 10, rather than the probe's 3."""
+    gk = keeper(clock)
+    clock.advance(0.01)
+    gk.admit("shop", "a", "c").release(200)  # the first sample starts the probe
+    assert gk.stats()["adaptive"]["shop"]["limit"] == PROBE_CONCURRENCY
+    for _ in range(round(PROBE_SECONDS / 0.2)):
+        clock.advance(0.2)
+        admission = gk.admit("shop", "a", "c")
+        clock.advance(0.01)
+        admission.release(200)
+    assert PROBE_SECONDS / 0.2 < PROBE_SAMPLES  # ended by time, not by samples
+    assert gk.stats()["adaptive"]["shop"]["limit"] == 10
+    burst = [gk.admit("shop", "a", "c") for _ in range(10)]
+    assert refusal(gk).limit_value == "10"
+    for admission in burst:
+        admission.release(200)
 
 
 def test_stats_report_an_adaptive_limit_from_the_start(clock: FakeClock) -> None:
