@@ -634,6 +634,21 @@ def test_a_full_window_behind_a_full_concurrency_limit_is_answered(
     held.release(200)
 
 
+@pytest.mark.parametrize(
+    "path", ["shop", "shop/login", "shop/login/alice", "shop/login/*"], ids=lambda p: p
+)
+def test_query_of_a_blocked_path_answers_as_admit_would_from_the_start(
+    make: Make, path: str
+) -> None:
+    """`concurrency: 0` blocks a path (SPEC 3): query() says so before any request has
+    touched it (a key never seen has no counter yet), as admit() then refuses."""
+    gk = make({path: {"concurrency": 0}})
+    query = gk.query("shop", "login", "alice")
+    assert query is not None and query.code == "GK-CONCURRENCY-LIMIT"
+    assert refused(gk, "shop", "login", "alice").limit_path == path
+    assert gk.query("shop", "login", "alice") is not None
+
+
 def test_concurrency_retry_after_follows_this_limits_delayed_releases(
     make_clocked: Make, clock: FakeClock
 ) -> None:

@@ -298,6 +298,8 @@ class MemoryBackend(Backend):
                     table = self._wild.get(limit.path) if limit.wildcard else None
                     if table is not None and len(table) >= limit.max_keys:
                         self._room(table, limit, now, index, evict=False)
+                    if enforce and limit.adaptive is None and limit.concurrency == 0:
+                        return Denial(index, "concurrency", 0.0)  # 0 blocks a new key too
                     continue
                 if not enforce:
                     continue
