@@ -168,6 +168,39 @@ def test_the_release_of_a_last_slot_reaches_redis_without_this_hosts_next_call(
         two.close()
 
 
+def test_a_window_place_given_back_reaches_redis_without_this_hosts_next_call(
+    prefixed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `count` limit's last window place, given back by a response it does not count
+    (a login that succeeded), is free for the client's next request on another host
+    without this host calling Redis again: its release is written as the response ends,
+    as a last slot's is (no release sender here: nothing else would take it there).
+    Written, not waited for: Redis may take the other host's admission, sent a moment
+    later on another connection, first, so the other host looks until it fits."""
+    limits = {"shop/login/*": {"rate": "1/minute", "count": [401]}}
+    one = keeper(prefixed, limits, on_backend_error="reject")
+    two = keeper(prefixed, limits, on_backend_error="reject")
+    monkeypatch.setattr(backend_of(one)._outbox, "_arm", lambda: None)  # no sender thread
+    monkeypatch.setattr(backend_of(two)._outbox, "_arm", lambda: None)
+
+    def login(gk: GateKeeper) -> Any:
+        try:
+            return gk.admit("shop", "login", "alice")
+        except Rejected:
+            return None
+
+    try:
+        for _ in range(5):  # each host's give-back lets the other in
+            wait_until(lambda: login(one), what="the place, on one host").release(200)
+            wait_until(lambda: login(two), what="the place, on the other host").release(200)
+        one.admit("shop", "login", "alice").release(401)  # counted: the window is full
+        with pytest.raises(Rejected):
+            two.admit("shop", "login", "alice")
+    finally:
+        one.close()
+        two.close()
+
+
 def test_a_written_release_never_answered_is_sent_again(
     prefixed: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

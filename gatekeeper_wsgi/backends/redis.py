@@ -1310,8 +1310,9 @@ class RedisBackend(Backend):
         if not grant.tight and placed >= self._contended_until:
             self._outbox.put(release)
             return
-        # The slot is wanted now: the request took the last one of a concurrency limit
-        # (another process's request, maybe this client's next one, may come for it before
+        # The slot is wanted now: the request took the last one of a concurrency limit, or
+        # the last place of a window that a `count` limit may give back (another process's
+        # request, maybe this client's next one, may come for it before
         # this process admits again), or a limit refused here lately (left waiting, a slot
         # would go from request to request of this process while other hosts are refused).
         if not self._cluster:

@@ -156,10 +156,11 @@ local now
 
 local claims -- made by the first claim: most calls have none
 
--- Whether the admission took the last slot of an enforced concurrency limit: it answers 4
--- instead of 1, so that its release is sent the moment the response ends, not left to ride
--- along with the process's next admission (another process's request, maybe the same
--- client's next one, may be waiting for it).
+-- Whether the admission took the last slot of an enforced concurrency limit, or the last
+-- place of an enforced window: it answers 4 instead of 1, so that its release is sent the
+-- moment the response ends, not left to ride along with the process's next admission
+-- (another process's request, maybe the same client's next one, may be waiting for it; a
+-- window's place comes back when a limit with `count` did not count the response).
 local tight
 
 -- One released request's sample on an adaptive path: into the window, or, when the
@@ -597,6 +598,8 @@ repeat
       over, full = over or {}, full or {}
       over[i] = true
       full[i] = true
+    elseif enforce and quota > 0 and entries + 1 >= quota then
+      tight = true -- the window's last place: a `count` limit's release may give it back
     end
     if width > 2 then
       -- A wildcard limit's slot: its key must be among the max_keys it tracks (SPEC 4.5).
