@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from django.conf.urls.i18n import i18n_patterns
 from django.core.handlers.wsgi import WSGIHandler
 from django.http import HttpResponse
 from django.test import Client, RequestFactory
 from django.urls import path
+from django.utils import translation
 from gatekeeper_wsgi.contrib.django import get_gatekeeper, request_rejected
 from gatekeeper_wsgi.contrib.django.middleware import (
     UNRESOLVED,
@@ -129,6 +131,39 @@ def test_names_follow_a_changed_root_urlconf(settings: Any, client: Client) -> N
     assert counted_during(client.get("/work/")) == {"site/work": 1}
     settings.ROOT_URLCONF = OtherURLs
     assert counted_during(client.get("/work/")) == {"site/elsewhere": 1}
+
+
+class I18nURLs:
+    """/en/work/ and /de/work/: one URL name under a language prefix (i18n_patterns)."""
+
+    urlpatterns: ClassVar[list[Any]] = i18n_patterns(
+        path("work/", views.inflight_now, name="work"), prefix_default_language=True
+    )
+
+
+@pytest.mark.parametrize("left_over", ["de", "en"])
+def test_a_language_prefixed_path_keeps_its_url_name(
+    settings: Any, client: Client, left_over: str
+) -> None:
+    """Under i18n_patterns each language's path counts under its URL name, whatever
+    language the thread's last request left active (LocaleMiddleware runs after this
+    middleware): never as `unresolved`, which would escape the service's limit."""
+    configure_gatekeeper(settings, {"*/*": {"concurrency": 5}})
+    settings.USE_I18N = True
+    settings.LANGUAGE_CODE = "en"
+    settings.LANGUAGES = [("en", "English"), ("de", "German")]
+    settings.ROOT_URLCONF = I18nURLs
+    settings.MIDDLEWARE = [
+        *settings.MIDDLEWARE[:1],
+        "django.middleware.locale.LocaleMiddleware",
+        *settings.MIDDLEWARE[1:],
+    ]
+    for path_ in ("/en/work/", "/de/work/", "/en/work/"):
+        translation.activate(left_over)
+        try:
+            assert counted_during(client.get(path_)) == {"site/work": 1}, path_
+        finally:
+            translation.deactivate()
 
 
 def test_names_outside_the_segment_alphabet_are_made_safe() -> None:

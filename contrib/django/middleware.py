@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
+from django.conf import settings
 from django.core.signals import setting_changed
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.urls import Resolver404, get_urlconf, resolve
+from django.utils import translation
 
 from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.identify import Identifier
@@ -40,13 +43,14 @@ logger = logging.getLogger("gatekeeper")
 
 #: Resolving a path costs more than everything else the middleware does, so its outcome
 #: is memoized: (urlconf, path) -> (the namespace's project or None, service), or None for
-#: an exempt view. Cleared when ROOT_URLCONF changes, as Django clears its URL caches.
+#: an exempt view. Cleared when ROOT_URLCONF (or a language setting) changes, as Django
+#: clears its URL caches.
 _NAMES: dict[tuple[object, str], tuple[str | None, str] | None] = {}
 _UNKNOWN = ("", "")
 
 
 def _forget_names(*, setting: str, **kwargs: Any) -> None:
-    if setting == "ROOT_URLCONF":
+    if setting in ("ROOT_URLCONF", "USE_I18N", "LANGUAGE_CODE", "LANGUAGES"):
         _NAMES.clear()
 
 
@@ -69,9 +73,19 @@ def _is_exempt(func: Callable[..., object]) -> bool:
 
 
 def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | None:
-    """(the namespace's project or None, service) of a path, or None for an exempt view."""
+    """(the namespace's project or None, service) of a path, or None for an exempt view.
+
+    Under ``i18n_patterns`` a path resolves only in its own language (its prefix, or
+    LANGUAGE_CODE without one), which LocaleMiddleware, running after this one, has not
+    activated yet: the thread's language is whatever its last request left. So the path
+    is resolved in the language it names, the same for every thread (the outcome is
+    memoized by path)."""
+    language = None
+    if settings.USE_I18N:
+        language = translation.get_language_from_path(path) or settings.LANGUAGE_CODE
     try:
-        match = resolve(path, urlconf)
+        with translation.override(language) if language else contextlib.nullcontext():
+            match = resolve(path, urlconf)
     except Resolver404:
         return None, UNRESOLVED
     if _is_exempt(match.func):
