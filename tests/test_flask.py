@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 from flask import Blueprint, Flask, Response, request, stream_with_context
+from flask.views import MethodView
 from gatekeeper_wsgi.contrib.flask import UNRESOLVED_SERVICE, GateKeeper
 from werkzeug.test import EnvironBuilder
 
 from gatekeeper_wsgi import ConfigError, rejectlog
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, busy
 
 
 def make_app(settings: dict[str, Any] | None = None, **flask_options: Any) -> Flask:
@@ -388,6 +389,34 @@ def test_functools_wrapped_view_keeps_its_limit() -> None:
     gk.init_app(app)
     with app.test_client().get("/w") as response:
         assert response.status_code == 503
+
+
+def test_limit_and_exempt_on_a_view_class() -> None:
+    """@gk.limit and @gk.exempt on a class-based view (a MethodView) apply to the view
+    as_view() makes of it, as on a function."""
+    gk = GateKeeper()
+    app = make_app({"project": "p", "limits": {"p": {"concurrency": 1}}})
+
+    @gk.limit(concurrency=0)
+    class Closed(MethodView):
+        def get(self) -> str:
+            return "closed"
+
+    @gk.exempt
+    class Health(MethodView):
+        def get(self) -> str:
+            return "ok"
+
+    app.add_url_rule("/closed", view_func=Closed.as_view("closed"))
+    app.add_url_rule("/health", view_func=Health.as_view("health"))
+    gk.init_app(app)
+    client = app.test_client()
+    refused = client.get("/closed")
+    assert refused.status_code == 503
+    assert refused.get_json()["limit"] == {"path": "p/closed", "value": 0}
+    held = client.get("/health")  # exempt: not even the project's one slot is taken
+    assert (held.status_code, client.get("/health").status_code) == (200, 200)
+    assert busy(gk.gatekeeper) == {}
 
 
 # --- faulty responses ---------------------------------------------------------------------

@@ -96,11 +96,16 @@ def _validated(fields: dict[str, Any], path: str, where: str) -> dict[str, Any]:
 
 
 def _chain(view: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """The view and the functions it wraps (``functools.wraps`` sets ``__wrapped__``)."""
+    """The view, the functions it wraps (``functools.wraps`` sets ``__wrapped__``) and, for
+    a class-based view, its class (``View.as_view`` sets ``view_class``): ``@gk.limit``
+    and ``@gk.exempt`` may decorate a ``View`` class as Django's decorators may."""
     seen = 0
     current: Any = view
     while current is not None and seen < 100:
         yield current
+        view_class = getattr(current, "view_class", None)
+        if view_class is not None:
+            yield view_class
         current = getattr(current, "__wrapped__", None)
         seen += 1
 
@@ -243,7 +248,8 @@ class GateKeeper:
         timeout_header: str | None = None,
         timeout_body: str | None = None,
     ) -> Callable[[ViewFunc], ViewFunc]:
-        """A limit on the decorated view; place it below ``@app.route``.
+        """A limit on the decorated view; place it below ``@app.route`` (or on a ``View``
+        class: every view ``as_view()`` makes of it has the limit).
 
         Without ``key`` and ``caller`` it limits the view's service, path
         ``<project>/<service>``. With ``key`` (``"caller"``, ``"ip"``, ``"user"``,
@@ -287,7 +293,8 @@ class GateKeeper:
         return decorate
 
     def exempt(self, view: ViewFunc) -> ViewFunc:
-        """Never limit the decorated view (health checks, status pages); below ``@app.route``."""
+        """Never limit the decorated view (health checks, status pages); below ``@app.route``,
+        or on a ``View`` class."""
         with self._lock:
             if view in self._view_limits:
                 raise ConfigError(f"@exempt on {view.__qualname__!r}", "the view also has @limit")
