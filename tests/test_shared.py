@@ -36,6 +36,7 @@ from gatekeeper_wsgi.backends.shared import (
     LayoutMismatch,
     SharedBackend,
 )
+from gatekeeper_wsgi.backends.shared import table as table_module
 from gatekeeper_wsgi.errors import ConfigError
 from tests.apps.shared_app import read_observer, reset_observer
 from tests.conftest import FakeClock
@@ -238,46 +239,70 @@ def test_max_keys_all_in_flight_refuses_a_new_key(table: Path) -> None:
 # --- files of another layout -------------------------------------------------------------
 
 
-def test_smaller_table_is_recreated_when_idle_and_refused_while_in_use(
-    table: Path, caplog: pytest.LogCaptureFixture
+def test_smaller_table_is_counted_in_while_in_use_and_recreated_bigger_when_idle(
+    table: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A table too small for a configuration: BackendError while leases are live, then
-    re-created bigger; the old keeper follows onto the new table."""
-    small = GateKeeper(config(table, {"shop": {"concurrency": 5}}))
+    """A keeper whose configuration wants a bigger table than the one in use (leases are
+    live) counts in it as it is, with one WARNING: no outage, which on_backend_error =
+    "allow" would answer by admitting uncounted; what it cannot track is refused by its
+    limit. Once no lease is live, it re-creates the table bigger (within a look's
+    interval), and the other keeper follows onto the new table."""
+    clock = FakeClock()
+    monkeypatch.setattr(table_module, "_monotonic", clock)
+    small = GateKeeper(config(table, {"shop": {"concurrency": 500}}))
     held = small.admit("shop", "api", "c")
-    big_limits = {"shop": {"concurrency": 5}, "shop/api/*": {"concurrency": 1, "max_keys": 500_000}}
-    with caplog.at_level(logging.ERROR, "gatekeeper"):
-        big = GateKeeper(config(table, big_limits, on_backend_error="reject"))
-    assert "too small for this configuration" in caplog.text
-    assert refused(big).code == "GK-BACKEND-UNAVAILABLE"
-    held.release(200)
+    big_limits = {
+        "shop": {"concurrency": 500},
+        "shop/api/*": {"concurrency": 1, "max_keys": 500_000},
+    }
     with caplog.at_level(logging.WARNING, "gatekeeper"):
-        admission = big.admit("shop", "api", "c")
+        big = GateKeeper(config(table, big_limits))
+    assert "smaller than this configuration wants" in caplog.text
+    assert "re-creating" not in caplog.text.split("wants")[0]
+    mine = big.admit("shop", "api", "c")  # counted in the table in use, with small's
+    assert busy(small) == {"shop": 2, "shop/api/c": 1}
+    assert refused(big).limit_path == "shop/api/*"
+    sprayed: list[Any] = []
+    with pytest.raises(Rejected) as full:  # busy keys past what the small table holds
+        while len(sprayed) < 200:
+            sprayed.append(big.admit("shop", "api", f"k{len(sprayed)}"))
+    assert full.value.limit_path == "shop/api/*"
+    counters = big.stats()["counters"]
+    assert (counters["backend_errors"], counters["capacity_refused"]) == (0, 1)
+    for admission in (held, mine, *sprayed):
+        admission.release(200)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "gatekeeper"):
+        big.admit("shop", "api", "c").release(200)
+        assert "re-creating shared table" not in caplog.text  # not looked at again yet
+        clock.advance(table_module.GROW_CHECK_EVERY)
+        big.admit("shop", "api", "c").release(200)
     assert "re-creating shared table" in caplog.text
-    assert busy(small) == {"shop": 1, "shop/api/c": 1}  # small follows onto the new table
+    assert busy(small) == {}  # small follows onto the new table
+    admission = small.admit("shop", "api", "c")
+    assert busy(big) == {"shop": 1}  # small counts its own limits, in the new table
     admission.release(200)
-    small.admit("shop", "api", "c").release(200)
-    assert busy(big) == {}
     small.close()
     big.close()
 
 
 def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) -> None:
-    """stats() is SPEC §7's dict while the backend fails (a table too small for this
-    configuration, still held by another keeper): the backend's own figures as last read,
-    the failures counted."""
-    small = GateKeeper(config(table, {"shop": {"concurrency": 5}}))
-    held = small.admit("shop", "api", "c")
-    big_limits = {"shop": {"concurrency": 5}, "shop/api/*": {"concurrency": 1, "max_keys": 500_000}}
-    big = GateKeeper(config(table, big_limits, on_backend_error="reject"))
-    assert refused(big).code == "GK-BACKEND-UNAVAILABLE"
-    stats = big.stats()
+    """stats() is SPEC §7's dict while the backend fails (a table of another layout
+    version, its leases live): the backend's own figures as last read, the failures
+    counted."""
+    SharedBackend(table).close()
+    with open(table, "r+b") as file:
+        file.seek(8)
+        file.write(struct.pack("<I", VERSION + 1))
+        file.seek(24)
+        file.write(struct.pack("<I", 2))  # live leases
+    keeper = GateKeeper(config(table, {"shop": {"concurrency": 5}}, on_backend_error="reject"))
+    assert refused(keeper).code == "GK-BACKEND-UNAVAILABLE"
+    stats = keeper.stats()
     assert set(stats) == {"counters", "stages", "adaptive"}
     assert stats["counters"]["backend_errors"] >= 1
     assert stats["counters"]["delayed_pending"] == 0 and stats["adaptive"] == {}
-    held.release(200)
-    small.close()
-    big.close()
+    keeper.close()
 
 
 def test_other_layout_version_is_recreated_only_when_idle(table: Path) -> None:

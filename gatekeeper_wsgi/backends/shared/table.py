@@ -84,7 +84,7 @@ logger = logging.getLogger("gatekeeper")
 
 
 class LayoutMismatch(BackendError):
-    """The file holds a table of another layout that live leases still use."""
+    """The file holds a table of another layout version that live leases still use."""
 
 
 class Recreated(BackendError):
@@ -104,6 +104,10 @@ _FORK_LOCK = threading.Lock()
 #: file the others no longer use; a file is replaced by an accident (an operator, a
 #: tmpfiles cleaner), not once a second.
 PATH_CHECK_EVERY = 0.1
+#: Seconds between two looks, while a process counts in a table smaller than its
+#: configuration wants (leases were live when it attached), whether none is live any more
+#: and the table can be re-created bigger.
+GROW_CHECK_EVERY = 1.0
 _monotonic = time.monotonic
 
 
@@ -207,6 +211,9 @@ class Table(Backend):
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
+        #: while this process counts in a table smaller than it wants: when to look next
+        #: whether it can be re-created bigger (None: it is as big as wanted, or adopted)
+        self._grow_due: float | None = None
         self._last_layout: Layout | None = None
         self._total = 0
         self._reset_state()
@@ -262,7 +269,10 @@ class Table(Backend):
         if self._fd < 0:
             self._use(open_private(self.path, self._mode))
             return
-        self._path_due = _monotonic() + PATH_CHECK_EVERY
+        now = _monotonic()
+        self._path_due = now + PATH_CHECK_EVERY
+        if self._grow_due is not None and now >= self._grow_due:
+            self._state = b""  # _enter checks the table, under the file lock: see _check
         try:
             info = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
@@ -400,6 +410,13 @@ class Table(Backend):
                 self._attach()
             elif jlen:
                 self._recover(jlen)
+            elif self._grow_due is not None:
+                # Counting in a table smaller than wanted: re-created bigger once no lease
+                # is live (nothing in flight is lost), else looked at again later.
+                if self._live_leases_after_reclaim():
+                    self._grow_due = _monotonic() + GROW_CHECK_EVERY
+                else:
+                    self._attach()
         self._state = STATE.pack(MAGIC, VERSION, 0, self._epoch)
 
     def _leave(self) -> None:
@@ -454,15 +471,27 @@ class Table(Backend):
                 self._recreate(problem)
                 return
             if self._adopt or layout.covers(wanted):
+                self._grow_due = None
                 return
             live = self._live_leases_after_reclaim()
             if live:
-                self._unmap()
-                raise LayoutMismatch(
-                    f"shared table {self.path!r} holds {layout.describe()}, too small for "
-                    f"this configuration ({wanted.describe()}), and {live} leases are live; "
-                    f"it is re-created as soon as none is"
-                )
+                # Counted in as it is, not an outage (which on_backend_error = "allow"
+                # would answer by admitting uncounted): what it cannot track is refused by
+                # the limit that needed it, as in a table that filled (SPEC 4.5).
+                if self._grow_due is None:
+                    logger.warning(
+                        "gatekeeper: shared table %s holds %s, smaller than this "
+                        "configuration wants (%s), and %d leases are live: counting in it "
+                        "as it is (what it cannot track is refused by its limit, counted in "
+                        "capacity_refused) until none is, then re-creating it bigger",
+                        self.path,
+                        layout.describe(),
+                        wanted.describe(),
+                        live,
+                    )
+                self._grow_due = _monotonic() + GROW_CHECK_EVERY
+                return
+            self._grow_due = None
             logger.warning(
                 "gatekeeper: re-creating shared table %s for this configuration (%s)",
                 self.path,
@@ -561,6 +590,7 @@ class Table(Backend):
         """Write an empty table of ``layout`` into the file (``size`` bytes now). Under the
         file lock, which every process holds to touch its map: none can meet the file
         while it is cut to nothing and grown back."""
+        self._grow_due = None
         fd = self._fd
         if size:
             # All zero again, and its pages given back, in two calls: the checks of the
