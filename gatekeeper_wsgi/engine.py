@@ -607,6 +607,14 @@ class GateKeeper:
         route = self._routes.get((project, service))
         return route if route is not None else self._route(project, service)
 
+    def count_request(self) -> None:
+        """A request refused before any admission (``GK-CALLER-MISSING``): it is handled
+        too, so it counts towards ``reload.every_requests`` and checks the file when due
+        (SPEC §3), or a file that made every request refused would never be replaced."""
+        if self._file is not None:
+            self._requests_since_check += 1
+            self._reload_if_due(self._clock())
+
     def _reload_if_due(self, now: float) -> None:
         if (
             self._requests_since_check >= self.config.reload.every_requests

@@ -252,6 +252,7 @@ class Gate:
         if caller is None:
             config = identifier.config
             if config.caller.required:
+                keeper.count_request()
                 raise keeper.count_rejection(Rejected("GK-CALLER-MISSING"))
             caller = config.caller.default
         environ[IDENTITY_KEY] = (project, service, caller)

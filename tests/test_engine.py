@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from werkzeug.test import EnvironBuilder
+from werkzeug.test import Client, EnvironBuilder
 
 from gatekeeper_wsgi import GateKeeperMiddleware, resolve
 from gatekeeper_wsgi.config import load_config
@@ -32,6 +32,7 @@ from gatekeeper_wsgi.errors import Rejected
 from gatekeeper_wsgi.monitor import SAMPLING
 from gatekeeper_wsgi.values import CALLER_RE
 from tests.conftest import FakeClock, busy
+from tests.logs import ok_app
 from tests.servers import DEADLINE, wait_until
 
 
@@ -1207,6 +1208,20 @@ def reloading(
             "every_requests": every_requests,
         },
     )
+
+
+def test_requests_refused_for_a_missing_caller_still_reload(make: Make, tmp_path: Path) -> None:
+    """A file that makes every request refused before admission (caller.required, no
+    client sends one) is still replaced by the next: those requests are handled too, and
+    count towards every_requests."""
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, "caller.required = true\nlimits.shop.concurrency = 5\n")
+    gk = reloading(make, path, every_requests=2)
+    client = Client(GateKeeperMiddleware(ok_app, gk))
+    assert client.get("/checkout").status_code == 400
+    rewrite(path, "caller.required = false\nlimits.shop.concurrency = 5\n")
+    statuses = [client.get("/checkout").status_code for _ in range(3)]
+    assert statuses[-1] == 200 and gk.config.caller.required is False
 
 
 def test_reload_after_every_requests(make: Make, limits_file: Path) -> None:
