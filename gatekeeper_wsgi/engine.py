@@ -299,6 +299,7 @@ class GateKeeper:
         self.identifier = Identifier(config)
         # Admissions under the old config keep their own Route; new requests re-resolve.
         self._routes = {}
+        self.backend.reconfigure(config)
         if self._waiting:
             # A limit raised (or removed) may have room for them now: no release will say so.
             self._line.wake()

@@ -1224,6 +1224,30 @@ def test_requests_refused_for_a_missing_caller_still_reload(make: Make, tmp_path
     assert statuses[-1] == 200 and gk.config.caller.required is False
 
 
+@pytest.mark.parametrize("before", ["shop/login/*", "*/login/*"])
+def test_a_reload_giving_a_tracked_key_its_own_rate_keeps_its_window(
+    make: Make, tmp_path: Path, before: str
+) -> None:
+    """A key first counted by a wildcard limit, then (after a reload) by an exact limit of
+    its own with a rate: other keys filling the wildcard's table cannot evict it and
+    reset that rate (SPEC 4.5), as when the limits were there from the start. Also when
+    the reload replaced the wildcard limit by a more specific one."""
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, f"limits.{before}.concurrency = 100\nlimits.{before}.max_keys = 2\n")
+    gk = reloading(make, path, every_requests=1)
+    gk.admit("shop", "login", "alice").release(200)
+    rewrite(
+        path,
+        "limits.shop/login/*.concurrency = 100\nlimits.shop/login/*.max_keys = 2\n"
+        "limits.shop/login/alice.rate = 1/hour\n",
+    )
+    gk.admit("shop", "login", "alice").release(200)  # the reload, then alice's one
+    assert gk.config.limits["shop/login/alice"].rate is not None
+    for n in range(3):
+        gk.admit("shop", "login", f"spray{n}").release(200)
+    assert refused(gk, "shop", "login", "alice").limit_path == "shop/login/alice"
+
+
 def test_reload_after_every_requests(make: Make, limits_file: Path) -> None:
     """A changed file is picked up once `every_requests` requests have been handled."""
     gk = reloading(make, limits_file, every_requests=3)

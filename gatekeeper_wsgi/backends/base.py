@@ -442,6 +442,11 @@ class Backend(ABC):
         ones are applied first, or left out of the count."""
         return 0
 
+    def reconfigure(self, config: Config) -> None:  # noqa: B027 - most follow by themselves
+        """Told when a reloaded ``config`` is swapped in (under no lock of the backend's):
+        a backend that keeps per-limit state of its own keeps it in step (the memory
+        backend's wildcard key tables)."""
+
     def multiprocess(self) -> None:  # noqa: B027 - only per-process backends care
         """Told once that the server runs the app in several processes (PEP 3333
         ``wsgi.multiprocess``). Per-process backends warn that limits are per process."""

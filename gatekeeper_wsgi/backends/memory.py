@@ -33,8 +33,12 @@ from gatekeeper_wsgi.backends.base import (
     Slot,
 )
 from gatekeeper_wsgi.errors import CapacityError
+from gatekeeper_wsgi.limitindex import counting_limit
 from gatekeeper_wsgi.turns import TurnLock
 from gatekeeper_wsgi.values import Limit
+
+if TYPE_CHECKING:
+    from gatekeeper_wsgi.config import Config
 
 __all__ = ["MemoryBackend"]
 
@@ -409,6 +413,29 @@ class MemoryBackend(Backend):
         del table[victim]
         self._counters.pop(victim, None)
         self._gauges.pop(victim, None)
+
+    def reconfigure(self, config: Config) -> None:
+        """Keep each wildcard table to the keys its limit counts under ``config``: a key
+        that an exact limit now counts leaves it (the table would evict it by the
+        wildcard's rule, which may not look at the exact limit's window: a reload giving
+        ``shop/login/alice`` its own 1/hour would let others' keys reset it), and the keys
+        of a table whose limit is gone move to the table of the limit that counts them
+        now (evicted by its rule, within its max_keys). O(exact limits x tables), plus
+        the keys of a table gone."""
+        limits = config.limits
+        exact = [path for path, limit in limits.items() if not limit.wildcard]
+        with self._lock:
+            for path, table in list(self._wild.items()):
+                limit = limits.get(path)
+                if limit is not None and limit.wildcard:
+                    for key in exact:
+                        table.pop(key, None)
+                    continue
+                del self._wild[path]
+                for key, counter in table.items():
+                    counting = counting_limit(config.limit_index, key)
+                    if counting is not None and counting.wildcard:
+                        self._wild.setdefault(counting.path, OrderedDict())[key] = counter
 
     def _soonest(self, counter: _Counter, now: float) -> float:
         """Seconds until a delayed release of this counter matures; 0 when none is held
