@@ -10,6 +10,7 @@ the reason, and is left untouched; a broken table is never a crash (no SIGBUS, n
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -30,6 +31,8 @@ from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.backends.shared import HEADER, SharedBackend
 from gatekeeper_wsgi.errors import ConfigError
 from tests.conftest import admits_exactly
+from tests.servers import wait_until
+from tests.tablelock import try_lock
 
 DEADLINE = 20.0
 H_JLEN = 12
@@ -265,6 +268,41 @@ def test_table_truncated_under_a_running_worker(table: Path, worker: Worker, siz
     nothing but its old counts: no SIGBUS, one ERROR, exact limits at once."""
     length = table.stat().st_size // 2 if size == "half" else size
     _damage_then_check(table, worker, lambda: os.truncate(table, length))
+
+
+def _waiting_for_a_lock(inode: int) -> bool:
+    """Whether a process waits for a lock on the file of ``inode`` (a "->" line of
+    /proc/locks: MAJOR:MINOR:INODE)."""
+    with open("/proc/locks", encoding="ascii") as locks:
+        return any("->" in line and f":{inode} " in line for line in locks)
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="/proc/locks is Linux's")
+@pytest.mark.parametrize("size", [0, HEADER, "half"])
+def test_a_cut_made_while_a_worker_waits_for_the_lock_is_no_sigbus(
+    table: Path, worker: Worker, size: Any
+) -> None:
+    """The file is cut while the worker waits for the table's lock (held here, as another
+    process holds it under contention): the worker looks at the size once it has the
+    lock, so it meets a damaged table (one ERROR, re-created, exact at once), not SIGBUS."""
+    length = table.stat().st_size // 2 if size == "half" else size
+    fd = os.open(table, os.O_RDWR)
+    try:
+        assert try_lock(fd)
+        inode = os.fstat(fd).st_ino
+        worker.conn.send(("admit", "api", "c"))
+        wait_until(lambda: _waiting_for_a_lock(inode), what="the worker waiting for the lock")
+        os.ftruncate(fd, length)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    assert worker.conn.poll(DEADLINE), f"no answer (exit code {worker.process.exitcode})"
+    assert worker.conn.recv() == "admitted"
+    errors = worker("errors")
+    assert len(errors) == 1 and "is damaged" in errors[0], errors
+    assert worker.admit_all(2) == ["admitted"] * 2  # 3 slots in the new table
+    assert worker("admit", "api", "c") == "GK-CONCURRENCY-LIMIT"
+    assert worker.process.exitcode is None  # alive: no SIGBUS
 
 
 def test_garbage_over_the_header_of_a_live_table(table: Path, worker: Worker) -> None:

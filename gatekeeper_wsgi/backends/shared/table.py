@@ -33,7 +33,6 @@ from gatekeeper_wsgi.backends.shared.filelock import (
     C_FLOCK,
     LOCK_TRY,
     UNLOCK,
-    file_size,
     lock_file,
     lseek,
     unlock_file,
@@ -350,38 +349,36 @@ class Table(Backend):
             with _FORK_LOCK:
                 if os.getpid() != self._pid:
                     self._drop_inherited()
-        # Touching the map of a file cut shorter than it is SIGBUS: the size is checked
-        # first (one lseek, ~0.3 µs, keeping the GIL: see filelock). Read before the
-        # thread and file locks, which other threads and processes then do not wait for
-        # (a process re-creating the table cuts the file and grows it back under the file
-        # lock, never below its old size). This catches a truncation between two updates;
-        # a writer ignoring the lock can still cut the file inside one. (filelock.file_size
-        # inlined: a call less on every update; -1, an error, reads as too short below.)
-        fd = self._fd
-        try:
-            size = lseek(fd, 0, SEEK_END) if fd >= 0 else 0
-        except OSError:
-            size = 0  # os.lseek without ctypes: closed meanwhile (a fork, close())
         turns = self._tlock
         try:  # TurnLock.acquire inlined
             turns.token.pop()
         except IndexError:
             turns.wait()
         try:
+            fd = self._fd
             # Whether the path still names the open file is looked at once per
             # PATH_CHECK_EVERY: a clock read and a compare on the common path.
-            if fd < 0 or self._fd != fd or _monotonic() >= self._path_due:
+            if fd < 0 or _monotonic() >= self._path_due:
                 self._follow_path()
-                size = file_size(self._fd)
+                fd = self._fd
             # filelock.lock_file's first try inlined (a call less on every update); it
             # waits, or raises why not, when that try fails.
-            if C_FLOCK is None or C_FLOCK(self._fd, LOCK_TRY):
-                lock_file(self._fd)
+            if C_FLOCK is None or C_FLOCK(fd, LOCK_TRY):
+                lock_file(fd)
         except (OSError, ConfigError) as exc:
             turns.release()
             raise self.backend_error(exc) from exc
         try:
             try:
+                # Touching the map of a file cut shorter than it is SIGBUS: its size is
+                # read first (one lseek, ~0.3 µs, keeping the GIL: see filelock), under the
+                # file lock, so a cut made while this process waited for the lock (for
+                # milliseconds, under contention) is seen too; a process re-creating the
+                # table cuts and grows the file under the lock, never below its old size.
+                # Only a writer ignoring the lock can still cut it inside this update.
+                # (filelock.file_size inlined: a call less on every update; -1, an error,
+                # reads as too short below, where attaching raises the error.)
+                size = lseek(fd, 0, SEEK_END)
                 mm = self._mm
                 # One comparison on the common path: the map is this process's table of
                 # the epoch it attached, of this layout version, no journal left behind.
