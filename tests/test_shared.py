@@ -286,6 +286,27 @@ def test_smaller_table_is_counted_in_while_in_use_and_recreated_bigger_when_idle
     big.close()
 
 
+def test_a_smaller_table_with_live_windows_is_not_recreated(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing in flight, but a key has used its window: a keeper wanting a bigger table
+    counts in this one rather than re-create it, which would forget the window and admit
+    that key again inside it (SPEC 4.1)."""
+    login = {"shop/login/*": {"rate": "2/minute"}}
+    small = GateKeeper(config(table, login))
+    for _ in range(2):
+        small.admit("shop", "login", "bob").release(200)
+    bigger = {**login, "shop/api/*": {"concurrency": 1, "max_keys": 500_000}}
+    with caplog.at_level(logging.WARNING, "gatekeeper"):
+        big = GateKeeper(config(table, bigger))
+    assert "keys have rate window entries" in caplog.text
+    assert "re-creating shared table" not in caplog.text
+    assert refused(big, "login", "bob").code == "GK-RATE-LIMIT"
+    assert refused(small, "login", "bob").code == "GK-RATE-LIMIT"
+    small.close()
+    big.close()
+
+
 def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) -> None:
     """stats() is SPEC §7's dict while the backend fails (a table of another layout
     version, its leases live): the backend's own figures as last read, the failures

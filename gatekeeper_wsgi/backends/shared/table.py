@@ -53,6 +53,7 @@ from gatekeeper_wsgi.backends.shared.layout import (
     MAGIC,
     MAGIC_INIT,
     MAGIC_VERSION,
+    NODE_HEAD,
     STATE,
     U32,
     VERSION,
@@ -408,9 +409,10 @@ class Table(Backend):
             elif jlen:
                 self._recover(jlen)
             elif self._grow_due is not None:
-                # Counting in a table smaller than wanted: re-created bigger once no lease
-                # is live (nothing in flight is lost), else looked at again later.
-                if self._live_leases_after_reclaim():
+                # Counting in a table smaller than wanted: re-created bigger once nothing
+                # there would be lost (no request in flight, no rate window with entries),
+                # else looked at again later.
+                if self._in_use() is not None:
                     self._grow_due = _monotonic() + GROW_CHECK_EVERY
                 else:
                     self._attach()
@@ -470,21 +472,23 @@ class Table(Backend):
             if self._adopt or layout.covers(wanted):
                 self._grow_due = None
                 return
-            live = self._live_leases_after_reclaim()
-            if live:
+            in_use = self._in_use()
+            if in_use is not None:
                 # Counted in as it is, not an outage (which on_backend_error = "allow"
                 # would answer by admitting uncounted): what it cannot track is refused by
-                # the limit that needed it, as in a table that filled (SPEC 4.5).
+                # the limit that needed it, as in a table that filled (SPEC 4.5). Nor is it
+                # re-created while that would forget a request in flight or a window.
                 if self._grow_due is None:
                     logger.warning(
                         "gatekeeper: shared table %s holds %s, smaller than this "
-                        "configuration wants (%s), and %d leases are live: counting in it "
-                        "as it is (what it cannot track is refused by its limit, counted in "
-                        "capacity_refused) until none is, then re-creating it bigger",
+                        "configuration wants (%s), and %s: counting in it as it is (what "
+                        "it cannot track is refused by its limit, counted in "
+                        "capacity_refused) until nothing is in use, then re-creating it "
+                        "bigger",
                         self.path,
                         layout.describe(),
                         wanted.describe(),
-                        live,
+                        in_use,
                     )
                 self._grow_due = _monotonic() + GROW_CHECK_EVERY
                 return
@@ -702,3 +706,24 @@ class Table(Backend):
         """Live leases once those of dead processes are reclaimed. Under the lock."""
         self._procs.drop_dead()
         return self._leases.live()
+
+    def _in_use(self) -> str | None:
+        """What re-creating the table would lose, said in words (live leases after those of
+        dead processes are reclaimed, or a key's rate window with an entry not expired
+        by the host's monotonic clock, which the engines' admissions stamp), else None.
+        Under the lock; O(keys) for the windows, off the request path."""
+        live = self._live_leases_after_reclaim()
+        if live:
+            return f"{live} leases are live"
+        layout, mm = self._layout, self._mm
+        assert layout is not None and mm is not None
+        now = time.monotonic()
+        # Each node's window length and when it is empty, unpacked in C from the node
+        # column (a node freed keeps them, and so counts too: the safe side).
+        pick = struct.Struct(f"<16xI12xd{layout.node_size - NODE_HEAD}x")
+        column = memoryview(mm)[layout.nodes_off : layout.nodes_off + layout.nodes * pick.size]
+        try:
+            live = any(length and empty_at > now for length, empty_at in pick.iter_unpack(column))
+        finally:
+            column.release()
+        return "keys have rate window entries" if live else None
