@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from werkzeug.test import Client
 
 from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
-from gatekeeper_wsgi.backends.shared import HEADER, SharedBackend
+from gatekeeper_wsgi.backends.shared import HEADER, NODE_HEAD, SharedBackend
+from gatekeeper_wsgi.backends.shared.layout import node_view
 from gatekeeper_wsgi.errors import ConfigError
 from tests.conftest import admits_exactly
 from tests.servers import wait_until
@@ -303,6 +304,25 @@ def test_a_cut_made_while_a_worker_waits_for_the_lock_is_no_sigbus(
     assert worker.admit_all(2) == ["admitted"] * 2  # 3 slots in the new table
     assert worker("admit", "api", "c") == "GK-CONCURRENCY-LIMIT"
     assert worker.process.exitcode is None  # alive: no SIGBUS
+
+
+def test_a_key_counting_more_than_the_leases_held_is_damage(table: Path, worker: Worker) -> None:
+    """Garbage in a key's in-flight count, past every lease the table holds (each request
+    in flight holds one), would refuse its limit forever: the first admission that meets
+    it finds the table damaged, which is re-created with one ERROR, exact at once."""
+
+    def damage() -> None:
+        data = table.read_bytes()
+        found = []
+        at = data.find(b"shop", NODE_HEAD)
+        while at >= 0:
+            if node_view(data, at - NODE_HEAD).key_length == 4:
+                found.append(at - NODE_HEAD)
+            at = data.find(b"shop", at + 1)
+        assert len(found) == 1, found  # the node of key "shop"
+        _write(table, found[0], struct.pack("<I", 0xFFFFFFFF))
+
+    _damage_then_check(table, worker, damage)
 
 
 def test_garbage_over_the_header_of_a_live_table(table: Path, worker: Worker) -> None:

@@ -466,7 +466,18 @@ class SharedBackend(Table):
                 # off, nothing more is admitted until it is below).
                 concurrency = self._gauges.limit(node, key, limit.adaptive, now)
                 adaptive = True
-            if concurrency is not None and U32.unpack_from(mm, offset)[0] >= concurrency:
+            inflight = U32.unpack_from(mm, offset)[0]
+            if concurrency is not None and inflight >= concurrency:
+                held = self._leases.counted()
+                if inflight > held:
+                    # Every request in flight holds a lease: a key counting more than the
+                    # table holds is garbage no process writes, which would refuse its limit
+                    # forever (SPEC 4.6: a damaged table is re-created). Looked at only when
+                    # a limit is full, off the path that admits.
+                    raise Damaged(
+                        f"key {key[:200]!r} counts {inflight} requests in flight, more than "
+                        f"the {held} leases held"
+                    )
                 if enforce:
                     return Denial(index, "concurrency", self._leases.soonest(node, now))
                 shadowed.append(index)
