@@ -18,7 +18,7 @@ from flask.views import MethodView
 from gatekeeper_wsgi.contrib.flask import UNRESOLVED_SERVICE, GateKeeper
 from werkzeug.test import EnvironBuilder
 
-from gatekeeper_wsgi import ConfigError, rejectlog
+from gatekeeper_wsgi import ConfigError, backends, rejectlog
 from tests.conftest import FakeClock, busy
 
 
@@ -513,6 +513,19 @@ def test_unknown_backend_fails_at_init_app() -> None:
     """An unknown backend scheme is reported by init_app, not by the first request."""
     with pytest.raises(ConfigError, match="unknown backend 'mongo://x'"):
         GateKeeper(make_app({"backend": "mongo://x"}))
+
+
+def test_a_backend_that_cannot_be_used_fails_at_init_app(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend URL its own code refuses (a bad shared:// option), or whose module cannot
+    be imported (redis-py not installed), is reported by init_app, not by the first
+    request (which would be a 500)."""
+    with pytest.raises(ConfigError, match="size"):
+        GateKeeper(make_app({"backend": f"shared://{tmp_path}/t.shm?size=lots"}))
+    monkeypatch.setitem(backends.BACKENDS, "redis", "gatekeeper_wsgi.no_such_module:Missing")
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        GateKeeper(make_app({"backend": "redis://127.0.0.1:6379/0"}))
 
 
 def test_double_init_raises() -> None:

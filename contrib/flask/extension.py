@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from flask import Blueprint, Flask, current_app, has_app_context
 from werkzeug.exceptions import HTTPException
 
+from gatekeeper_wsgi.backends import check_backend_url
 from gatekeeper_wsgi.config import Config, Mode, check_limit, load_config
 from gatekeeper_wsgi.engine import ConfigSource
 from gatekeeper_wsgi.engine import GateKeeper as Engine
@@ -180,9 +181,10 @@ class GateKeeper:
             self._config if self._config is not None else (app.config.get("GATEKEEPER") or {})
         )
         # Validated now, once, to fail at start-up rather than on the first request:
-        # settings, file, resolver, renderer, routes and the backend's scheme. The engine
-        # starts from this result.
+        # settings, file, resolver, renderer, routes, and the backend's URL by the backend's
+        # own code (its module imports: redis-py installed). The engine starts from this.
         config = load_config(source)
+        check_backend_url(config.backend)
         inner: WSGIApplication = app.wsgi_app
         state = AppState(self, app, source, config, inner)
         app.wsgi_app = state  # type: ignore[method-assign]
