@@ -174,6 +174,43 @@ def test_a_spray_of_callers_keeps_the_keys_bounded(prefixed: str) -> None:
         gk.close()
 
 
+def test_an_idle_key_behind_busy_ones_makes_room(prefixed: str) -> None:
+    """max_keys 40: 20 keys held in flight at the front of the tracked set (they end
+    soonest), 20 idle ones behind them: a new key evicts an idle one, as on the memory and
+    shared backends, instead of being refused for the busy ones looked at first."""
+    gk = keeper(prefixed, {"shop/cap/*": {"concurrency": 1, "max_keys": 40}})
+    try:
+        held = [gk.admit("shop", "cap", f"busy{n}") for n in range(20)]
+        for n in range(20):
+            gk.admit("shop", "cap", f"idle{n}").release(200)
+        assert tracked(gk) == 40
+        gk.admit("shop", "cap", "newcomer").release(200)
+        assert capacity_refused(gk) == 0
+        assert tracked(gk) == 40
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()
+
+
+def test_a_spray_on_an_adaptive_limit_keeps_its_hashes_bounded(prefixed: str) -> None:
+    """An adaptive wildcard limit keeps a hash per key: an evicted key takes its hash
+    along, so 300 fresh callers against max_keys 20 leave at most 20 hashes, not one per
+    caller for an hour (SPEC 4.5)."""
+    gk = keeper(prefixed, {"shop/cap/*": {"concurrency": "auto", "max_keys": 20}})
+    try:
+        for n in range(300):
+            gk.admit("shop", "cap", f"c{n}").release(200)
+        backend = backend_of(gk)
+        backend._outbox.flush()
+        pattern = f"{backend.prefix}:{{shop}}:a:shop/cap/*"
+        hashes = sum(1 for _ in backend.client.scan_iter(match=pattern, count=1000))
+        assert 0 < hashes <= 20
+        assert tracked(gk) <= 20
+    finally:
+        gk.close()
+
+
 def _spray(url: str, start: int, count: int, queue: Any) -> None:
     gk = keeper(url, {"shop/cap/*": {"rate": "1/hour", "max_keys": 50}})
     admitted = 0

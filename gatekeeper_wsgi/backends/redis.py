@@ -764,7 +764,7 @@ class RedisBackend(Backend):
 
     ``max_keys`` is counted as on the other backends: a wildcard limit's tracked set (see
     :meth:`tracking_key`) holds its keys; a new key evicts an idle one (nothing in flight,
-    its window empty) or, none found among the 16 that end soonest, is refused by that limit
+    its window empty) or, none found among the 64 that end soonest, is refused by that limit
     (:class:`~gatekeeper_wsgi.errors.CapacityError`, nothing taken). Idle keys also expire
     by themselves (a key when its last lease ends, its last delayed release matures or its
     window empties). Replication can

@@ -32,7 +32,7 @@
 -- key is idle at the latest (its admission's lease end or window end, pushed further by each
 -- admission and by a delayed release to when it matures; never lowered, so an upper bound).
 -- A new key finds room among max_keys, else evicts an idle one (the keys scored before now,
--- then the first idle of the 16 that end soonest, looked at in their own sets), else the
+-- then the first idle of the 64 that end soonest, looked at in their own sets), else the
 -- admission is refused with nothing taken. It lives at least as long as the totals set, so
 -- an admission reads its expiry only when the totals set's needs pushing; a delayed release
 -- cuts it to the longer of the totals and delayed sets.
@@ -518,6 +518,7 @@ repeat
       end
     end
     local queued = false
+    local adaptive = false -- an adaptive limit's slot: its keys have a hash each
     if not concurrency then
       local flags
       concurrency, quota, window, flags, max_keys =
@@ -533,6 +534,7 @@ repeat
         concurrency = tonumber(call('HGET', KEYS[kk + width], 'limit'))
           or tonumber(sub(concurrency, 2))
         width = width + 1
+        adaptive = true
       else
         concurrency = concurrency + 0
       end
@@ -624,15 +626,25 @@ repeat
           count = count + 1 -- as if added
         end
         if count > limit then
-          -- Room: first the keys sure to be idle by now, then, of the 16 that end soonest,
-          -- the first found idle (nothing in flight, its window empty: so evicting loses
-          -- nothing). A busy one goes to the back, CLOCK-like, so the next look sees
-          -- others; its score stays an upper bound of when it is idle.
+          -- Room: first the keys sure to be idle by now, then, of the 64 that end soonest
+          -- (as many as the memory backend looks at), the first found idle (nothing in
+          -- flight, its window empty: so evicting loses nothing). A busy one goes to the
+          -- back, CLOCK-like, so the next look sees others; its score stays an upper bound
+          -- of when it is idle. An evicted key of an adaptive limit takes its hash along:
+          -- the hashes are as bounded as the keys (max_keys), whatever a spray sends.
+          local tag_end = find(key, '}:z:', 1, true)
+          local hashes = adaptive and sub(key, 1, tag_end) .. ':a:'
+          if hashes then
+            local gone = call('ZRANGEBYSCORE', tracking, '-inf', now_s)
+            for j = 1, #gone do
+              call('DEL', hashes .. gone[j])
+            end
+          end
           count = count - call('ZREMRANGEBYSCORE', tracking, '-inf', now_s)
           local soonest -- us until a key idle but for its window is idle
           if count > limit then
-            local base = sub(key, 1, find(key, '}:z:', 1, true) + 3)
-            local look = call('ZRANGE', tracking, '0', '15')
+            local base = sub(key, 1, tag_end + 3)
+            local look = call('ZRANGE', tracking, '0', '63')
             for j = 1, #look do
               local other = look[j]
               if other ~= path then
@@ -651,6 +663,9 @@ repeat
                 if not busy then
                   if lease ~= '' then
                     call('ZREM', tracking, other)
+                    if hashes then
+                      call('DEL', hashes .. other)
+                    end
                   end
                   count = count - 1
                   break
