@@ -242,6 +242,15 @@ def test_an_unparseable_content_length_is_not_read() -> None:
     assert fields["body_truncated"] is True and "Content-Length" in fields["body_omitted"]
 
 
+def logged(log: Path, count: int) -> list[dict[str, Any]]:
+    """The records of the rejected-request log file ``log``, once it holds ``count``."""
+    lines = wait_until(
+        lambda: len(text := log.read_text("utf-8").splitlines()) >= count and text,
+        what=f"{count} lines in the rejected-request log",
+    )
+    return [json.loads(line) for line in lines]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gunicorn", "waitress"])
 def test_a_chunked_body_is_logged_under_a_real_server(kind: str, tmp_path: Path) -> None:
@@ -271,11 +280,7 @@ def test_a_chunked_body_is_logged_under_a_real_server(kind: str, tmp_path: Path)
                 assert response.status == 503
             finally:
                 connection.close()
-        lines = wait_until(
-            lambda: len(text := log.read_text("utf-8").splitlines()) >= 2 and text,
-            what="two lines in the rejected-request log",
-        )
-    first, second = (json.loads(line) for line in lines)
+        first, second = logged(log, 2)
     if kind == "gunicorn":  # waitress buffers a chunked body and sets a Content-Length itself
         assert "Content-Length" not in first["headers"]
     assert first["body"] == '{"user": "alice", "password": "[redacted]"}'
@@ -319,11 +324,7 @@ def test_a_held_back_body_does_not_hold_a_gunicorn_worker(worker: str, tmp_path:
             assert response.status == 503
         finally:
             connection.close()
-        lines = wait_until(
-            lambda: len(text := log.read_text("utf-8").splitlines()) >= 3 and text,
-            what="three lines in the rejected-request log",
-        )
-    held_back, _, whole = (json.loads(line) for line in lines)
+        held_back, _, whole = logged(log, 3)
     assert held_back["body_truncated"] is True and "not sent" in held_back["body_omitted"]
     assert "body" not in held_back
     assert (whole["body"], whole["body_truncated"]) == ("a whole body", False)

@@ -307,16 +307,21 @@ def test_a_smaller_table_with_live_windows_is_not_recreated(
     big.close()
 
 
-def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) -> None:
-    """stats() is SPEC §7's dict while the backend fails (a table of another layout
-    version, its leases live): the backend's own figures as last read, the failures
-    counted."""
+def newer_version_in_use(table: Path) -> None:
+    """Make ``table`` a table of the next layout version with 2 live leases."""
     SharedBackend(table).close()
     with open(table, "r+b") as file:
         file.seek(8)
         file.write(struct.pack("<I", VERSION + 1))
         file.seek(24)
         file.write(struct.pack("<I", 2))  # live leases
+
+
+def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) -> None:
+    """stats() is SPEC §7's dict while the backend fails (a table of another layout
+    version, its leases live): the backend's own figures as last read, the failures
+    counted."""
+    newer_version_in_use(table)
     keeper = GateKeeper(config(table, {"shop": {"concurrency": 5}}, on_backend_error="reject"))
     assert refused(keeper).code == "GK-BACKEND-UNAVAILABLE"
     stats = keeper.stats()
@@ -329,12 +334,7 @@ def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) 
 def test_other_layout_version_is_recreated_only_when_idle(table: Path) -> None:
     """A file of another layout version is re-created when it has no live leases, and
     reported (BackendError) while it has."""
-    SharedBackend(table).close()
-    with open(table, "r+b") as file:
-        file.seek(8)
-        file.write(struct.pack("<I", VERSION + 1))
-        file.seek(24)
-        file.write(struct.pack("<I", 2))  # live leases
+    newer_version_in_use(table)
     backend = SharedBackend(table)
     with pytest.raises(LayoutMismatch, match=f"layout version {VERSION + 1}"):
         backend.inflight(0.0)
