@@ -375,8 +375,8 @@ class MultiProcessExporter:
         self.interval = interval
         self._observation = _Observation(gatekeeper)
         shared = not gatekeeper.backend.local
-        # A shared/Redis backend shows every worker the same global count: take the most
-        # recent; memory backends count per process: add the live workers up.
+        # A shared/Redis backend shows every worker the same global count in flight: take
+        # the most recent; memory backends count per process: add the live workers up.
         gauge_mode = "livemostrecent" if shared else "livesum"
         self._counters = {
             name: client.Counter(f"gatekeeper_{name}", help_text, registry=None)
@@ -428,11 +428,15 @@ class MultiProcessExporter:
         # (limit path, key or "") of every adaptive series this worker has written
         self._adaptive_series: set[tuple[str, str]] = set()
         self._keyed_per_limit: dict[str, int] = {}
+        # Redis counts the delays this process placed (memory too): added up; the shared
+        # file's count is the host's, the same in every worker.
         self._delayed = client.Gauge(
             "gatekeeper_delayed_pending",
             "Delayed releases not yet due",
             registry=None,
-            multiprocess_mode=gauge_mode,
+            multiprocess_mode=(
+                "livesum" if gatekeeper.backend.delayed_per_process else "livemostrecent"
+            ),
         )
         self._up = client.Gauge(
             "gatekeeper_backend_up",

@@ -231,6 +231,51 @@ def test_two_worker_processes_aggregate_in_multiprocess_mode(tmp_path: Path) -> 
                     stream.close()
 
 
+DELAYING_WORKER = textwrap.dedent(
+    """
+    import sys
+    from gatekeeper_wsgi import GateKeeper
+    from gatekeeper_wsgi.prometheus import register
+
+    keeper = GateKeeper({{
+        "project": "shop",
+        "backend": {url!r},
+        "limits": {{"shop": {{"concurrency": 10, "delay": 60}}}},
+    }})
+    exporter = register(keeper, interval=None)
+    keeper.admit("shop", "api", "c").release(500, faulty=True)  # held for the delay
+    exporter.sync()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    exporter.close()
+    keeper.close()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_delayed_releases_of_redis_workers_add_up(tmp_path: Path, prefixed: str) -> None:
+    """On Redis a worker counts the delayed releases it placed: the multiprocess gauge adds
+    the workers up (the most recent worker's alone said 1 of 2)."""
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    workers = [start_worker(DELAYING_WORKER.format(url=prefixed), directory) for _ in range(2)]
+    try:
+        for worker in workers:
+            assert worker.stdout is not None
+            assert worker.stdout.readline().strip() == "ready"
+        assert scrape(directory).get_sample_value("gatekeeper_delayed_pending") == 2
+    finally:
+        for worker in workers:
+            if worker.stdin is not None:
+                worker.stdin.write("\n")
+                worker.stdin.close()
+            worker.wait(30)
+            if worker.stdout is not None:
+                worker.stdout.close()
+
+
 THREADED_WORKER = textwrap.dedent(
     """
     import sys

@@ -296,6 +296,10 @@ class Backend(ABC):
     poll_interval = 0.005
     #: Where the engine wants the time spent maturing delayed releases recorded.
     delay_stage: Stage | None = None
+    #: True when :meth:`delayed_pending` counts only the delayed releases this process
+    #: placed (a multiprocess Prometheus exporter then adds the workers up), False when
+    #: every process reads the one count of the whole store (the shared file).
+    delayed_per_process = True
     #: True when the backend enforces an adaptive limit's current value (``observe``,
     #: ``adaptive``); a backend without it enforces ``adaptive.max`` (the engine warns).
     adaptive_limits = False

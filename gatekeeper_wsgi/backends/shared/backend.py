@@ -184,6 +184,7 @@ class SharedBackend(Table):
     """
 
     local = False
+    delayed_per_process = False
     adaptive_limits = True
     #: a damaged table re-created, a replaced one followed (Table counts them)
     recovers = True
