@@ -147,7 +147,9 @@ class ResponseWatch:
         self.done = True
         self.admission.release_collected(self.status, self.faulty)
 
-    def stream(self, content: Iterable[bytes], length: int | None = None) -> Iterator[bytes]:
+    def stream(
+        self, content: Iterable[bytes], length: int | None = None, sent: bool = False
+    ) -> Iterator[bytes]:
         """``content`` passed through, scanned for a body marker; finished when exhausted,
         or - when the body's ``length`` is known - as soon as that many bytes were handed
         out: a client reading a body of known size sees its end before the server asks
@@ -157,11 +159,17 @@ class ResponseWatch:
         dropping it when the client went away) must not close ``content`` as well - its
         ``close()`` is called once, by whoever closes the response. An error mid-stream
         is faulty and releases at once: the response ends there, whether or not the
-        server (or a test client whose reader raised) closes it afterwards.
+        server (or a test client whose reader raised) closes it afterwards; raised before
+        any body went out (``sent``: some went out already, by ``write()``), it is the
+        500 the server answers.
         """
         scans = self.admission.route.timeout_body is not None
         # Bytes still to hand out; -1: length unknown, _FINISHED: all handed out.
         left = -1 if length is None else length
+        # The piece last handed out: a non-empty one took the status line out with it;
+        # before any, the server answers an error with 500 (PEP 3333), whatever status was
+        # started. (Set once here, not per piece: only an error reads it.)
+        chunk = b""
         try:
             for chunk in content:  # not `yield from`: see the docstring
                 if scans:
@@ -179,6 +187,8 @@ class ResponseWatch:
         except GeneratorExit:  # closed early: the client went away
             raise
         except BaseException:
+            if not (sent or chunk):  # a `count` limit counts what the client got
+                self.status = 500
             self.faulty = True
             self.finish()
             raise

@@ -147,7 +147,7 @@ class _WatchedResponse(ResponseWatch):
             length = self._declared
             if self._written and length is not None:  # the rest of a body write() began
                 length = max(0, length - self._written)
-        return self.stream(inner, length)
+        return self.stream(inner, length, self._written > 0)
 
     def close(self) -> None:
         try:
@@ -170,8 +170,15 @@ class _HeadWatchedResponse(_WatchedResponse):
 
     __slots__ = ()
 
+    def write(self, data: bytes) -> object:
+        """A HEAD's first ``write()`` sends the headers, which are its whole answer: the
+        slots come back before it goes out, as before a HEAD body's first piece."""
+        if not self.done:
+            self.finish()
+        return self._write(data)
+
     def __iter__(self) -> Iterator[bytes]:
-        return self.stream(self._inner, 0)
+        return self.stream(self._inner, 0, self._written > 0)
 
 
 class _SizedWatchedResponse(_WatchedResponse):
@@ -282,6 +289,9 @@ class GateKeeperMiddleware:
             # its event loop sent the last byte (waitress) - and a client that has the
             # whole file could be refused its next request by it (SPEC 4.2).
             environ["wsgi.file_wrapper"] = FileWrapper
+        head = environ.get("REQUEST_METHOD") == "HEAD"
+        if head:  # before the app runs: its write() may send the headers
+            response.__class__ = _HeadWatchedResponse
         try:
             result = response._inner = self.app(environ, proxy)
         except BaseException:
@@ -290,8 +300,9 @@ class GateKeeperMiddleware:
             admission.release(500, True)
             raise
         sized = type(result) is list or hasattr(result, "__len__")
-        if environ.get("REQUEST_METHOD") == "HEAD":
-            response.__class__ = _SizedHeadWatchedResponse if sized else _HeadWatchedResponse
+        if head:
+            if sized:
+                response.__class__ = _SizedHeadWatchedResponse
         elif sized:
             response.__class__ = _SizedWatchedResponse
         return response

@@ -456,6 +456,57 @@ def test_naming_memos_stay_bounded_under_a_spray(make: Any) -> None:
     assert identifier.service({"PATH_INFO": "/<b>/x"}).startswith("~")
 
 
+def test_a_head_answered_by_write_is_released_before_its_headers_go_out(make: Any) -> None:
+    """A HEAD whose app answers through write(): the first write sends the headers, the
+    whole answer, so the slot comes back before it, as before a HEAD body's first piece
+    (SPEC 4.2: the client's next request never meets its own previous one)."""
+    seen: list[dict[str, int]] = []
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        write = start_response("200 OK", [("Content-Length", "10")])
+        seen.append(busy(environ["gatekeeper.test.keeper"]))
+        write(b"hello")  # the first half of the body
+        seen.append(busy(environ["gatekeeper.test.keeper"]))  # the app still runs
+        return [b"world"]
+
+    mw = make(app, {"project": "shop", "limits": {"shop": {"concurrency": 1}}})
+    for method in ("HEAD", "GET"):
+        environ = EnvironBuilder(path="/x", method=method).get_environ()
+        environ["gatekeeper.test.keeper"] = mw.gatekeeper
+        response = mw(environ, lambda status, headers, *_: lambda data: None)
+        list(response)
+        getattr(response, "close", lambda: None)()
+    # HEAD: held until its first write, then free while the app goes on; GET: held until
+    # the rest of its body is handed out.
+    assert seen == [{"shop": 1}, {}, {"shop": 1}, {"shop": 1}]
+    assert busy(mw.gatekeeper) == {}
+
+
+@pytest.mark.parametrize("start_first", [True, False], ids=["started", "not started"])
+def test_a_generator_raising_before_its_body_counts_as_the_500_sent(
+    make: Any, start_first: bool
+) -> None:
+    """A generator that raises before any piece of body went out gets the server's 500,
+    whatever status it started: a limit counting 500s counts it, as it counts an app
+    raising before it returns."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        def body() -> Iterator[bytes]:
+            if start_first:
+                start_response("200 OK", [("Content-Type", "text/plain")])
+            raise RuntimeError("backend down")
+            yield b"never"  # pragma: no cover - makes this a generator
+
+        return body()
+
+    limits = {"shop/x": {"rate": "1/minute", "count": [500]}}
+    mw = make(app, {"project": "shop", "limits": limits})
+    with pytest.raises(RuntimeError):
+        Client(mw).get("/x")
+    response = Client(mw).get("/x")
+    assert (response.status_code, response.json["code"]) == (429, "GK-RATE-LIMIT")
+
+
 def test_caller_from_header_default_and_invalid(make: Any) -> None:
     """The caller is the X-Caller-Id header; missing or invalid callers get the default."""
     app = Seen()
