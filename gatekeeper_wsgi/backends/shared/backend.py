@@ -467,8 +467,10 @@ class SharedBackend(Table):
                 # off, nothing more is admitted until it is below).
                 concurrency = self._gauges.limit(node, key, limit.adaptive, now)
                 adaptive = True
-            inflight = U32.unpack_from(mm, offset)[0]
-            if concurrency is not None and inflight >= concurrency:
+            if (
+                concurrency is not None
+                and (inflight := U32.unpack_from(mm, offset)[0]) >= concurrency
+            ):
                 held = self._leases.counted()
                 if inflight > held:
                     # Every request in flight holds a lease: a key counting more than the

@@ -31,8 +31,10 @@ from gatekeeper_wsgi.backends.shared.layout import (
     H_NODES_USED,
     KEYGEN,
     LRU_SCAN,
+    N_IDLE,
     N_INFLIGHT,
     N_KEY_LENGTH,
+    N_LEN,
     N_NEXT,
     N_PREV,
     N_REG,
@@ -393,6 +395,18 @@ class KeyTable(Structure):
         tags = array.array("I")
         tags.frombytes(self._mm[self._tags_off : self._tags_off + self._nodes * 4])
         return [node for node, tag in enumerate(tags) if tag]
+
+    def window_live(self, now: float) -> bool:
+        """Whether a key has a rate window entry not expired at ``now``: each node's
+        window length and when it is empty, unpacked in C from the node column (a free
+        node keeps them, and so counts too: the safe side). O(nodes)."""
+        pick = struct.Struct(f"<{N_LEN}xI{N_IDLE - N_LEN - 4}xd{self._node_size - N_IDLE - 8}x")
+        start = self._nodes_off
+        with (
+            memoryview(self._mm) as whole,
+            whole[start : start + self._nodes * self._node_size] as column,
+        ):
+            return any(length and empty_at > now for length, empty_at in pick.iter_unpack(column))
 
     @property
     def capacity(self) -> int:

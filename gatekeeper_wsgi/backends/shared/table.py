@@ -53,7 +53,6 @@ from gatekeeper_wsgi.backends.shared.layout import (
     MAGIC,
     MAGIC_INIT,
     MAGIC_VERSION,
-    NODE_HEAD,
     STATE,
     U32,
     VERSION,
@@ -715,15 +714,5 @@ class Table(Backend):
         live = self._live_leases_after_reclaim()
         if live:
             return f"{live} leases are live"
-        layout, mm = self._layout, self._mm
-        assert layout is not None and mm is not None
-        now = time.monotonic()
-        # Each node's window length and when it is empty, unpacked in C from the node
-        # column (a node freed keeps them, and so counts too: the safe side).
-        pick = struct.Struct(f"<16xI12xd{layout.node_size - NODE_HEAD}x")
-        column = memoryview(mm)[layout.nodes_off : layout.nodes_off + layout.nodes * pick.size]
-        try:
-            live = any(length and empty_at > now for length, empty_at in pick.iter_unpack(column))
-        finally:
-            column.release()
-        return "keys have rate window entries" if live else None
+        live_window = self._keys.window_live(time.monotonic())
+        return "keys have rate window entries" if live_window else None
