@@ -474,16 +474,28 @@ def _redact_xml(text: str, fields: frozenset[str]) -> str:
 
 
 def _redact_text(text: str, mimetype: str, boundaries: list[str], fields: frozenset[str]) -> str:
-    if mimetype == "application/x-www-form-urlencoded":
-        return redact_query(text, fields)
-    if mimetype.startswith("multipart/"):
-        return _redact_multipart(text, boundaries, fields)
-    if "json" in mimetype:
-        return _redact_json_text(text, fields)
-    if "xml" in mimetype:
-        return _redact_xml(text, fields)
-    text = _redact_xml(_redact_json_members(redact_query(text, fields), fields), fields)
-    return _redact_multipart(text, [], fields)
+    """The declared type's rule first (it knows the body's structure), then the rules of
+    the other types, whatever the label says: an app may read a body as another type than
+    its label (``json.loads(request.body)`` on a form post, curl's ``-d`` default; Flask's
+    ``get_json(force=True)``). A rule finds nothing in a body of another shape; where one
+    does (a form-like text inside a JSON string), more is redacted, never less."""
+    multipart = mimetype.startswith("multipart/")
+    json_ = "json" in mimetype
+    xml = "xml" in mimetype
+    if multipart:
+        text = _redact_multipart(text, boundaries, fields)
+    elif json_:
+        text = _redact_json_text(text, fields)
+    elif xml:
+        text = _redact_xml(text, fields)
+    text = redact_query(text, fields)  # a form's own rule, and a pass over any other body
+    if not json_:
+        text = _redact_json_members(text, fields)
+    if not xml:
+        text = _redact_xml(text, fields)
+    # Boundaries guessed from the text only where none was declared (a guess would take a
+    # line of a declared part's value that starts with "--" for one).
+    return text if multipart else _redact_multipart(text, [], fields)
 
 
 # --- how a body is read as text ------------------------------------------------------------------
@@ -580,6 +592,10 @@ def _readings(body: bytes, mimetype: str, charsets: list[str]) -> list[_Reading]
         for codec in ("utf-32-le", "utf-32-be", "utf-16-le", "utf-16-be"):
             readings.append(_reading(body, codec, False))
     readings.append(_reading(body, "utf-8", False, "surrogatepass"))
+    # And through its bytes whatever they are: werkzeug and Django read a form with
+    # errors replaced, so a stray byte (a binary upload's part) hides none of its fields
+    # from the app. Undecodable bytes are carried as escapes and written back as sent.
+    readings.append(_Reading("utf-8", b"", False, "surrogateescape"))
     return list(dict.fromkeys(readings))
 
 
@@ -599,8 +615,8 @@ def _decode(body: bytes, reading: _Reading) -> tuple[str, bytes] | None:
 
 def redact_body(body: bytes, content_type: str, fields: frozenset[str]) -> bytes:
     """The logged part of a request body with the values of secret fields replaced:
-    urlencoded forms, JSON (also when cut short), multipart forms, XML (SOAP); a body of
-    another type is searched with every rule, since a client may label it wrongly.
+    urlencoded forms, JSON (also when cut short), multipart forms, XML (SOAP); every body
+    is searched with every rule, since a client may label it wrongly.
 
     The body is read as each reader of it would (:func:`_readings`: its charset, JSON's
     own encoding rules, its bytes) and redacted in that encoding, everything but the
