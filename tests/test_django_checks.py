@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from django.core.checks import run_checks
 from gatekeeper_wsgi.contrib.django.checks import check_settings
 
@@ -86,6 +87,29 @@ def test_e004_unknown_backend(settings: Any) -> None:
     (message,) = check_settings()
     assert message.id == "gatekeeper.E004"
     assert "memcached://localhost" in message.msg
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "redis://127.0.0.1:6379/0?bogus=1",
+        "redis://127.0.0.1:notaport/0",
+        "redis://127.0.0.1:6379/x",
+        "shared:///{tmp}/table.shm?bogus=1",
+        "shared:///{tmp}/open.shm",
+    ],
+)
+def test_e004_backend_url_the_backend_refuses(settings: Any, tmp_path: Path, backend: str) -> None:
+    """E004 also for a known scheme whose URL the backend would refuse at the first
+    request (an unknown option, a bad port or database, a shared file others may write),
+    as the Flask extension and `gatekeeper check` refuse it."""
+    open_file = tmp_path / "open.shm"
+    open_file.write_bytes(b"")
+    open_file.chmod(0o666)
+    settings.GATEKEEPER = {"backend": backend.format(tmp=str(tmp_path).lstrip("/"))}
+    (message,) = check_settings()
+    assert message.id == "gatekeeper.E004"
+    assert "backend" in message.msg
 
 
 def test_e005_resolver_cannot_be_imported(settings: Any) -> None:

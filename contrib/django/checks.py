@@ -6,7 +6,8 @@
                     file and line for the operators' file); one message per invalid
                     setting
 ``gatekeeper.E003`` ``GateKeeperMiddleware`` is in ``MIDDLEWARE`` but not first
-``gatekeeper.E004`` ``backend`` names no known backend
+``gatekeeper.E004`` ``backend`` names no known backend, or its URL is one the backend
+                    refuses (an unknown option, a bad port, an unsafe ``shared://`` file)
 ``gatekeeper.E005`` ``caller.resolver`` or ``fault.renderer`` cannot be imported
 ``gatekeeper.W001`` ``GateKeeperMiddleware`` is not in ``MIDDLEWARE``: nothing is limited
 ``gatekeeper.W002`` ``routes`` is set; it names services for bare WSGI only, Django uses
@@ -28,7 +29,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
 
-from gatekeeper_wsgi.backends import BACKENDS
+from gatekeeper_wsgi.backends import BACKENDS, check_backend_url
 from gatekeeper_wsgi.config import SECTIONS, load_config
 from gatekeeper_wsgi.errors import ConfigError
 
@@ -125,6 +126,10 @@ def _check_gatekeeper_setting() -> list[CheckMessage]:
     if errors:
         return [_config_error(exc) for exc in errors]
     config = effective_config()
+    try:  # the URL's options, parsed by the backend's own code; nothing is opened
+        check_backend_url(config.backend)
+    except ConfigError as exc:
+        return [_config_error(exc)]
     messages: list[CheckMessage] = []
     if config.routes:
         messages.append(
