@@ -8,6 +8,7 @@ plugins all call it; none of them re-implements admission or release.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -19,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gatekeeper_wsgi.adaptive import AdaptiveReport
-from gatekeeper_wsgi.backends import backend_from_url
+from gatekeeper_wsgi.backends import backend_from_url, check_backend_url
 from gatekeeper_wsgi.backends.base import (
     TOP_KEYS,
     Backend,
@@ -102,9 +103,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_collected)
 
 
-def _stamp(status: os.stat_result) -> tuple[int, int, int]:
-    """What tells a file's versions apart without reading it: (mtime ns, size, inode)."""
-    return (status.st_mtime_ns, status.st_size, status.st_ino)
+#: (mtime ns, size, inode, ctime ns): see _stamp
+Stamp = tuple[int, int, int, int]
+
+
+def _stamp(status: os.stat_result) -> Stamp:
+    """What tells a file's versions apart without reading it: (mtime ns, size, inode,
+    ctime ns). The ctime moves with a change of mode or owner too: a file found
+    unreadable is read again once that is fixed."""
+    return (status.st_mtime_ns, status.st_size, status.st_ino, status.st_ctime_ns)
 
 
 class Admission:
@@ -206,13 +213,13 @@ class GateKeeper:
         # stage timings instead of asking the clock a second time.
         self._perf_clock = clock is time.monotonic and _PERF_IS_MONOTONIC
         self.monitor = Monitor()
-        self._file_stamp: tuple[int, int, int] | None = None
+        self._file_stamp: Stamp | None = None
         self._file_digest = b""
         # Changed content first seen while it may still be being written:
         # (stamp, digest, time.monotonic() when seen).
-        self._pending: tuple[tuple[int, int, int], bytes, float] | None = None
+        self._pending: tuple[Stamp, bytes, float] | None = None
         # The stamp of a path found not to be a readable regular file (a FIFO, a device).
-        self._unreadable: tuple[int, int, int] | None = None
+        self._unreadable: Stamp | None = None
         # A framework that validated its settings at start-up hands the result over, so
         # nothing is validated twice; a file is then read again at the first reload check.
         self.config = validated if validated is not None else self._build()
@@ -281,17 +288,29 @@ class GateKeeper:
         """Add limits defined in code (framework decorators). Settings and the file win
         over them for the same path; they survive reloads."""
         self._code_limits.update(limits)
-        self._swap(self._build())
+        self._swap(self._keep_backend(self._build()))
+
+    def _keep_backend(self, config: Config) -> Config:
+        """A reloaded ``config`` with the backend in use: it cannot change while running.
+        A URL start-up would refuse fails the reload (ConfigError, with file and line);
+        another one is warned about and kept for the restart, so what the configuration
+        reports (status page, ``gatekeeper check``) is the backend that counts."""
+        if config.backend == self.config.backend:
+            return config
+        try:
+            check_backend_url(config.backend)
+        except ConfigError as exc:
+            raise located(exc, self._file) from exc
+        logger.warning(
+            "gatekeeper: the backend cannot change while running (%r -> %r); "
+            "keeping %r until restart",
+            mask_url(self.config.backend),
+            mask_url(config.backend),
+            mask_url(self.config.backend),
+        )
+        return dataclasses.replace(config, backend=self.config.backend)
 
     def _swap(self, config: Config) -> None:
-        if config.backend != self.config.backend:
-            logger.warning(
-                "gatekeeper: the backend cannot change while running (%r -> %r); "
-                "keeping %r until restart",
-                mask_url(self.config.backend),
-                mask_url(config.backend),
-                mask_url(self.config.backend),
-            )
         self._check_adaptive(config)
         self.config = config
         # Built here, not on the next request: a helper kept for the old configuration
@@ -330,22 +349,24 @@ class GateKeeper:
         swapped in at once.
         """
         with self._reload_lock:
-            if self._reload_file():
+            if self._reload_file(force=True):
                 return True
             if self._pending is None:
                 return False
             time.sleep(_SETTLE_SECONDS)
-            return self._reload_file()
+            return self._reload_file(force=True)
 
-    def _reload_file(self) -> bool:
-        """One check of the file: swap it in if it changed, settled, and is valid."""
+    def _reload_file(self, *, force: bool = False) -> bool:
+        """One check of the file: swap it in if it changed, settled, and is valid.
+        ``force`` (:meth:`reload`) reads and judges it again even if it did not change:
+        what failed it may have been outside it (its mode, a module it names)."""
         self._requests_since_check = 0
         self._next_check = self._clock() + self.config.reload.every_seconds
         if self._file is None:
             return False
         started = time.perf_counter()
         try:
-            return self._check_file()
+            return self._check_file(force)
         except Exception as exc:
             # A file is an input too (SPEC §4.10): whatever it holds, the request that
             # happened to check it must not fail, and the running configuration stays.
@@ -363,7 +384,7 @@ class GateKeeper:
         finally:
             self.monitor.stages["reload"].record(time.perf_counter() - started)
 
-    def _check_file(self) -> bool:
+    def _check_file(self, force: bool) -> bool:
         assert self._file is not None
         try:
             stamp = _stamp(os.stat(self._file))
@@ -377,7 +398,8 @@ class GateKeeper:
         # A same-size rewrite within one timestamp tick keeps the stamp: while the file is
         # that fresh, compare its contents too.
         if (
-            stamp == self._file_stamp
+            not force
+            and stamp == self._file_stamp
             and self._pending is None
             and time.time() - stamp[0] / 1e9 > _FRESH_FILE
         ):
@@ -386,25 +408,34 @@ class GateKeeper:
         # whatever replaced the path since the stat above.
         self._file_stamp = stamp
         seen_inode, self._seen_inode = self._seen_inode, stamp[2]
-        if stamp == self._unreadable:
+        if stamp == self._unreadable and not force:
             return False  # still the FIFO, device or oversized file reported before
         try:
             data, status = read_file(self._file)
         except ConfigError:
+            if stamp == self._unreadable:
+                return False  # forced, and failing as reported: not reported again
             # Its stamp is remembered, so it is reported once, then retried when it changes.
             self._unreadable = stamp
             raise
         self._unreadable = None
         stamp = self._file_stamp = _stamp(status)
         digest = hashlib.blake2b(data).digest()
-        if digest == self._file_digest:
+        # Content judged before (valid or not) is judged again only when forced: what
+        # failed it may have been outside it (a module it names deployed since).
+        judged = digest == self._file_digest
+        if judged and not force:
             self._pending = None
             return False
-        if not self._settled(stamp, digest, seen_inode):
+        if not judged and not self._settled(stamp, digest, seen_inode):
             return False
         self._pending = None
         try:
-            config = self._build(data)
+            config = self._keep_backend(self._build(data))
+        except ConfigError:
+            if judged:
+                return False  # failing as reported: not reported again
+            raise
         finally:
             # Valid or not, this content has been judged: not re-read until it changes.
             self._file_digest = digest
@@ -416,7 +447,7 @@ class GateKeeper:
             logger.info("gatekeeper: reloaded %s", escape_controls(self._file))
         return changed
 
-    def _settled(self, stamp: tuple[int, int, int], digest: bytes, seen_inode: int | None) -> bool:
+    def _settled(self, stamp: Stamp, digest: bytes, seen_inode: int | None) -> bool:
         """Whether changed content may be swapped in, or may still be half-written.
 
         An inode other than the one the previous check found is a file renamed into

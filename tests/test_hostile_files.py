@@ -10,8 +10,10 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -439,6 +441,109 @@ def test_a_hostile_toml_reload_fails_inside_a_request(
     request(gk)
     assert gk.stats()["counters"]["reload_failed"] == 1
     assert concurrency(gk) == 1
+
+
+def test_a_forced_reload_judges_the_file_again(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    """A file failed for something outside it (the resolver module it names was not
+    deployed yet): the checks in requests do not read it again until it changes, but
+    ``gk.reload()``, which forces a reload, does - and swaps it in once it is valid. A
+    forced reload that fails as reported before is not logged or counted again."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, CHANGED + "caller.resolver = gk_late_resolver:who\n")
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        request(gk)
+        assert gk.reload() is False
+    assert len([r for r in caplog.records if "reload of" in r.getMessage()]) == 1
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    (tmp_path / "gk_late_resolver.py").write_text("def who(environ):\n    return 'crm'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    request(gk)
+    assert concurrency(gk) == 1  # unchanged content: not judged again by a request
+    assert gk.reload() is True
+    assert concurrency(gk) == 2
+    assert gk.stats()["counters"]["reloads"] == 1
+
+
+def _unreadable_then_fixed(directory: Path) -> None:
+    """A reload file replaced by one its reader may not read, then fixed by chmod alone
+    (same content, inode, size and modification time): the next check reads it."""
+    path = directory / "gatekeeper.properties"
+    path.write_text(GOOD + "reload.every_requests = 1\n", encoding="utf-8")
+    clock = FakeClock()
+    gk = GateKeeper(str(path), clock=clock)
+    fresh = directory / "new.properties"
+    fresh.write_text(CHANGED + "reload.every_requests = 1\n", encoding="utf-8")
+    fresh.chmod(0)
+    age(fresh, 10)
+    os.replace(fresh, path)
+    request(gk)
+    assert gk.stats()["counters"]["reload_failed"] == 1
+    assert concurrency(gk) == 1
+    path.chmod(0o644)
+    request(gk)
+    assert concurrency(gk) == 2
+    assert gk.stats()["counters"]["reload_failed"] == 1
+
+
+def test_a_file_made_readable_is_read_at_the_next_check() -> None:
+    """A mode fixed after a failed reload is seen by the next check in a request, not
+    only once the file changes. Root reads any file, so as root the check runs in a
+    forked child as nobody (65534)."""
+    with tempfile.TemporaryDirectory() as name:
+        directory = Path(name)
+        directory.chmod(0o777)
+        if os.getuid() != 0:
+            _unreadable_then_fixed(directory)
+            return
+        pid = os.fork()
+        if pid == 0:  # the child: report a failure by its exit code, with its traceback
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                _unreadable_then_fixed(directory)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize(
+    ("backend", "fails"),
+    [("redis://127.0.0.1:notaport/0", True), ("shared:///{tmp}/table.shm", False)],
+)
+def test_a_reload_cannot_change_the_backend(
+    tmp_path: Path,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+    backend: str,
+    fails: bool,
+) -> None:
+    """A reloaded backend URL start-up would refuse fails the reload (file and line,
+    counted); a valid one is warned about and the configuration keeps reporting the
+    backend in use until the restart."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    url = backend.format(tmp=str(tmp_path).lstrip("/"))
+    replace_file(path, f"project = shop\nbackend = {url}\nlimits.shop.concurrency = 2\n")
+    with caplog.at_level(logging.WARNING, logger="gatekeeper"):
+        assert gk.reload() is (not fails)
+    messages = "\n".join(r.getMessage() for r in caplog.records)
+    assert gk.config.backend == "memory"
+    if fails:
+        assert f"{path}:2: backend" in messages
+        assert gk.stats()["counters"]["reload_failed"] == 1 and concurrency(gk) == 1
+    else:
+        assert "cannot change while running" in messages
+        assert gk.stats()["counters"]["reload_failed"] == 0 and concurrency(gk) == 2
 
 
 # --- rewritten in place -----------------------------------------------------------------------
