@@ -98,8 +98,11 @@ MAX_LOG_QUEUE = 1_000_000
 _INTEGER_RE = re.compile(r"\s*([+-]?)(?=[0-9])0*([1-9][0-9]*)?\s*", re.ASCII)
 # More digits than this are out of every integer setting's range: int() is not even tried.
 _MAX_INTEGER_DIGITS = 12
+# A number as a file writes it (what TOML and a dict take as a float): a sign, up to 40
+# digits either side of the point (more than a double holds; thousands are refused before
+# float() reads them), an exponent. A negative one is read, to be refused by its bound.
 _NUMBER_RE = re.compile(
-    r"\s*\+?(?:[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12})(?:[eE][+-]?[0-9]{1,3})?\s*", re.ASCII
+    r"\s*[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][+-]?[0-9]{1,4})?\s*", re.ASCII
 )
 # How much of a bad value an error message quotes.
 _SHOWN_CHARS = 100

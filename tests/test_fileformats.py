@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gatekeeper_wsgi.config import load_config
 from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.fileformats import load_file
 
@@ -597,3 +598,35 @@ def test_escaped_entries_round_trip(
         lines.append("".join(tokens))
     settings_read, _ = load_file(write(tmp_path, "\n".join(lines) + "\n"))
     assert settings_read == ({"routes": entries} if entries else {})
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("0.1234567890123", 0.1234567890123),
+        ("-0", 0.0),
+        ("-0.0", 0.0),
+        ("1234567890123e-7", 123456.7890123),
+        ("+2.5", 2.5),
+        ("007.50", 7.5),
+    ],
+)
+def test_properties_seconds_read_as_toml_and_a_dict_read_them(
+    tmp_path: Path, text: str, seconds: float
+) -> None:
+    """A number of seconds a dict and TOML take is taken from .properties too, with the
+    same value (one model, SPEC §3)."""
+    properties = tmp_path / "gk.properties"
+    properties.write_text(f"limits.shop.concurrency = 1\nlimits.shop.delay = {text}\n")
+    toml = tmp_path / "gk.toml"
+    toml.write_text(f"[gatekeeper.limits.shop]\nconcurrency = 1\ndelay = {float(text)!r}\n")
+    assert load_config(str(properties)).limits["shop"].delay == seconds
+    assert load_config(str(toml)).limits["shop"].delay == seconds
+
+
+def test_a_negative_properties_delay_names_the_bound(tmp_path: Path) -> None:
+    """-1 is a number: the message says what bound it breaks, as for a dict or TOML."""
+    properties = tmp_path / "gk.properties"
+    properties.write_text("limits.shop.concurrency = 1\nlimits.shop.delay = -1\n")
+    with pytest.raises(ConfigError, match=r"gk.properties:2: limits.shop.delay: expected >= 0"):
+        load_config(str(properties))
