@@ -4,10 +4,12 @@ blueprint, the CLI group and application factories."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -543,6 +545,50 @@ def test_invalid_settings_fail_at_init_app() -> None:
     app = make_app({"limits": {"shop": {"concurrency": "lots"}}})
     with pytest.raises(ConfigError, match=r"limits\.shop\.concurrency"):
         GateKeeper(app)
+
+
+@pytest.mark.parametrize("setting", [0, False, ""])
+def test_a_setting_that_is_no_configuration_fails_at_init_app(setting: object) -> None:
+    """Only a missing GATEKEEPER means the defaults: 0, False or "" is a ConfigError, as
+    Django's check (gatekeeper.E001) and the engine report it - not an app without limits."""
+    app = make_app({})
+    app.config["GATEKEEPER"] = setting
+    with pytest.raises(ConfigError):
+        GateKeeper(app)
+
+
+def test_a_module_level_extension_does_not_keep_the_apps_of_a_factory() -> None:
+    """Flask's application factory with one module-level extension: the views each app
+    defines (closures over that app) are marked by @gk.limit / @gk.exempt, and an app
+    dropped (one per test, say) is freed with its engine, not kept by the extension."""
+    gk = GateKeeper()
+
+    def create_app() -> Flask:
+        app = make_app({"project": "site"})
+        gk.init_app(app)
+
+        @app.route("/hello")
+        @gk.limit(concurrency=5)
+        def hello() -> str:
+            return app.name
+
+        @app.route("/health")
+        @gk.exempt
+        def health() -> str:
+            return app.name
+
+        return app
+
+    refs = []
+    for _ in range(3):
+        app = create_app()
+        assert app.test_client().get("/hello").status_code == 200
+        refs.append((weakref.ref(app), weakref.ref(gk.gatekeeper_for(app))))
+    del app
+    gc.collect()
+    assert [(app_ref(), engine_ref()) for app_ref, engine_ref in refs] == [(None, None)] * 3
+    fresh = create_app()
+    assert gk.gatekeeper_for(fresh).config.limits["site/hello"].concurrency == 5
 
 
 def test_file_reload_keeps_decorator_limits(tmp_path: Path) -> None:

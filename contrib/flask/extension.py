@@ -152,9 +152,15 @@ class GateKeeper:
         self._config = config
         #: monotonic seconds for the engines; None: the engine's default
         self.clock = clock
-        self._view_limits: dict[Callable[..., Any], list[_ViewLimit]] = {}
-        self._exempt: set[Callable[..., Any]] = set()
-        self._blueprint_limits: dict[Blueprint, dict[str, Any]] = {}
+        # Held weakly: a module-level extension outlives the apps of an app factory, whose
+        # views (closures over their app) would otherwise keep every app and its engine.
+        self._view_limits: weakref.WeakKeyDictionary[Callable[..., Any], list[_ViewLimit]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._exempt: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+        self._blueprint_limits: weakref.WeakKeyDictionary[Blueprint, dict[str, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._apps: list[weakref.ref[Flask]] = []
         self._lock = threading.Lock()
         #: bumped by every decorator call, so apps re-collect limits marked after init_app
@@ -167,18 +173,20 @@ class GateKeeper:
     def init_app(self, app: Flask) -> None:
         """Wrap ``app.wsgi_app`` with the core middleware; its engine starts on first use.
 
-                The settings are validated now (:class:`ConfigError` naming the key).
-        Raises
-                :class:`RuntimeError` if a gatekeeper is already registered on ``app`` (wrapping
-                twice would be a mistake; call ``init_app`` once per app).
+        The settings are validated now (:class:`ConfigError` naming the key). Raises
+        :class:`RuntimeError` if a gatekeeper is already registered on ``app`` (wrapping
+        twice would be a mistake; call ``init_app`` once per app).
         """
         if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
                 f"gatekeeper is already initialised on Flask app {app.name!r}; "
                 "call GateKeeper(app) or gk.init_app(app) once per app"
             )
+        # Only a missing setting means the defaults: anything else (0, "", False) is
+        # validated as given, as Django's check and the engine do.
+        setting = app.config.get("GATEKEEPER")
         source: ConfigSource = (
-            self._config if self._config is not None else (app.config.get("GATEKEEPER") or {})
+            self._config if self._config is not None else {} if setting is None else setting
         )
         # Validated now, once, to fail at start-up rather than on the first request:
         # settings, file, resolver, renderer, routes, and the backend's URL by the backend's
