@@ -684,6 +684,12 @@ class _Checker:
             if not (isinstance(count, str) and count.strip() == "all"):
                 fields["count"] = self.statuses(f"{base}.count", count)
         if "max_keys" in spec:
+            if "*" not in segments:
+                raise self.error(
+                    f"{base}.max_keys",
+                    "'max_keys' bounds the keys a limit with a '*' segment counts separately; "
+                    f"this path has none; got {shown(spec['max_keys'])}",
+                )
             fields["max_keys"] = self.integer(f"{base}.max_keys", spec["max_keys"], 1)
         if "delay" in spec:
             fields["delay"] = self.number(f"{base}.delay", spec["delay"])
@@ -706,6 +712,12 @@ class _Checker:
         if "timeout_body" in spec:
             fields["timeout_body"] = self.body_pattern(f"{base}.timeout_body", spec["timeout_body"])
         if "queue" in spec:
+            if not {"concurrency", "rate"} & set(spec):
+                raise self.error(
+                    f"{base}.queue",
+                    "'queue' is where requests wait while this limit is full: it needs "
+                    f"'concurrency' or 'rate' on the same limit; got {shown(spec['queue'])}",
+                )
             fields["queue"] = self.queue(f"{base}.queue", spec["queue"])
         if "mode" in spec:
             fields["mode"] = self.choice(f"{base}.mode", spec["mode"], MODES)

@@ -417,6 +417,20 @@ INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
         "needs a 'rate'",
     ),
     (
+        "max_keys on a limit without a wildcard",
+        {"limits": {"shop/checkout": {"concurrency": 5, "max_keys": 10}}},
+        "limits.shop/checkout.max_keys",
+        "10",
+        "with a '*' segment",
+    ),
+    (
+        "queue on a limit that counts nothing",
+        {"limits": {"shop": {"delay": 2, "queue": {"size": 5, "wait": 1}}}},
+        "limits.shop.queue",
+        "{'size': 5, 'wait': 1}",
+        "needs 'concurrency' or 'rate'",
+    ),
+    (
         "queue of size zero",
         {"limits": {"shop": {"concurrency": 1, "queue": {"size": 0, "wait": 1}}}},
         "limits.shop.queue.size",
