@@ -222,6 +222,25 @@ def test_status_of_a_missing_shared_file_fails_without_creating_it(tmp_path: Pat
     assert not missing.exists()
 
 
+def test_status_reads_a_relative_shared_url_as_the_engine_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shared://rel/t.shm`` (two slashes) names a path relative to the working
+    directory for the engine; the command reads that same file, not ``/t.shm``."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
+    url = "shared://rel/t.shm"
+    gk = GateKeeper({"project": "p", "backend": url, "limits": {"p": {"concurrency": 5}}})
+    admission = gk.admit("p", "s", "c")
+    try:
+        out = io.StringIO()
+        assert run_status(url, as_json=True, out=out) == 0
+        assert json.loads(out.getvalue())["inflight"] == {"p": 1}
+    finally:
+        admission.release(200)
+        gk.close()
+
+
 def test_status_with_a_bigger_configuration_leaves_the_live_table_alone(tmp_path: Path) -> None:
     """`gatekeeper status --config` with a configuration that needs a bigger shared table
     (a limit added to the file the server reloaded) reads the table as it is: it does not

@@ -9,9 +9,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
-from urllib.parse import urlsplit
 
 from gatekeeper_wsgi.backends import backend_from_url
+from gatekeeper_wsgi.backends.shared.url import parse_url
 from gatekeeper_wsgi.cli.check import ConfigInput
 from gatekeeper_wsgi.config import Config, Limit, load_config
 from gatekeeper_wsgi.errors import ConfigError
@@ -68,8 +68,8 @@ def run_status(
                 2,
             )
         if scheme == "shared":
-            path = urlsplit(url).path
-            if not path or not Path(path).exists():
+            path, _ = parse_url(url)  # as the backend reads it: shared://rel/t.shm is relative
+            if not Path(path).exists():
                 return _status_error(
                     out, errors, as_json, shown_url, f"no such backend file: {path or '(none)'}", 1
                 )
