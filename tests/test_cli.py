@@ -593,6 +593,30 @@ def test_replay_skips_truncated_bodies_unless_asked(tmp_path: Path, recorder: Re
     assert recorder.requests[0]["body"] == b"ab"
 
 
+@pytest.mark.parametrize(
+    ("cut", "named"),
+    [
+        ({"headers_truncated": ["X-Signature"]}, "header X-Signature truncated"),
+        ({"path_truncated": True}, "path truncated"),
+        ({"query_truncated": True}, "query truncated"),
+    ],
+)
+def test_replay_skips_requests_whose_headers_path_or_query_were_cut(
+    tmp_path: Path, recorder: Recorder, cut: dict[str, Any], named: str
+) -> None:
+    """A header value, path or query the log cut at its cap is not the original request:
+    skipped and said so, as a cut body is, unless --send-truncated."""
+    log = tmp_path / "cut.log"
+    record = {"method": "GET", "path": "/x", "query": "a=1", "headers": {"X-Signature": "ab"}}
+    log.write_text(json.dumps({**record, **cut}) + "\n", encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out) == 0
+    assert recorder.requests == []
+    assert named in out.getvalue()
+    assert run_replay(log, recorder.url, out=io.StringIO(), send_truncated=True) == 0
+    assert len(recorder.requests) == 1
+
+
 def test_replay_rejects_bad_arguments(rejected_log: Path, tmp_path: Path) -> None:
     """A non-HTTP target, a bad rate or a missing log are usage errors (exit 2)."""
     assert run_replay(rejected_log, "ftp://host", out=io.StringIO()) == 2

@@ -123,7 +123,11 @@ COMMANDS: tuple[Command, ...] = (
                 parse=parse_timeout,
                 default=10.0,
             ),
-            Option("--send-truncated", "also send bodies the log truncated", flag=True),
+            Option(
+                "--send-truncated",
+                "also send requests the log truncated (body, header, path or query)",
+                flag=True,
+            ),
         ),
         description="Send the requests of a gatekeeper.rejected log again.",
         epilog=REPLAY_EPILOG,

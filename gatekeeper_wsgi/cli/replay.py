@@ -189,11 +189,19 @@ def _prepare(
             f"fields were redacted in the log: sent with {REDACTED!r} as their values "
             "(supply credentials with --header; a form or JSON password cannot be restored)"
         )
-    if record.get("body_truncated"):
+    # What the log cut (the body at rejected_log.body_bytes; a header value at 1 KiB, the
+    # path and the query at 4 KiB) is not the original request: skipped unless asked for.
+    cut = ["body"] if record.get("body_truncated") else []
+    cut += [part for part in ("path", "query") if record.get(f"{part}_truncated")]
+    headers_cut = record.get("headers_truncated")
+    if isinstance(headers_cut, list) and headers_cut:
+        cut.append("header " + ", ".join(map(str, headers_cut)))
+    if cut:
+        what = " and ".join(cut) + " truncated in the log"
         if send_truncated:
-            notes.append(f"body truncated in the log: sending its first {len(body)} bytes")
+            notes.append(f"{what}: sending what was logged ({len(body)} bytes of body)")
         else:
-            skip = "body truncated in the log (rejected_log.body_bytes); --send-truncated sends it"
+            skip = f"{what} (its caps: see rejected_log); --send-truncated sends it"
     return ReplayRequest(number, method, target, headers, body, record, notes, skip)
 
 
