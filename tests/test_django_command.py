@@ -42,6 +42,14 @@ def test_check_without_file_checks_the_settings(settings: Any) -> None:
     assert "shop/checkout" in out
 
 
+def test_djangos_common_options_are_taken_after_the_action(settings: Any) -> None:
+    """`manage.py gatekeeper check --settings x -v 0 --traceback`, as every Django command
+    takes its common options; argparse's subcommand alone would refuse them there."""
+    settings.GATEKEEPER = {"project": "shop", "limits": {"shop": {"concurrency": 100}}}
+    out, _ = run("check", "--settings", "tests.django_project", "-v", "0", "--traceback")
+    assert "settings: OK" in out
+
+
 def test_check_reports_invalid_settings_and_fails(settings: Any) -> None:
     """An invalid setting makes `check` fail with the key named, exit status 1."""
     settings.GATEKEEPER = {"limits": {"shop": {"concurrency": -1}}}

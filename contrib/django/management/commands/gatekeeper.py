@@ -9,13 +9,24 @@ does the work)::
 
 from __future__ import annotations
 
-from argparse import Namespace
+from argparse import SUPPRESS, Namespace
 from importlib import import_module
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 
 from gatekeeper_wsgi.errors import ConfigError
+
+# BaseCommand.create_parser's options: (flags, argparse keywords).
+_COMMON_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("-v", "--verbosity"), {"type": int, "choices": [0, 1, 2, 3]}),
+    (("--settings",), {}),
+    (("--pythonpath",), {}),
+    (("--traceback",), {"action": "store_true"}),
+    (("--no-color",), {"action": "store_true"}),
+    (("--force-color",), {"action": "store_true"}),
+    (("--skip-checks",), {"action": "store_true"}),
+)
 
 
 class _Out:
@@ -42,6 +53,11 @@ class Command(BaseCommand):
             dest="command", required=True, metavar="ACTION", parser_class=type(parser)
         )
         cli.add_commands(commands, has_settings=True)
+        # Django's common options after the action too (`manage.py gatekeeper check
+        # --settings x`), as every Django command takes them; given there, they win.
+        for action in commands.choices.values():
+            for flags, kwargs in _COMMON_OPTIONS:
+                action.add_argument(*flags, default=SUPPRESS, help=SUPPRESS, **kwargs)
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported when a command runs: loading the command list costs nothing.
