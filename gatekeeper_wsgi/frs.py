@@ -319,6 +319,12 @@ def _read_body(environ: WSGIEnvironment) -> bytes:
     # No length: only a server that marks the stream as terminated (chunked requests)
     # lets us read to its end (PEP 3333 otherwise forbids reading past CONTENT_LENGTH).
     if not environ.get("wsgi.input_terminated"):
+        if "chunked" in str(environ.get("HTTP_TRANSFER_ENCODING") or "").lower():
+            raise _Refused(
+                400,
+                "a body without Content-Length (chunked) cannot be read on this server, "
+                "which does not mark its end: send a Content-Length",
+            )
         return b""
     body = _read(stream, MAX_BODY + 1)
     if len(body) > MAX_BODY:
@@ -398,7 +404,9 @@ def _parse_json(body: bytes) -> dict[str, str]:
         document = json.loads(body, object_pairs_hook=_unique_members)
     except _Refused:
         raise
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
+    except RecursionError:
+        raise _Refused(400, "JSON nested too deeply") from None
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError included
         raise _Refused(400, "not valid JSON") from None
     if not isinstance(document, dict):
         raise _Refused(400, "JSON body must be an object")

@@ -360,7 +360,7 @@ MALFORMED = [
     pytest.param(b'{"cmd_type": "query",', JSON, 400, "not valid JSON", id="bad-json"),
     pytest.param(b"<request/>", JSON, 400, "not valid JSON", id="xml-declared-json"),
     pytest.param(b'["query"]', JSON, 400, "must be an object", id="json-array"),
-    pytest.param(DEEP_JSON, JSON, 400, "not valid JSON", id="json-nesting"),
+    pytest.param(DEEP_JSON, JSON, 400, "JSON nested too deeply", id="json-nesting"),
     pytest.param(b"\xff\xfe{", JSON, 400, "not valid JSON", id="json-bad-encoding"),
     pytest.param(
         b'<?xml version="1.0" encoding="no-such"?><request/>',
@@ -486,6 +486,20 @@ def test_leading_zeros_do_not_make_a_content_length_large() -> None:
         "/", data=body, environ_overrides={"CONTENT_LENGTH": "0" * 5000 + str(len(body))}
     )
     assert (response.status_code, answer_of(response.data)) == (200, (0, "not restricted"))
+
+
+def test_a_chunked_body_the_server_cannot_end_is_named_not_called_empty() -> None:
+    """A chunked request on a server that does not mark the body's end
+    (``wsgi.input_terminated``) cannot be read: the answer says so and asks for a
+    Content-Length, rather than calling a sent body empty."""
+    client = memory_client(LIMITS)
+    response = client.post(
+        "/",
+        input_stream=io.BytesIO(xml_request("query")),
+        environ_overrides={"CONTENT_LENGTH": "", "HTTP_TRANSFER_ENCODING": "chunked"},
+    )
+    assert response.status_code == 400
+    assert "send a Content-Length" in answer_of(response.data)[1]
 
 
 @pytest.mark.parametrize("length", ["abc", "-1", "1e3", "\u00b2"])
