@@ -333,6 +333,51 @@ def test_a_streamed_response_the_test_client_leaves_unread_holds_its_slot(
     assert busy(keeper.inflight()) == {}
 
 
+async def _pieces() -> Any:
+    yield b"a"
+    yield "b"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_streamed_response_dropped_without_close_releases_at_once(
+    settings: Any, kind: str
+) -> None:
+    """The middleware's watched stream makes no reference cycle with the response, so a
+    streamed response dropped unread and unclosed (a RequestFactory test of the
+    middleware, as Django's docs teach) releases as its last reference goes - with the
+    cycle collector off - as the same response without the middleware is freed."""
+    import gc
+    import weakref
+
+    from django.http import StreamingHttpResponse
+
+    configure_gatekeeper(settings, {"site/stream": {"concurrency": 1}})
+    keeper = get_gatekeeper()
+
+    def view(request: Any) -> StreamingHttpResponse:
+        return StreamingHttpResponse(iter([b"a", "b"]) if kind == "sync" else _pieces())
+
+    middleware = GateKeeperMiddleware(view)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        response = middleware(RequestFactory().get("/stream/"))
+        assert busy(keeper.inflight()) == {"site/stream": 1}
+        gone = weakref.ref(response)
+        del response
+        assert gone() is None
+        assert busy(keeper.inflight()) == {}
+        again = middleware(RequestFactory().get("/stream/"))
+        assert again.status_code == 200
+        if kind == "sync":
+            assert b"".join(again.streaming_content) == b"ab"
+        again.close()
+        assert busy(keeper.inflight()) == {}
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_error_mid_stream_is_faulty_and_releases_after_the_delay(
     settings: Any, client: Client
 ) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -92,6 +93,34 @@ def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | N
         return None
     project = service_segment(match.namespace) if match.namespace else None
     return project, service_segment(match.url_name or _view_path(match.func))
+
+
+class _Encoding(SimpleNamespace):
+    """What ``HttpResponseBase.make_bytes`` reads of a response: its charset."""
+
+    charset: str
+
+
+async def _amap(make: Callable[[Any], bytes], iterator: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    async for part in iterator:
+        yield make(part)
+
+
+def _content(response: StreamingHttpResponse) -> Iterator[bytes] | AsyncIterator[bytes]:
+    """The pieces Django's ``streaming_content`` hands out (each made bytes), without a
+    reference back to the response: that property maps the response's own ``make_bytes``,
+    a bound method, so the watched stream set back in its place would make a cycle
+    (response -> stream -> response), and a response dropped without ``close()`` would
+    keep its slots until the cycle collector ran, not come back at once (SPEC 4.2). A
+    class of its own ``make_bytes`` keeps Django's way (and the cycle)."""
+    if type(response).make_bytes is not HttpResponseBase.make_bytes:
+        return response.streaming_content
+    encoding = cast("HttpResponseBase", _Encoding(charset=response.charset))
+    make = partial(HttpResponseBase.make_bytes, encoding)
+    iterator = response._iterator  # type: ignore[attr-defined]  # Django's, as the property reads it
+    if response.is_async:
+        return _amap(make, iterator)
+    return map(make, iterator)
 
 
 class _ReleasedWhenRead(list):  # type: ignore[type-arg]
@@ -312,7 +341,7 @@ class GateKeeperMiddleware:
             # close() (SPEC 4.2; see GateKeeperMiddleware). Released once the declared
             # Content-Length is handed out, or when exhausted; an error mid-stream releases
             # at once: Django's ASGI handler skips close() when a stream raises.
-            content = response.streaming_content
+            content = _content(response)
             declared = response.headers.get("Content-Length")
             length = None if declared is None else declared_length(declared)
             if head:
