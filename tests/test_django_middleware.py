@@ -20,6 +20,7 @@ from django.http import HttpResponse
 from django.test import Client, RequestFactory
 from django.urls import path
 from django.utils import translation
+from django.utils.functional import lazy
 from gatekeeper_wsgi.contrib.django import get_gatekeeper, request_rejected
 from gatekeeper_wsgi.contrib.django.middleware import (
     UNRESOLVED,
@@ -139,6 +140,70 @@ class I18nURLs:
     urlpatterns: ClassVar[list[Any]] = i18n_patterns(
         path("work/", views.inflight_now, name="work"), prefix_default_language=True
     )
+
+
+def test_a_urlconf_a_middleware_below_chooses_names_the_request(
+    settings: Any, client: Client
+) -> None:
+    """A urlconf chosen per request by a middleware below this one (django-hosts,
+    django-tenants set ``request.urlconf``): the path this middleware could not resolve
+    is named by Django's own match before the view runs, counted (once) under its URL
+    name, and refused by that name's limit."""
+    configure_gatekeeper(settings, {"site/orders": {"concurrency": 1}})
+    settings.MIDDLEWARE = [
+        *settings.MIDDLEWARE[:1],
+        "tests.django_project.middleware.ApiHostMiddleware",
+        *settings.MIDDLEWARE[1:],
+    ]
+    keeper = get_gatekeeper()
+    response = client.get("/v1/orders/", headers={"X-Api-Host": "1"})
+    assert response.status_code == 200
+    assert live(response) == {"site/orders": 1}
+    assert keeper.stats()["counters"]["admitted"] == 1
+    assert busy(keeper.inflight()) == {}
+    configure_gatekeeper(settings, {"site/orders": {"concurrency": 0}})
+    refused = client.get("/v1/orders/", headers={"X-Api-Host": "1"})
+    assert refused.status_code == 503
+    assert refused.json()["limit"]["path"] == "site/orders"
+    assert busy(get_gatekeeper().inflight()) == {}
+
+
+def _about_route() -> str:
+    return "ueber/" if translation.get_language() == "de" else "about/"
+
+
+class TranslatedURLs:
+    """/about/, /ueber/ in German: a translated route outside i18n_patterns, resolved in
+    the language LocaleMiddleware picks (Accept-Language, the cookie)."""
+
+    urlpatterns: ClassVar[list[Any]] = [
+        path(lazy(_about_route, str)(), views.inflight_now, name="about")
+    ]
+
+
+def test_a_translated_route_counts_under_its_url_name_in_the_visitors_language(
+    settings: Any, client: Client
+) -> None:
+    """LocaleMiddleware, below this one, activates the visitor's language before Django
+    resolves: /ueber/ for a German browser is the view named about, and counts there."""
+    configure_gatekeeper(settings, {"*/*": {"concurrency": 5}})
+    settings.USE_I18N = True
+    settings.LANGUAGE_CODE = "en"
+    settings.LANGUAGES = [("en", "English"), ("de", "German")]
+    settings.ROOT_URLCONF = TranslatedURLs
+    settings.MIDDLEWARE = [
+        *settings.MIDDLEWARE[:1],
+        "django.middleware.locale.LocaleMiddleware",
+        *settings.MIDDLEWARE[1:],
+    ]
+    try:
+        german = client.get("/ueber/", headers={"Accept-Language": "de"})
+        assert live(german) == {"site/about": 1}
+        english = client.get("/about/", headers={"Accept-Language": "en"})
+        assert live(english) == {"site/about": 1}
+    finally:
+        translation.activate(settings.LANGUAGE_CODE)
+    assert busy(get_gatekeeper().inflight()) == {}
 
 
 @pytest.mark.parametrize("left_over", ["de", "en"])

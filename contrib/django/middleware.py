@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from django.conf import settings
 from django.core.signals import setting_changed
@@ -93,6 +93,20 @@ def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | N
         return None
     project = service_segment(match.namespace) if match.namespace else None
     return project, service_segment(match.url_name or _view_path(match.func))
+
+
+class _Unresolved(NamedTuple):
+    """A request admitted as ``unresolved`` (its path resolved to nothing before the
+    middleware below this one ran), for :meth:`GateKeeperMiddleware.process_view`."""
+
+    watch: ResponseWatch
+    gate: Gate
+    identifier: Identifier
+    user: str | None
+
+
+# Where __call__ leaves an _Unresolved for process_view: the request's own attributes.
+_UNRESOLVED_KEY = "_gatekeeper_unresolved"
 
 
 class _Encoding(SimpleNamespace):
@@ -236,7 +250,11 @@ class GateKeeperMiddleware:
     core's one naming policy (:mod:`gatekeeper_wsgi.naming`; ``service_segment`` is its
     :func:`~gatekeeper_wsgi.naming.name_segment`). A path that resolves to nothing counts
     as service ``unresolved`` (:data:`~gatekeeper_wsgi.naming.UNRESOLVED`) of the
-    ``project`` setting, so 404 floods are limited too. Views marked
+    ``project`` setting, so 404 floods are limited too - unless Django, once the
+    middleware below has run, resolves it after all (a ``request.urlconf`` set by
+    django-hosts or django-tenants, a translated route in the language LocaleMiddleware
+    activated): :meth:`process_view` then counts it under Django's own match instead,
+    before the view runs. Views marked
     ``@gatekeeper_exempt`` are never limited. The ``routes`` setting is for bare WSGI and
     ignored here.
 
@@ -303,6 +321,9 @@ class GateKeeperMiddleware:
         except Rejected as rejected:
             return self._reject(request, rejected, gate, identifier)
         watch = ResponseWatch(admission)
+        if service == UNRESOLVED:
+            # Named again once Django resolved it (process_view): see _Unresolved.
+            request.__dict__[_UNRESOLVED_KEY] = _Unresolved(watch, gate, identifier, user)
         try:
             response = self.get_response(request)
             self._watch(response, watch, request.method == "HEAD")
@@ -314,6 +335,45 @@ class GateKeeperMiddleware:
             watch.finish()
             raise
         return response
+
+    def process_view(
+        self,
+        request: HttpRequest,
+        view: Callable[..., Any],
+        view_args: Any,
+        view_kwargs: Any,
+    ) -> HttpResponseBase | None:
+        """A request admitted as ``unresolved`` that Django did resolve: named again by
+        Django's own match and admitted under those names in its place (released first,
+        so its own hold cannot refuse it). Middleware below this one may choose the
+        urlconf (``request.urlconf``: django-hosts, django-tenants) or the language of
+        translated URL patterns (LocaleMiddleware); this one, running first, resolved the
+        path before they ran."""
+        pending: _Unresolved | None = request.__dict__.pop(_UNRESOLVED_KEY, None)
+        match = request.resolver_match
+        if pending is None or match is None:
+            return None
+        watch, gate, identifier, user = pending
+        unresolved = watch.admission
+        if _is_exempt(view):
+            unresolved.release(None, False)
+            return None
+        project = service_segment(match.namespace) if match.namespace else None
+        service = service_segment(match.url_name or _view_path(match.func))
+        unresolved.release(None, False)
+        gate.keeper.monitor.admitted -= 1  # one request: counted by the admission below
+        try:
+            watch.admission = gate.admit(
+                identifier,
+                request.META,
+                project or identifier.config.project,
+                service,
+                user,
+                time.perf_counter(),
+            )
+        except Rejected as rejected:
+            return self._reject(request, rejected, gate, identifier)
+        return None
 
     @staticmethod
     def _names(request: HttpRequest, default_project: str) -> tuple[str, str] | None:

@@ -20,3 +20,18 @@ class TestHooksMiddleware:
         if request.headers.get("X-Middleware-Raise"):
             raise RuntimeError("a middleware below GateKeeper failed")
         return self.get_response(request)
+
+
+class ApiHostMiddleware:
+    """``X-Api-Host: 1`` resolves the request against ``urls.ApiURLs``: a urlconf chosen
+    per request below GateKeeper, as django-hosts and django-tenants choose one."""
+
+    def __init__(self, get_response: Callable[[Any], Any]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: Any) -> Any:
+        if request.headers.get("X-Api-Host"):
+            from tests.django_project.urls import ApiURLs
+
+            request.urlconf = ApiURLs
+        return self.get_response(request)

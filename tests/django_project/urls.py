@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from django.urls import include, path
 
 from tests.django_project import views
@@ -35,3 +37,11 @@ urlpatterns = [
     path("health/", views.health, name="health"),
     path("gk/", include("gatekeeper_wsgi.contrib.django.urls")),
 ]
+
+
+class ApiURLs:
+    """The URLs of another host, chosen by a middleware below GateKeeper
+    (``request.urlconf``, as django-hosts and django-tenants do): see
+    ``middleware.ApiHostMiddleware``."""
+
+    urlpatterns: ClassVar[list[Any]] = [path("v1/orders/", views.inflight_now, name="orders")]
