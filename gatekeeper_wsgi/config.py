@@ -830,6 +830,30 @@ def config_file(source: ConfigSource) -> str | None:
     return os.fspath(file) if isinstance(file, (str, os.PathLike)) and os.fspath(file) else None
 
 
+def expand_source(source: ConfigSource) -> ConfigSource:
+    """A configuration file whose ``reload.file`` names another file, read as settings
+    that file is laid over (and watched), as a settings dict's ``reload.file`` is: the
+    three forms of one configuration (dict, TOML, .properties) behave the same. A
+    relative ``reload.file`` is found beside the file that names it. The file itself is
+    validated first, so its errors name its own lines. Any other source as it is."""
+    if not isinstance(source, (str, os.PathLike)):
+        return source
+    path = os.fspath(source)
+    from gatekeeper_wsgi.fileformats import load_file
+
+    settings, lines = load_file(path, settings_keys=TOP_LEVEL)
+    reload = settings.get("reload")
+    named = reload.get("file") if isinstance(reload, Mapping) else None
+    if not isinstance(named, str) or not named:
+        return source
+    named = os.path.join(os.path.dirname(path), named)
+    if os.path.abspath(named) == os.path.abspath(path):
+        return source
+    build_config(settings, file=path, lines=lines)
+    assert isinstance(reload, Mapping)
+    return {**settings, "reload": {**reload, "file": named}}
+
+
 def load_config(
     source: ConfigSource,
     *,
@@ -837,9 +861,12 @@ def load_config(
     data: bytes | None = None,
 ) -> Config:
     """The validated configuration of a settings dict (with its ``reload.file`` laid over
-    it) or of a configuration file, plus limits defined in code (framework decorators),
-    which the settings and the file override path by path. ``data`` is the file's content
-    when the caller has read it already. Raises ConfigError."""
+    it) or of a configuration file (with the one its ``reload.file`` names laid over it:
+    :func:`expand_source`), plus limits defined in code (framework decorators), which the
+    settings and the file override path by path. ``data`` is the content of the file laid
+    over when the caller has read it already. Raises ConfigError."""
+    if data is None:
+        source = expand_source(source)
     if isinstance(source, (str, os.PathLike)):
         settings: Mapping[str, Any] = {}
     elif isinstance(source, Mapping):
@@ -856,8 +883,32 @@ def load_config(
     from gatekeeper_wsgi.fileformats import load_file
 
     file_settings, lines = load_file(file, data, settings_keys=TOP_LEVEL)
+    if settings:
+        _check_no_other_file(file_settings, file, lines)
     merged = merge_settings(settings, file_settings)
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
+
+
+def _check_no_other_file(
+    file_settings: Mapping[str, Any], file: str, lines: Mapping[str, int]
+) -> None:
+    """The file laid over settings cannot name yet another one: it is the file watched,
+    and a ``reload.file`` of its own would be reported (status page, ``gatekeeper
+    check``) yet never read."""
+    reload = file_settings.get("reload")
+    named = reload.get("file") if isinstance(reload, Mapping) else None
+    if named in (None, ""):
+        return
+    if isinstance(named, str):
+        target = os.path.join(os.path.dirname(file), named)
+        if os.path.abspath(target) == os.path.abspath(file):
+            return
+    raise ConfigError(
+        "reload.file",
+        f"the file laid over the settings cannot name another file; got {shown(named)}",
+        file=file,
+        line=lines.get("reload.file"),
+    )
 
 
 def located(error: ConfigError, file: str | None) -> ConfigError:

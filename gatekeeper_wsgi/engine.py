@@ -30,7 +30,14 @@ from gatekeeper_wsgi.backends.base import (
     WaitingLine,
     unguarded,
 )
-from gatekeeper_wsgi.config import Config, ConfigSource, config_file, load_config, located
+from gatekeeper_wsgi.config import (
+    Config,
+    ConfigSource,
+    config_file,
+    expand_source,
+    load_config,
+    located,
+)
 from gatekeeper_wsgi.errors import (
     BackendError,
     CapacityError,
@@ -202,7 +209,8 @@ class GateKeeper:
         code_limits: Mapping[str, Mapping[str, Any]] | None = None,
         validated: Config | None = None,
     ) -> None:
-        self._source = config
+        # A file naming another in reload.file is settings that file is laid over.
+        self._source = config = expand_source(config)
         self._file = (
             config_file(config) if isinstance(config, (str, os.PathLike, Mapping)) else None
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -999,3 +1000,57 @@ def test_merge_error_in_settings_names_no_file(tmp_path: Path) -> None:
         GateKeeper({"reload": {"file": str(path)}, "limits": {"shop/a": {"concurrency": -5}}})
     assert info.value.file is None
     assert str(info.value) == "limits.shop/a.concurrency: expected an integer >= 0, got -5"
+
+
+MAIN_FILES = {
+    "toml": '[gatekeeper]\nproject = "shop"\nreload = {{ file = "{ops}" }}\n'
+    "limits = {{ shop = {{ concurrency = 100 }} }}\n",
+    "properties": "project = shop\nreload.file = {ops}\nlimits.shop.concurrency = 100\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MAIN_FILES))
+def test_a_configuration_file_lays_the_file_it_names_over_itself(tmp_path: Path, kind: str) -> None:
+    """A configuration file that sets reload.file is the settings that file is laid
+    over, and that file is the one watched - as with a settings dict: the README's three
+    forms of one configuration behave the same. A relative name is found beside the file
+    that names it."""
+    import os
+
+    from gatekeeper_wsgi.cli import run_check
+
+    ops = tmp_path / "ops.properties"
+    ops.write_text("limits.shop.concurrency = 1\n")
+    main = tmp_path / f"main.{kind}"
+    main.write_text(MAIN_FILES[kind].format(ops="ops.properties"))
+    as_dict = {
+        "project": "shop",
+        "reload": {"file": str(ops)},
+        "limits": {"shop": {"concurrency": 100}},
+    }
+    gk = GateKeeper(str(main))
+    try:
+        assert gk.config == GateKeeper(as_dict).config
+        assert gk.config.limits["shop"].concurrency == 1
+        temporary = tmp_path / "ops.new"
+        temporary.write_text("limits.shop.concurrency = 2\n")
+        os.replace(temporary, ops)
+        assert gk.reload() is True
+        assert gk.config.limits["shop"].concurrency == 2
+    finally:
+        gk.close()
+    ops.write_text("limits.shop.concurrency = -1\n")
+    out = io.StringIO()
+    assert run_check(str(main), out) == 1
+    assert f"{ops}:1: limits.shop.concurrency" in out.getvalue()
+
+
+def test_the_file_laid_over_settings_cannot_name_another(tmp_path: Path) -> None:
+    """The file laid over the settings is the one watched: a reload.file of its own, which
+    would be reported yet never read, is a ConfigError with its file and line."""
+    ops = tmp_path / "ops.properties"
+    ops.write_text(f"limits.shop.concurrency = 2\nreload.file = {tmp_path / 'third.properties'}\n")
+    with pytest.raises(ConfigError, match=rf"{ops}:2: reload.file: .* cannot name another"):
+        GateKeeper({"project": "shop", "reload": {"file": str(ops)}})
+    ops.write_text(f"limits.shop.concurrency = 2\nreload.file = {ops}\n")  # itself: fine
+    assert GateKeeper({"project": "shop", "reload": {"file": str(ops)}}).config.limits
