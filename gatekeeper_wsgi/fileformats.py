@@ -447,20 +447,22 @@ def _load_toml(
             number_line = text.count("\n", 0, long_number.start()) + 1
             raise ConfigError(
                 _key_on_line(text, number_line),
-                "invalid TOML: a number of thousands of digits",
+                "invalid TOML: a number of thousands of digits (no setting takes one that long)",
                 file=file,
                 line=number_line,
             ) from exc
         message = str(exc)
         line: int | None = None
+        key = ""
         if position := _TOML_POSITION.search(message):
             line = int(position.group(1))
             message = f"{message[: position.start()]} (column {position.group(2)})"
+            key = _duplicate_key(text, line, message)
         elif at_end := _TOML_AT_END.search(message):
             # "The end" is more useful as the last line with text than as a blank one after it.
             line = text.rstrip().count("\n") + 1
             message = f"{message[: at_end.start()]} (at end of file)"
-        raise ConfigError("", f"invalid TOML: {message}", file=file, line=line) from exc
+        raise ConfigError(key, f"invalid TOML: {message}", file=file, line=line) from exc
 
     prefix: tuple[str, ...] = ()
     settings = document
@@ -487,6 +489,50 @@ def _load_toml(
                     line=located.get(key),
                 )
     return settings, _LazyLines(_TomlLocator(text, prefix).locate)
+
+
+# A TOML key's parts: bare, "basic" or 'literal', separated by dots.
+_TOML_KEY_PART = re.compile(r"""\s*(?:([A-Za-z0-9_-]+)|"((?:[^"\\]|\\.)*)"|'([^']*)')\s*(?:\.|$)""")
+_TOML_TABLE_HEADER = re.compile(r"\s*\[([^\[\]]+)\]\s*(?:#.*)?")
+_TOML_DECLARED = re.compile(r"Cannot declare \((.*)\) twice")
+
+
+def _toml_key_parts(key: str) -> list[str] | None:
+    """The parts of a dotted TOML key (escapes of a basic string left as written); None
+    if ``key`` is not one."""
+    parts = []
+    position = 0
+    while position < len(key):
+        found = _TOML_KEY_PART.match(key, position)
+        if found is None or found.end() == position:
+            return None
+        parts.append(next(part for part in found.groups() if part is not None))
+        position = found.end()
+    return parts
+
+
+def _duplicate_key(text: str, line: int, message: str) -> str:
+    """The settings key a duplicate in a TOML document names (tomllib's message says
+    only where): a table declared twice is in its message; a value set twice is the key
+    before ``=`` on its line under the table last declared above it. "" otherwise."""
+    if declared := _TOML_DECLARED.search(message):
+        parts = re.findall(r"'((?:[^'\\]|\\.)*)'", declared.group(1))
+    elif message.startswith("Cannot overwrite a value"):
+        lines = text.split("\n")
+        name = _toml_key_parts(lines[line - 1].split("=", 1)[0]) if line <= len(lines) else None
+        if name is None:
+            return ""
+        table: list[str] = []
+        for above in reversed(lines[: line - 1]):
+            if header := _TOML_TABLE_HEADER.fullmatch(above):
+                table = _toml_key_parts(header.group(1)) or []
+                break
+        parts = table + name
+    else:
+        return ""
+    if parts[:1] == [_SETTINGS_TABLE]:
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def _key_on_line(text: str, line: int) -> str:

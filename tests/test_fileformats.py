@@ -630,3 +630,33 @@ def test_a_negative_properties_delay_names_the_bound(tmp_path: Path) -> None:
     properties.write_text("limits.shop.concurrency = 1\nlimits.shop.delay = -1\n")
     with pytest.raises(ConfigError, match=r"gk.properties:2: limits.shop.delay: expected >= 0"):
         load_config(str(properties))
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[gatekeeper]\nproject = "a"\nproject = "b"\n', "project"),
+        ("[gatekeeper.limits.shop]\nconcurrency = 1\nconcurrency = 2\n", "limits.shop.concurrency"),
+        (
+            '[gatekeeper.limits."shop/x"]\nconcurrency = 1\nconcurrency = 2\n',
+            "limits.shop/x.concurrency",
+        ),
+        (
+            "[gatekeeper]\nlimits.shop.concurrency = 1\nlimits.shop.concurrency = 2\n",
+            "limits.shop.concurrency",
+        ),
+        (
+            "[gatekeeper.limits.shop]\nconcurrency = 1\n[gatekeeper.limits.shop]\nrate = '1/s'\n",
+            "limits.shop",
+        ),
+    ],
+)
+def test_a_toml_duplicate_names_its_key_and_line(tmp_path: Path, text: str, key: str) -> None:
+    """A key or table set twice in TOML is a ConfigError naming the key, as the same
+    mistake in .properties is (tomllib's own message says only where)."""
+    path = tmp_path / "gk.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(str(path))
+    assert raised.value.key == key
+    assert str(raised.value).startswith(f"{path}:3: {key}: invalid TOML")
