@@ -11,6 +11,9 @@ cannot grow the number of series; the one exception is bounded, see below):
 ``gatekeeper_reloads_total``               counter    configuration reloads
 ``gatekeeper_reload_failed_total``         counter    rejected configuration files
 ``gatekeeper_backend_errors_total``        counter    backend failures
+``gatekeeper_capacity_refused_total``      counter    refused: a wildcard limit's keys
+                                                      all busy (``max_keys``)
+``gatekeeper_rejected_log_dropped_total``  counter    rejected-log records dropped
 ``gatekeeper_inflight``                    gauge      in flight per ``limit`` (wildcard
                                                       limits: summed over their keys)
 ``gatekeeper_inflight_keys``               gauge      wildcard limits: keys in flight
@@ -105,6 +108,8 @@ _COUNTERS = (
     ("reloads", "Configuration reloads that changed the configuration"),
     ("reload_failed", "Configuration files rejected on reload"),
     ("backend_errors", "Backend failures"),
+    ("capacity_refused", "Requests refused because a wildcard limit had no idle key to evict"),
+    ("rejected_log_dropped", "Rejected-request log records dropped: the listener fell behind"),
 )
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from werkzeug.test import Client
 
-from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.prometheus import GateKeeperCollector, MultiProcessExporter, register
 from tests.servers import ROOT, free_port, wait_until
 
@@ -103,6 +103,28 @@ def test_label_cardinality_does_not_grow_with_keys() -> None:
     keeper.close()
 
 
+def test_capacity_refusals_are_counted_for_alerts() -> None:
+    """A wildcard limit whose keys are all busy refuses a new key: counted as
+    gatekeeper_capacity_refused_total, as stats() counts it, so an operator can alert on
+    max_keys running out; the rejected log's dropped records have their counter too."""
+    keeper = GateKeeper(
+        {"project": "shop", "limits": {"shop/login/*": {"concurrency": 1, "max_keys": 2}}}
+    )
+    registry = CollectorRegistry()
+    collector = register(keeper, registry, multiprocess=False)
+    held = [keeper.admit("shop", "login", name) for name in ("alice", "bob")]
+    with pytest.raises(Rejected):
+        keeper.admit("shop", "login", "carol")
+    value = registry.get_sample_value
+    assert value("gatekeeper_capacity_refused_total") == 1
+    assert keeper.stats()["counters"]["capacity_refused"] == 1
+    assert value("gatekeeper_rejected_log_dropped_total") == 0
+    for admission in held:
+        admission.release(200)
+    collector.close()
+    keeper.close()
+
+
 def test_backend_down_is_a_gauge_not_a_scrape_error() -> None:
     """An unreachable backend sets gatekeeper_backend_up to 0; the scrape still works."""
     gk = GateKeeper({**SETTINGS, "backend": f"redis://127.0.0.1:{free_port()}/0"})
@@ -135,7 +157,7 @@ WORKER = textwrap.dedent(
     """
     import os, sys
     from werkzeug.test import Client
-    from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+    from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware, Rejected
     from gatekeeper_wsgi.prometheus import MultiProcessExporter, register
 
     def ok(environ, start_response):
