@@ -120,6 +120,37 @@ def test_new_key_refused_by_rate_when_all_windows_are_live(make: Make, clock: Fa
     assert refused(gk, "login", "y").code == "GK-RATE-LIMIT"
 
 
+def test_idle_keys_behind_busy_ones_are_reached(make: Make) -> None:
+    """More busy keys at the front of a full table than one scan looks at (long polls,
+    streams) do not hide the idle keys behind them for good: the keys passed over move
+    back, so a refusal is not repeated while idle keys exist."""
+    gk = make({"shop/a/*": {"concurrency": 1, "max_keys": 100}})
+    held = [gk.admit("shop", "a", f"busy{n}") for n in range(70)]
+    for n in range(30):
+        gk.admit("shop", "a", f"done{n}").release(200)
+    admitted = []
+    for n in range(20):
+        with contextlib.suppress(Rejected):
+            admitted.append(gk.admit("shop", "a", f"new{n}"))
+    assert len(admitted) >= 19
+    assert counters(gk)["capacity_refused"] <= 1
+    for admission in held + admitted:
+        admission.release(200)
+
+
+def test_keys_held_by_windows_refuse_by_rate_beside_keys_in_flight(make: Make) -> None:
+    """A full limit with concurrency and a rate, one key in flight and one held only by
+    its window: the new key is refused by rate (429, Retry-After until that window
+    empties), as on every backend, not by concurrency with the window's wait."""
+    gk = make({"shop/a/*": {"concurrency": 2, "rate": "1/hour", "max_keys": 2}})
+    held = gk.admit("shop", "a", "c2")
+    gk.admit("shop", "a", "anonymous").release(200)
+    fault = refused(gk, "a", "c1")
+    assert (fault.code, fault.retry_after) == ("GK-RATE-LIMIT", 3600)
+    assert fault.rate is not None
+    held.release(200)
+
+
 def test_delayed_state_is_not_evicted(make: Make, clock: FakeClock) -> None:
     """A key whose slot is held by a delayed decrease is still in flight, so it is kept and
     the new key is refused; once the delay has passed the new key gets in."""

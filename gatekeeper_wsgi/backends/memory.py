@@ -394,6 +394,14 @@ class MemoryBackend(Backend):
             passed.append(key)
         if victim is None:
             victim = fallback
+        if evict:
+            # The keys passed over move to the back, also when none could go: the next
+            # scan looks at others (idle ones may wait behind 64 busy keys).
+            move = table.move_to_end
+            for key in passed:
+                if key != victim:
+                    table[key].used = False
+                    move(key)
         if victim is None:
             raise CapacityError(
                 at,
@@ -405,11 +413,6 @@ class MemoryBackend(Backend):
             )
         if not evict:
             return
-        move = table.move_to_end
-        for key in passed:
-            if key != victim:
-                table[key].used = False
-                move(key)
         del table[victim]
         self._counters.pop(victim, None)
         self._gauges.pop(victim, None)

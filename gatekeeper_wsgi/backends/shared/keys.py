@@ -192,7 +192,7 @@ class KeyTable(Structure):
         at = self._registry_off + registry * REG_SIZE + R_COUNT
         count = U32.unpack_from(self._mm, at)[0]
         if count >= limit.max_keys:
-            self._evict_lru(registry, limit.path, count, now, pinned)
+            self._evict_lru(registry, limit, count, now, pinned)
 
     def _track(self, node: int, limit: Limit) -> None:
         """Count a node under a wildcard limit (``_make_room`` made room for it)."""
@@ -226,7 +226,6 @@ class KeyTable(Structure):
         the new key is refused (``NoRoom``)."""
         mm = self._mm
         soonest: float | None = None
-        in_flight = False
         for bucket in (first, second):
             for position in range(CHAIN):
                 node = bucket * CHAIN + position
@@ -235,7 +234,6 @@ class KeyTable(Structure):
                     continue
                 if view.idle(now):
                     return node
-                in_flight = in_flight or bool(view.inflight)
                 if not view.inflight:
                     soonest = view.empty_at if soonest is None else min(soonest, view.empty_at)
         raise NoRoom(
@@ -243,7 +241,7 @@ class KeyTable(Structure):
             f"a rate window); give the table more room with ?size=<keys> (it holds "
             f"{self._nodes})",
             None if soonest is None else soonest - now,
-            "concurrency" if in_flight else "rate",
+            "concurrency" if soonest is None else "rate",
         )
 
     def remove(self, node: int) -> None:
@@ -297,12 +295,14 @@ class KeyTable(Structure):
         return free
 
     def _evict_lru(
-        self, registry: int, path: str, count: int, now: float, pinned: list[int]
+        self, registry: int, limit: Limit, count: int, now: float, pinned: list[int]
     ) -> None:
         """Make room under a wildcard limit at ``max_keys``: evict the least recently used
         idle key among its ``LRU_SCAN`` least recently used. A key in flight or inside its
         rate window is never evicted (that would reset its limit): with none idle, the new
-        key is refused (``NoRoom``), as nginx refuses when its zone cannot allocate. The
+        key is refused (``NoRoom``), as nginx refuses when its zone cannot allocate - by
+        rate when some key is held by its window alone (its ``Retry-After``: until the
+        first such window empties), else by concurrency, as the other backends refuse. The
         busy keys looked at move to the end of the list, so that long requests at its head
         do not hide the idle keys behind them from the next new key."""
         mm = self._mm
@@ -310,7 +310,6 @@ class KeyTable(Structure):
         node = U32.unpack_from(mm, at + R_HEAD)[0]
         nodes_off, node_size = self._nodes_off, self._node_size
         soonest: float | None = None
-        in_flight = False
         for _ in range(LRU_SCAN):
             if node == NIL:
                 break
@@ -321,7 +320,6 @@ class KeyTable(Structure):
             if view.idle(now):
                 self.remove(node)
                 return
-            in_flight = in_flight or bool(view.inflight)
             if not view.inflight:
                 soonest = view.empty_at if soonest is None else min(soonest, view.empty_at)
             following = view.newer
@@ -330,10 +328,11 @@ class KeyTable(Structure):
                 self._lru_append(registry, node)
             node = following
         raise NoRoom(
-            f"wildcard limit {path!r} tracks max_keys={count} keys and its least recently "
-            f"used are all in use (in flight or inside their rate window); raise its max_keys",
+            f"wildcard limit {limit.path!r} tracks max_keys={count} keys and its least "
+            "recently used are all in use (in flight or inside their rate window); raise "
+            "its max_keys",
             None if soonest is None else soonest - now,
-            "concurrency" if in_flight else "rate",
+            "concurrency" if soonest is None else "rate",
         )
 
     def _lru_append(self, registry: int, node: int) -> None:
