@@ -352,3 +352,34 @@ def test_long_requests_at_the_head_of_the_lru_do_not_hide_idle_keys(
     assert len(busy(table.backend.inflight(NOW))) == 71
     for grant in held:
         table.backend.release(grant, 200, 0.0, NOW)
+
+
+def test_a_key_longer_than_the_table_was_made_for_is_counted(tmp_path: Path) -> None:
+    """The table's keys are sized for the longest limit path when it is made; a reload
+    that adds a wildcard limit does not re-create it while it is in use. A valid caller
+    longer than that is still tracked (stored as its first bytes and a digest of the
+    whole), counted by its limit apart from a caller with the same beginning - never
+    refused for its length."""
+    ops = tmp_path / "ops.properties"
+    ops.write_text("limits.shop.concurrency = 100\n")
+    settings = {"project": "shop", "backend": f"shared://{tmp_path / 't.shm'}"}
+    gk = GateKeeper({**settings, "reload": {"file": str(ops)}})
+    anchor = gk.admit("shop", "x", "c")  # the table in use: the reload keeps it
+    new = tmp_path / "ops.new"
+    new.write_text("limits.shop.concurrency = 100\nlimits.shop/*/*.concurrency = 1\n")
+    new.replace(ops)
+    assert gk.reload() is True
+    long_caller = "svc-billing-reconciliation.production@payments-eu-west-1.example.com"
+    first = gk.admit("shop", "checkout", long_caller)
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", "checkout", long_caller)
+    assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+    assert refused.value.limit_path == "shop/*/*"
+    other = gk.admit("shop", "checkout", long_caller[:-3] + "org")
+    held = {path: n for path, n in busy(gk).items() if path.startswith("shop/checkout/")}
+    assert sorted(held.values()) == [1, 1]
+    assert all(path.startswith("shop/checkout/svc-billing") for path in held)
+    assert gk.stats()["counters"]["capacity_refused"] == 0
+    for admission in (first, other, anchor):
+        admission.release(200)
+    gk.close()

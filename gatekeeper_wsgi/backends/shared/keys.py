@@ -105,10 +105,12 @@ class KeyTable(Structure):
         if entry is None:
             raw = key.encode("utf-8", "surrogateescape")
             if len(raw) >= self._key_size:
-                raise NoRoom(
-                    f"key {key[:40]!r}... is longer than the {self._key_size - 1} bytes the "
-                    f"table was sized for (the longest limit path of the configuration)"
-                )
+                # Longer than the table's keys (sized for the longest limit path when it
+                # was made; a reload may add a longer one): stored as its first bytes and
+                # a digest of the whole, as unique as the key, so a valid caller is never
+                # refused for its length. Its node still counts under its own limit.
+                whole = hashlib.blake2b(raw, digest_size=16).hexdigest().encode("ascii")
+                raw = raw[: self._key_size - 2 - len(whole)] + b"~" + whole
             digest = int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "little")
             buckets = self._buckets
             first = (digest >> 32) % buckets
