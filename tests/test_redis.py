@@ -296,6 +296,22 @@ def test_delayed_decrease_holds_the_slot_until_it_matures(prefixed: str) -> None
     assert gk.inflight() == {}
 
 
+def test_retry_after_is_the_delay_even_when_a_lease_expires_sooner(prefixed: str) -> None:
+    """A full limit with a request in flight and a slot held by a delay: Retry-After is
+    when the delayed release matures, as on the other backends - also when the running
+    request's lease (max_hold) would expire sooner than that."""
+    url = prefixed + ("&" if "?" in prefixed else "?") + "max_hold=60"
+    gk = keeper(url, {"shop/work": {"concurrency": 2, "delay": 120.0}})
+    running = gk.admit("shop", "work", "c")
+    gk.admit("shop", "work", "c").release(503, faulty=True)
+    with pytest.raises(Rejected) as refused:
+        gk.admit("shop", "work", "c")
+    assert refused.value.code == "GK-CONCURRENCY-LIMIT"
+    assert refused.value.retry_after is not None and 115 <= refused.value.retry_after <= 120
+    running.release(200)
+    gk.close()
+
+
 def test_shadow_slots_are_reported_not_refused(prefixed: str) -> None:
     """A shadow limit over its concurrency admits and counts a shadow rejection."""
     gk = keeper(prefixed, {"shop/work": {"concurrency": 1, "mode": "shadow"}})

@@ -576,11 +576,16 @@ repeat
     if concurrency >= 0 and held >= concurrency then
       if enforce then
         -- The soonest delayed release tells when a slot frees for sure; a running request
-        -- may finish any moment.
+        -- may finish any moment. Leases score by when they expire (max_hold), so one may
+        -- come first: the first delayed release among the soonest 64 members (a refusal's
+        -- cost only).
         local retry = 0
-        local soonest = call('ZRANGEBYSCORE', key, after, BELOW, 'WITHSCORES', 'LIMIT', '0', '1')
-        if soonest[1] and sub(soonest[1], -2) == ':d' then
-          retry = tonumber(soonest[2]) - t
+        local soonest = call('ZRANGEBYSCORE', key, after, BELOW, 'WITHSCORES', 'LIMIT', '0', '64')
+        for m = 1, #soonest, 2 do
+          if sub(soonest[m], -2) == ':d' then
+            retry = tonumber(soonest[m + 1]) - t
+            break
+          end
         end
         result = {0, i - 1, 1, retry, concurrency}
         break
