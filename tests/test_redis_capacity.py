@@ -246,3 +246,29 @@ def test_two_processes_spraying_never_track_more_than_max_keys(prefixed: str) ->
         assert path_keys(gk) == 50
     finally:
         gk.close()
+
+
+def test_a_reload_lowering_max_keys_evicts_idle_keys_enough_for_the_new_one(
+    prefixed: str, tmp_path: Any
+) -> None:
+    """A reload lowers max_keys below the keys tracked: a new key evicts as many idle ones
+    as it takes (up to the 64 looked at), as memory and shared admit it, not one per
+    admission with the new keys refused meanwhile."""
+    limits = tmp_path / "limits.properties"
+    limits.write_text("limits.shop/cap/*.concurrency = 5\n")
+    gk = keeper(prefixed, {}, reload={"file": str(limits)})
+    try:
+        for caller in "abcdef":
+            gk.admit("shop", "cap", caller).release(200)
+        replacement = tmp_path / "limits.new"
+        replacement.write_text(
+            "limits.shop/cap/*.concurrency = 5\nlimits.shop/cap/*.max_keys = 3\n"
+        )
+        replacement.replace(limits)
+        assert gk.reload() is True
+        for caller in "xyz":
+            gk.admit("shop", "cap", caller).release(200)
+        assert capacity_refused(gk) == 0
+        assert tracked(gk) == 3
+    finally:
+        gk.close()

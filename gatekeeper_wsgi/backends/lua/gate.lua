@@ -673,9 +673,11 @@ repeat
                     end
                   end
                   count = count - 1
-                  break
-                end
-                if lease ~= '' then
+                  -- More than one goes when a reload lowered max_keys below the count.
+                  if count <= limit then
+                    break
+                  end
+                elseif lease ~= '' then
                   call('ZADD', tracking, 'GT', live, other)
                 end
               end
