@@ -189,11 +189,16 @@ _generation = 0
 _BACKENDS: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
 
 
+#: the process the token was made in: a fork Python's hook does not see (uWSGI forks its
+#: workers without them unless --py-call-osafterfork) is found by comparing it
+_pid = os.getpid()
+
+
 def _after_fork_in_child() -> None:
-    # A fork hook rather than a getpid() per request, as in the memory backend.
-    global _token, _generation
+    global _token, _generation, _pid
     _token = os.urandom(8).hex()
     _generation += 1
+    _pid = os.getpid()
     for backend in list(_BACKENDS):
         backend._after_fork()
 
@@ -1113,6 +1118,8 @@ class RedisBackend(Backend):
         return self._acquire(slots, True)
 
     def _acquire(self, slots: Sequence[Slot], turn: bool) -> Grant | Denial:
+        if os.getpid() != _pid:  # forked without Python's fork hooks: the child's own now
+            _after_fork_in_child()
         lease = f"{_token}{next(_sequence):x}"
         input = self._input(slots)
         try:
