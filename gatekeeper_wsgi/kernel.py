@@ -94,6 +94,11 @@ class ResponseWatch:
         # _scanned and _tail are set by the first chunk() scanned: only a route with a
         # body marker scans, and most requests are spared setting them.
 
+    def late_length(self) -> int | None:
+        """The body length still to hand out as the response declared it, for a
+        :meth:`stream` begun before its status was known; None: not declared."""
+        return None
+
     @property
     def scans_body(self) -> bool:
         return self.admission.route.timeout_body is not None
@@ -166,12 +171,20 @@ class ResponseWatch:
         scans = self.admission.route.timeout_body is not None
         # Bytes still to hand out; -1: length unknown, _FINISHED: all handed out.
         left = -1 if length is None else length
+        # No status yet: an app that calls start_response from its generator (PEP 3333
+        # lets it) declares its length with the first piece (see late_length).
+        late = length is None and self.status is None
         # The piece last handed out: a non-empty one took the status line out with it;
         # before any, the server answers an error with 500 (PEP 3333), whatever status was
         # started. (Set once here, not per piece: only an error reads it.)
         chunk = b""
         try:
             for chunk in content:  # not `yield from`: see the docstring
+                if late and self.status is not None:
+                    late = False
+                    declared = self.late_length()
+                    if declared is not None:
+                        left = declared
                 if scans:
                     self.chunk(chunk)
                 if left >= 0:

@@ -149,6 +149,12 @@ class _WatchedResponse(ResponseWatch):
                 length = max(0, length - self._written)
         return self.stream(inner, length, self._written > 0)
 
+    def late_length(self) -> int | None:
+        """The Content-Length the app declared once its generator called start_response,
+        less what it wrote through write()."""
+        length = self._declared
+        return None if length is None else max(0, length - self._written)
+
     def close(self) -> None:
         try:
             close = getattr(self._inner, "close", None)
