@@ -168,6 +168,19 @@ def test_a_urlconf_a_middleware_below_chooses_names_the_request(
     assert busy(get_gatekeeper().inflight()) == {}
 
 
+def with_locale_middleware(settings: Any, urls: Any) -> None:
+    """English and German, LocaleMiddleware below this one, ``urls`` as the URLconf."""
+    settings.USE_I18N = True
+    settings.LANGUAGE_CODE = "en"
+    settings.LANGUAGES = [("en", "English"), ("de", "German")]
+    settings.ROOT_URLCONF = urls
+    settings.MIDDLEWARE = [
+        *settings.MIDDLEWARE[:1],
+        "django.middleware.locale.LocaleMiddleware",
+        *settings.MIDDLEWARE[1:],
+    ]
+
+
 def _about_route() -> str:
     return "ueber/" if translation.get_language() == "de" else "about/"
 
@@ -187,15 +200,7 @@ def test_a_translated_route_counts_under_its_url_name_in_the_visitors_language(
     """LocaleMiddleware, below this one, activates the visitor's language before Django
     resolves: /ueber/ for a German browser is the view named about, and counts there."""
     configure_gatekeeper(settings, {"*/*": {"concurrency": 5}})
-    settings.USE_I18N = True
-    settings.LANGUAGE_CODE = "en"
-    settings.LANGUAGES = [("en", "English"), ("de", "German")]
-    settings.ROOT_URLCONF = TranslatedURLs
-    settings.MIDDLEWARE = [
-        *settings.MIDDLEWARE[:1],
-        "django.middleware.locale.LocaleMiddleware",
-        *settings.MIDDLEWARE[1:],
-    ]
+    with_locale_middleware(settings, TranslatedURLs)
     try:
         german = client.get("/ueber/", headers={"Accept-Language": "de"})
         assert live(german) == {"site/about": 1}
@@ -214,15 +219,7 @@ def test_a_language_prefixed_path_keeps_its_url_name(
     language the thread's last request left active (LocaleMiddleware runs after this
     middleware): never as `unresolved`, which would escape the service's limit."""
     configure_gatekeeper(settings, {"*/*": {"concurrency": 5}})
-    settings.USE_I18N = True
-    settings.LANGUAGE_CODE = "en"
-    settings.LANGUAGES = [("en", "English"), ("de", "German")]
-    settings.ROOT_URLCONF = I18nURLs
-    settings.MIDDLEWARE = [
-        *settings.MIDDLEWARE[:1],
-        "django.middleware.locale.LocaleMiddleware",
-        *settings.MIDDLEWARE[1:],
-    ]
+    with_locale_middleware(settings, I18nURLs)
     for path_ in ("/en/work/", "/de/work/", "/en/work/"):
         translation.activate(left_over)
         try:

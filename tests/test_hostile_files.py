@@ -73,6 +73,15 @@ def reloading(path: Path, clock: FakeClock) -> GateKeeper:
     )
 
 
+def swapped_in(tmp_path: Path, clock: FakeClock, text: str) -> tuple[Path, GateKeeper]:
+    """A GateKeeper started from GOOD, its file then replaced by ``text`` (not read yet)."""
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text(GOOD, encoding="utf-8")
+    gk = reloading(path, clock)
+    replace_file(path, text)
+    return path, gk
+
+
 def concurrency(gk: GateKeeper) -> int | None:
     return gk.config.limits["shop"].concurrency
 
@@ -411,10 +420,7 @@ def test_a_reload_with_an_uncompilable_regex_logs_file_line_and_key(
 ) -> None:
     """A timeout_body with a repeat count the regex engine refuses, swapped in: the ERROR
     names file, line and key as for any invalid value; the old limits stay."""
-    path = tmp_path / "gatekeeper.properties"
-    path.write_text(GOOD, encoding="utf-8")
-    gk = reloading(path, clock)
-    replace_file(path, GOOD + "limits.shop.timeout_body = x{99999999999}\n")
+    path, gk = swapped_in(tmp_path, clock, GOOD + "limits.shop.timeout_body = x{99999999999}\n")
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
         request(gk)
     (error,) = [r.getMessage() for r in caplog.records if "reload of" in r.getMessage()]
@@ -450,10 +456,7 @@ def test_a_forced_reload_judges_the_file_again(
     deployed yet): the checks in requests do not read it again until it changes, but
     ``gk.reload()``, which forces a reload, does - and swaps it in once it is valid. A
     forced reload that fails as reported before is not logged or counted again."""
-    path = tmp_path / "gatekeeper.properties"
-    path.write_text(GOOD, encoding="utf-8")
-    gk = reloading(path, clock)
-    replace_file(path, CHANGED + "caller.resolver = gk_late_resolver:who\n")
+    _, gk = swapped_in(tmp_path, clock, CHANGED + "caller.resolver = gk_late_resolver:who\n")
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
         request(gk)
         assert gk.reload() is False
