@@ -349,9 +349,13 @@ def _le(bound: float) -> str:
 
 
 _exporters: weakref.WeakSet[MultiProcessExporter] = weakref.WeakSet()
+# Taken by a worker's first observation when the fork hook did not run (see _observer).
+_fork_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()
     for exporter in list(_exporters):
         exporter._forked()
 
@@ -474,7 +478,19 @@ class MultiProcessExporter:
         atexit.register(self._at_exit)
 
     def _observer(self, child: Any) -> Callable[[float], None]:
-        return child.observe  # type: ignore[no-any-return]
+        observe: Callable[[float], None] = child.observe
+
+        def observe_here(seconds: float) -> None:
+            # A worker forked without Python's fork hooks (uWSGI's default mode loads the
+            # app in its master) has no sync thread and counts as the master: its first
+            # observed stage finds that out (a stage of every request is observed).
+            if os.getpid() != self._pid:
+                with _fork_lock:
+                    if os.getpid() != self._pid:
+                        self._forked(at_fork=False)
+            observe(seconds)
+
+        return observe_here
 
     def _baseline(self) -> None:
         """Count from now on: what the monitor holds already is someone else's."""
@@ -497,10 +513,14 @@ class MultiProcessExporter:
             except Exception:  # never let a metrics hiccup end the thread
                 continue
 
-    def _forked(self) -> None:
+    def _forked(self, *, at_fork: bool = True) -> None:
+        """In a forked child: its own files, thread and counts. Found after the fork
+        (``at_fork`` False: see _observer), the counts since then are the child's own,
+        the ones last written by the parent its baseline still."""
         self._lock = threading.Lock()
         self._pid = os.getpid()
-        self._baseline()
+        if at_fork:
+            self._baseline()
         self._labelled = set()
         # A child writes files of its own pid: it starts with no adaptive series.
         self._adaptive_series = set()

@@ -253,6 +253,61 @@ def test_two_worker_processes_aggregate_in_multiprocess_mode(tmp_path: Path) -> 
                     stream.close()
 
 
+UWSGI_MASTER = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from werkzeug.test import Client
+    from gatekeeper_wsgi import GateKeeper, GateKeeperMiddleware
+    from gatekeeper_wsgi.prometheus import register
+
+    def ok(environ, start_response):
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    keeper = GateKeeper({"project": "shop", "limits": {"shop": {"concurrency": 50}}})
+    exporter = register(keeper, interval=0.05)
+    client = Client(GateKeeperMiddleware(ok, keeper))
+    pid = ctypes.PyDLL(None).fork()  # as uWSGI forks a worker: no Python fork hooks run
+    if pid == 0:
+        for _ in range(4):
+            assert client.get("/home", buffered=True).status_code == 200
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        for _ in range(400):  # the worker's own sync thread writes its counts (20 s at most)
+            if registry.get_sample_value("gatekeeper_admitted_total") == 4:
+                break
+            exporter._stop.wait(0.05)
+        os._exit(0 if registry.get_sample_value("gatekeeper_admitted_total") == 4 else 3)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_worker_forked_without_fork_hooks_exports_its_own_counts(tmp_path: Path) -> None:
+    """uWSGI's default mode loads the app (and its exporter) in the master and forks the
+    workers in C, where Python's fork hooks do not run: a worker still starts its own
+    sync thread and writes its counts under its own pid."""
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    master = start_worker(UWSGI_MASTER, directory)
+    try:
+        assert master.stdout is not None
+        assert master.stdout.readline().strip() == "0"
+        assert master.wait(30) == 0
+        assert scrape(directory).get_sample_value("gatekeeper_admitted_total") == 4
+    finally:
+        if master.poll() is None:
+            master.kill()
+        master.wait(30)
+        for stream in (master.stdin, master.stdout):
+            if stream is not None:
+                stream.close()
+
+
 DELAYING_WORKER = textwrap.dedent(
     """
     import sys
