@@ -79,9 +79,8 @@ class ResponseWatch:
     Finishing twice does nothing.
     """
 
-    __slots__ = ("_scanned", "_tail", "admission", "done", "faulty", "status")
-    _scanned: int
-    _tail: bytes
+    __slots__ = ("_body", "admission", "done", "faulty", "status")
+    _body: bytearray
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
@@ -91,8 +90,8 @@ class ResponseWatch:
         #: after the body, then ``__del__``) skip the call. Only a shortcut - the
         #: admission's own release is what frees the slots exactly once, whatever races.
         self.done = False
-        # _scanned and _tail are set by the first chunk() scanned: only a route with a
-        # body marker scans, and most requests are spared setting them.
+        # _body is set by the first chunk() kept: only a route with a body marker keeps
+        # one, and most requests are spared setting it.
 
     def late_length(self) -> int | None:
         """The body length still to hand out as the response declared it, for a
@@ -119,20 +118,30 @@ class ResponseWatch:
                     break
 
     def chunk(self, data: bytes) -> None:
-        """A piece of the body as it streams through; scanned within the first 64 KiB."""
+        """A piece of the body as it streams through: its first 64 KiB are kept, for
+        :meth:`judge` to search once, as one text, when the response ends - so a marker
+        split over pieces is found however long it is, and ``^`` or ``$`` match at the
+        body's start and end, not at each piece's."""
+        if self.admission.route.timeout_body is None or self.faulty:
+            return
+        try:
+            body = self._body
+        except AttributeError:  # the first piece
+            self._body = bytearray(data[:BODY_SCAN_LIMIT])
+            return
+        room = BODY_SCAN_LIMIT - len(body)
+        if room > 0:
+            body += data[:room]
+
+    def judge(self) -> None:
+        """Search the body kept for the route's marker (before the release)."""
         pattern = self.admission.route.timeout_body
-        if pattern is None or self.faulty:
-            return
-        scanned = getattr(self, "_scanned", 0)  # unset before the first piece
-        if scanned >= BODY_SCAN_LIMIT:
-            return
-        data = data[: BODY_SCAN_LIMIT - scanned]
-        self._scanned = scanned + len(data)
-        # Keep a tail, so a marker split across two chunks is still found.
-        window = (self._tail + data) if scanned else data
-        if pattern.search(window):
-            self.faulty = True
-        self._tail = window[-256:]
+        if pattern is not None and not self.faulty:
+            try:
+                body = self._body
+            except AttributeError:
+                body = bytearray()
+            self.faulty = pattern.search(body) is not None
 
     def error(self) -> None:
         """The app raised."""
@@ -141,6 +150,8 @@ class ResponseWatch:
     def finish(self) -> None:
         """Release the admission (after its delay when the response was faulty)."""
         self.done = True
+        if not self.faulty and self.admission.route.timeout_body is not None:
+            self.judge()
         self.admission.release(self.status, self.faulty)
 
     def __del__(self) -> None:
@@ -150,6 +161,7 @@ class ResponseWatch:
         if self.done:  # the usual case: one attribute read, not a call
             return
         self.done = True
+        self.judge()
         self.admission.release_collected(self.status, self.faulty)
 
     def stream(
@@ -195,6 +207,8 @@ class ResponseWatch:
                         left = _FINISHED
                         # finish(), inlined: a frame less on every sized body
                         self.done = True
+                        if scans:
+                            self.judge()
                         self.admission.release(self.status, self.faulty)
                 yield chunk
         except GeneratorExit:  # closed early: the client went away

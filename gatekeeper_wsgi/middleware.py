@@ -162,8 +162,7 @@ class _WatchedResponse(ResponseWatch):
                 close()
         finally:
             if not self.done:  # else released already, as the body's end was handed out
-                self.done = True
-                self.admission.release(self.status, self.faulty)
+                self.finish()
 
 
 class _HeadWatchedResponse(_WatchedResponse):

@@ -1052,6 +1052,48 @@ def test_faulty_response_holds_its_slot_for_delay(
     assert_held_for_delay(mw, clock)
 
 
+ANCHORED = {
+    "project": "shop",
+    "limits": {
+        "shop": {"concurrency": 1, "delay": 2.0},
+        "shop/long": {"timeout_body": "BEGIN-+END"},
+        "shop/start": {"timeout_body": "\\A<error>"},
+        "shop/end": {"timeout_body": "TIMEOUT\\Z"},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "chunks", "faulty"),
+    [
+        ("/long", [b"BEGIN" + b"-" * 400, b"-" * 400 + b"END"], True),
+        ("/start", [b"<err", b"or> at the start"], True),
+        ("/start", [b"fine, then ", b"<error> mid-body"], False),
+        ("/end", [b"ends in TIME", b"OUT"], True),
+        ("/end", [b"TIMEOUT", b" is not the end"], False),
+    ],
+    ids=[
+        "long-match-over-pieces",
+        "start-split",
+        "start-at-a-piece",
+        "end-split",
+        "end-of-a-piece",
+    ],
+)
+def test_a_body_marker_is_searched_in_the_body_not_in_its_pieces(
+    make: Any, clock: FakeClock, path: str, chunks: list[bytes], faulty: bool
+) -> None:
+    """The marker is searched in the body's first 64 KiB as one text, however the app
+    cuts it: a match longer than a piece is found, and ``\\A`` / ``\\Z`` match at the
+    body's start and end only, never at a piece's."""
+    mw = make(Streaming(chunks), ANCHORED)
+    assert fetch(mw, path).data == b"".join(chunks)
+    if faulty:
+        assert_held_for_delay(mw, clock)
+    else:
+        assert_released_at_once(mw)
+
+
 def test_timeout_body_marker_beyond_64kib_is_not_scanned(make: Any, clock: FakeClock) -> None:
     """A marker that starts after the first 64 KiB of the body does not count."""
     late = [b"a" * (KIB64 - 5), b"b" * 5, MARKER]
