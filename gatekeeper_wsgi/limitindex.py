@@ -136,11 +136,18 @@ class Inherited(NamedTuple):
     timeout_status: Limit | None
     timeout_header: Limit | None
     timeout_body: Limit | None
+    #: whether a limit of the chain counts concurrency: what a delay holds
+    holds: bool = False
 
     @property
     def delay_seconds(self) -> float:
-        """The effective delay (0 when no level sets one)."""
-        return 0.0 if self.delay is None or self.delay.delay is None else self.delay.delay
+        """The effective delay: 0 when no level sets one, or when no limit of the chain
+        counts concurrency - a delay holds concurrency slots, and without one it would
+        hold only the backend's room (a shared table's leases, which a client sending
+        faulty requests could fill)."""
+        if not self.holds or self.delay is None or self.delay.delay is None:
+            return 0.0
+        return self.delay.delay
 
 
 def inherit(chain: Sequence[Limit | None]) -> Inherited:
@@ -148,9 +155,11 @@ def inherit(chain: Sequence[Limit | None]) -> Inherited:
     each level, project first, as :meth:`LimitIndex.chain` gives): the most specific level
     that sets one wins; markers come from the project and service levels only."""
     delay = status = header = body = None
+    holds = False
     for depth, limit in enumerate(chain):
         if limit is None:
             continue
+        holds = holds or limit.concurrency is not None
         if limit.delay is not None:
             delay = limit
         if depth < 2:
@@ -160,4 +169,4 @@ def inherit(chain: Sequence[Limit | None]) -> Inherited:
                 header = limit
             if limit.timeout_body is not None:
                 body = limit
-    return Inherited(delay, status, header, body)
+    return Inherited(delay, status, header, body, holds)

@@ -85,6 +85,7 @@ class Route:
     """The limits of one (project, service), plus the effective delay and timeout markers."""
 
     __slots__ = (
+        "_chain",
         "_claimed",
         "_exact",
         "_memo",
@@ -160,8 +161,9 @@ class Route:
         # a value wins); a caller-level limit's delay overrides it per request (the same
         # rule one level further down, see caller_level).
         inherited = inherit(chain)
+        self._chain = tuple(chain)
         self.delay = inherited.delay_seconds
-        status, header, body = inherited[1:]
+        status, header, body = inherited[1:4]
         self.timeout_status = None if status is None else status.timeout_status
         self.timeout_header: TimeoutHeader | None = (
             None if header is None else header.timeout_header
@@ -216,8 +218,11 @@ class Route:
             return self.slots, None
         candidate = best[1]
         limit = candidate.limit
+        # The delay under the caller level too (limitindex.inherit: the most specific
+        # level that sets one wins, and only where a level counts concurrency).
+        delay = inherit((*self._chain, limit)).delay_seconds
         if not candidate.counts:
-            return self.slots, limit.delay
+            return self.slots, delay
         if candidate.segment == "*":
             value = _key_value(candidate.source, caller, environ, user, ipv6)
             if value in self._claimed:
@@ -225,7 +230,7 @@ class Route:
                 # have won): this value counts apart, under a digest of key and value.
                 value = key_segment(f"{candidate.source}\0{value}")
         slot = _new_slot(Slot, (candidate.prefix + value, limit, candidate.enforce))
-        return (*self.slots, slot), limit.delay
+        return (*self.slots, slot), delay
 
 
 def _key_value(

@@ -151,6 +151,22 @@ def test_keys_held_by_windows_refuse_by_rate_beside_keys_in_flight(make: Make) -
     held.release(200)
 
 
+def test_faulty_responses_on_a_route_without_concurrency_hold_nothing(
+    make: Make, clock: FakeClock
+) -> None:
+    """A delay holds concurrency slots; on a route where no level counts concurrency
+    (a rate alone) faulty responses hold nothing - not a shared table's leases either,
+    which a client sending faulty requests would fill, refusing every route of the host."""
+    gk = make(
+        {"shop/feed": {"rate": "100000/second", "delay": 20.0}, "shop/pay": {"concurrency": 1}}
+    )
+    for _ in range(300):
+        gk.admit("shop", "feed", "c").release(500, faulty=True)
+    assert gk.stats()["counters"]["delayed_pending"] == 0
+    assert busy(gk) == {}
+    gk.admit("shop", "pay", "c").release(200)
+
+
 def test_delayed_state_is_not_evicted(make: Make, clock: FakeClock) -> None:
     """A key whose slot is held by a delayed decrease is still in flight, so it is kept and
     the new key is refused; once the delay has passed the new key gets in."""

@@ -94,12 +94,18 @@ def test_route_admits_by_the_same_limits_as_the_rule(
         if limit.concurrency is not None:
             expected_slots.append(("/".join(values), limit))
     assert [(slot.key, slot.limit) for slot in route.slots] == expected_slots
-    assert route.delay == delay
+    # A delay holds concurrency slots: none without a level that counts concurrency.
+    assert route.delay == (delay if expected_slots else 0.0)
     callers = brute_force_callers(config, project, service)
     assert [candidate.limit for candidate in route.caller_candidates] == callers
     slots, caller_delay = route.caller_level(caller, {}, None)
     chosen = next((lim for lim in callers if lim.segments[2] in ("*", caller)), None)
-    assert caller_delay == (None if chosen is None else chosen.delay)
+    if chosen is None:
+        assert caller_delay is None
+    else:
+        holds = bool(expected_slots) or chosen.concurrency is not None
+        own = delay if chosen.delay is None else chosen.delay
+        assert caller_delay == (own if holds else 0.0)
     if chosen is not None and chosen.concurrency is not None:
         assert (slots[-1].key, slots[-1].limit) == (f"{project}/{service}/{caller}", chosen)
 
@@ -200,7 +206,10 @@ def test_indexed_caller_level_picks_what_a_scan_picks(
     if chosen is None:
         assert (slots, delay) == (route.slots, None)
         return
-    assert delay == chosen.delay
+    # Only caller-level limits here: the chosen one's delay, held where it counts
+    # concurrency (a delay-only limit holds nothing: limitindex.inherit).
+    holds = chosen.concurrency is not None
+    assert delay == ((chosen.delay or 0.0) if holds else 0.0)
     if chosen.concurrency is None:
         assert slots == route.slots
         return

@@ -157,7 +157,24 @@ def test_inherit_takes_the_most_specific_setting_and_markers_from_two_levels() -
     limits = config.limits
     chain = config.limit_index.chain(("shop", "pay", "alice"))
     assert chain == (limits["shop"], limits["shop/pay"], limits["shop/pay/*"])
-    assert inherit(chain) == Inherited(limits["shop/pay/*"], limits["shop"], None, None)
+    assert inherit(chain) == Inherited(limits["shop/pay/*"], limits["shop"], None, None, True)
     assert inherit(chain).delay_seconds == 3.0
     assert inherit(chain[:1]).delay_seconds == 1.0
     assert inherit(()).delay_seconds == 0.0
+
+
+def test_a_delay_holds_only_where_a_level_counts_concurrency() -> None:
+    """A delay holds concurrency slots: under a chain where no limit counts concurrency
+    (a rate alone) it is 0 - it would hold nothing but the backend's room."""
+    config = build_config(
+        {
+            "limits": {
+                "api": {"delay": 5.0},
+                "api/feed": {"rate": "10/second"},
+                "api/pay": {"concurrency": 2},
+            }
+        }
+    )
+    index = config.limit_index
+    assert inherit(index.chain(("api", "feed"))).delay_seconds == 0.0
+    assert inherit(index.chain(("api", "pay"))).delay_seconds == 5.0

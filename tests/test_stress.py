@@ -385,6 +385,8 @@ class Model:
         for _, limit in levels:
             if limit is not None and limit.delay is not None:
                 delay = limit.delay
+        if not any(limit is not None and limit.concurrency is not None for _, limit in levels):
+            delay = 0.0  # a delay holds concurrency slots: here there are none
         slots = [(path, limit) for path, limit in levels if limit is not None]
         for at, (path, limit) in enumerate(slots):
             if self.full(path, limit):

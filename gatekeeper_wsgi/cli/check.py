@@ -86,7 +86,7 @@ def _inherited(config: Config, segments: tuple[str, ...]) -> list[str]:
     def source(limit: Limit) -> str:
         return "" if limit.path == here else f" (from {limit.path})"
 
-    delay, status, header, body = inherited
+    delay, status, header, body, _ = inherited
     if delay is not None and inherited.delay_seconds:
         parts.append(f"delay {_number(inherited.delay_seconds)}s{source(delay)}")
     if status is not None and status.timeout_status:
