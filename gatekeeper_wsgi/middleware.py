@@ -137,7 +137,15 @@ class _WatchedResponse(ResponseWatch):
         length = self._declared
         if not self.done and length is not None and self._written >= length:
             self.finish()
-        return self._write(data)
+        try:
+            return self._write(data)
+        except ConnectionError:
+            # The client went away (the server's write failed, and the app will let it
+            # through): released now as what the response was so far, as a streamed
+            # body the server stops iterating - not as the app's own error.
+            if not self.done:
+                self.finish()
+            raise
 
     def __iter__(self) -> Iterator[bytes]:
         inner = self._inner

@@ -482,6 +482,26 @@ def test_a_head_answered_by_write_is_released_before_its_headers_go_out(make: An
     assert busy(mw.gatekeeper) == {}
 
 
+def test_a_client_gone_during_write_is_not_a_faulty_response(make: Any) -> None:
+    """The server's write() fails because the client went away, and the app lets the
+    error through: the slot comes back at once, as when a client leaves a streamed body -
+    the backend did not fail, so no delay holds it."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        write = start_response("200 OK", [("Content-Type", "text/plain")])
+        write(b"part one")
+        return [b"part two"]
+
+    def gone(data: bytes) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    mw = make(app, {"project": "shop", "limits": {"shop": {"concurrency": 1, "delay": 30.0}}})
+    with pytest.raises(BrokenPipeError):
+        mw(environ_for("/x"), lambda status, headers, *_: gone)
+    assert busy(mw.gatekeeper) == {}
+    assert mw.gatekeeper.stats()["counters"]["delayed_pending"] == 0
+
+
 @pytest.mark.parametrize("start_first", [True, False], ids=["started", "not started"])
 def test_a_generator_raising_before_its_body_counts_as_the_500_sent(
     make: Any, start_first: bool
