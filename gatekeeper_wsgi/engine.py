@@ -695,17 +695,19 @@ class GateKeeper:
     def _longest_wait(
         self, slots: tuple[Slot, ...], denial: Denial, now: float
     ) -> tuple[Slot, Denial]:
-        """The refusal to answer: ``denial``, or the one of the rate limits after it full
-        now that waits longer. A backend answers with the first slot that does not fit;
-        with two windows full (2/10s and 2/minute), or a concurrency limit full and a
-        caller's window after it, the time until the request can be admitted (its
-        Retry-After, SPEC 5) is the longest wait, and the limit named is the one whose
-        window it waits for (a concurrency refusal waits for no time it can state: any
-        full window's is longer). Looked up on this path only, by peeks; a backend
-        failing one leaves the refusal found so far."""
+        """The refusal to answer: ``denial``, or the one of the limits after it full now
+        that waits longer. A backend answers with the first slot that does not fit; with
+        two windows full (2/10s and 2/minute), a concurrency limit full and a caller's
+        window after it, or two concurrency limits held by delays of different lengths,
+        the time until the request can be admitted (its Retry-After, SPEC 5) is the
+        longest wait, and the limit named is the one it waits for (a concurrency limit
+        full of running requests waits for no time it can state: 0). Looked up on this
+        path only, by peeks; a backend failing one leaves the refusal found so far."""
         slot = slots[denial.at]
         rest = tuple(
-            other for other in slots[denial.at + 1 :] if other.enforce and other.limit.rate
+            other
+            for other in slots[denial.at + 1 :]
+            if other.enforce and (other.limit.rate or other.limit.concurrency is not None)
         )
         while rest:
             try:
@@ -714,7 +716,7 @@ class GateKeeper:
                 break
             if found is None:
                 break
-            if found.kind == "rate" and found.retry_after > denial.retry_after:
+            if found.retry_after > denial.retry_after:
                 slot, denial = rest[found.at], found
             rest = rest[found.at + 1 :]
         return slot, denial

@@ -1501,3 +1501,28 @@ def test_release_is_idempotent(make: Make, clock: FakeClock) -> None:
     refused(gk, "shop", "checkout", "a")
     second.release(200)
     assert gk.stats()["counters"]["delayed_pending"] == 0
+
+
+def test_retry_after_waits_for_the_longest_held_limit(make_clocked: Make, clock: FakeClock) -> None:
+    """Two concurrency limits of a request full, each held by a delayed release of its own
+    length: the refusal names the one the request must wait for longest, with its time,
+    not the one that frees first (a client retrying then would be refused again)."""
+    gk = make_clocked(
+        {
+            "shop": {"concurrency": 2},
+            "shop/a": {"concurrency": 5, "delay": 2.0},
+            "shop/b": {"concurrency": 1, "delay": 8.0},
+        }
+    )
+    gk.admit("shop", "b", "c").release(500, faulty=True)
+    gk.admit("shop", "a", "c").release(500, faulty=True)
+    fault = refused(gk, "shop", "b", "c")
+    assert (fault.code, fault.limit_path, fault.retry_after) == (
+        "GK-CONCURRENCY-LIMIT",
+        "shop/b",
+        8,
+    )
+    clock.advance(2)
+    assert refused(gk, "shop", "b", "c").retry_after == 6
+    clock.advance(6)
+    gk.admit("shop", "b", "c").release(200)

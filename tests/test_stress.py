@@ -398,13 +398,18 @@ class Model:
                 if found is None:
                     continue
                 code, wait = "GK-RATE-LIMIT", found
-            # Of the windows full now after it, one that waits longer answers (a later
-            # limit whose concurrency is full is passed over, as the engine's look).
+            # Of the limits full now after it, one that waits longer answers: a full
+            # concurrency limit for its soonest delayed release (0 without one), else a
+            # full window.
             for later, other in slots[at + 1 :]:
-                if not self.full(later, other):
-                    longer = self.window_wait(later, other, now)
-                    if longer is not None and longer > wait:
-                        code, path, wait = "GK-RATE-LIMIT", later, longer
+                if self.full(later, other):
+                    held = min((due for due, paths in self.pending if later in paths), default=now)
+                    if held - now > wait:
+                        code, path, wait = "GK-CONCURRENCY-LIMIT", later, held - now
+                    continue
+                longer = self.window_wait(later, other, now)
+                if longer is not None and longer > wait:
+                    code, path, wait = "GK-RATE-LIMIT", later, longer
             self.rejected[code] += 1
             return ("rejected", code, path, wait)
         taken: dict[str, tuple[float | None, frozenset[int] | None]] = {}
