@@ -142,10 +142,12 @@ class BodyUnreadable(ValueError):
 
 # A JSON member whose name is a secret field, in text that may be cut short (a logged
 # body is capped) and so not parse: the value is a string, possibly unterminated, or a
-# bare token.
+# bare token. Linear in the text: a name begins at a quote no backslash escapes (so a run
+# of \" is not thousands of starts, each scanning to the end), and no part gives back
+# what it took (possessive: the alternatives cannot overlap, so nothing is lost).
 _JSON_MEMBER = re.compile(
-    r'(?P<head>"(?P<name>(?:[^"\\]|\\.)*)"\s*:\s*)'
-    r'(?P<value>"(?:[^"\\]|\\.)*"?|[^,{}\[\]\s]*)'
+    r'(?P<head>(?<!\\)"(?P<name>(?:[^"\\]|\\.)*+)"\s*:\s*)'
+    r'(?P<value>"(?:[^"\\]|\\.)*+"?|[^,{}\[\]\s]*+)'
 )
 _JSON = json.JSONDecoder()
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
@@ -352,11 +354,42 @@ def _part_is_secret(headers: str, fields: frozenset[str]) -> bool:
     return any(_is_secret_name(name, fields) for name in names)
 
 
-def _delimiter(boundary: str, first: bool) -> re.Pattern[str]:
-    """werkzeug's delimiter line: a line break (the first may come without), ``--`` and
-    the boundary, then ``--`` (the close delimiter) or blanks and a line break."""
-    head = _LINE_BREAK + ("?" if first else "")
-    return re.compile(head + re.escape("--" + boundary) + r"(?:--|[^\S\r\n]*" + _LINE_BREAK + ")")
+def _line_break_before(text: str, at: int) -> int:
+    """How many characters of line break (``\\r\\n``, ``\\n`` or ``\\r``) end at ``at``."""
+    if text.startswith("\r\n", at - 2):
+        return 2
+    return 1 if at > 0 and text[at - 1] in "\r\n" else 0
+
+
+def _delimiters(text: str, boundary: str) -> list[tuple[int, int, bool]]:
+    """werkzeug's delimiter lines of ``boundary`` in ``text``, as (start, end, closing):
+    a line break (the first may come without), ``--`` and the boundary, then ``--`` (the
+    close delimiter) or blanks and a line break. Found with str.find, not a regular
+    expression made of the boundary: the request chose it, and every such pattern would
+    stay in the re module's cache (512 of any size)."""
+    marker = "--" + boundary
+    found: list[tuple[int, int, bool]] = []
+    position = 0
+    while (at := text.find(marker, position)) >= 0:
+        position = at + 1
+        before = _line_break_before(text, at)
+        if not before and found:
+            continue  # only the first may come without a line break
+        after = at + len(marker)
+        if text.startswith("--", after):
+            found.append((at - before, after + 2, True))
+            position = after + 2
+            continue
+        blanks = after
+        while blanks < len(text) and text[blanks].isspace() and text[blanks] not in "\r\n":
+            blanks += 1
+        line_break = (
+            2 if text.startswith("\r\n", blanks) else int(text[blanks : blanks + 1] in ("\r", "\n"))
+        )
+        if line_break:
+            found.append((at - before, blanks + line_break, False))
+            position = blanks + line_break
+    return found
 
 
 def _multipart_spans(text: str, boundary: str, fields: frozenset[str]) -> list[tuple[int, int]]:
@@ -369,22 +402,22 @@ def _multipart_spans(text: str, boundary: str, fields: frozenset[str]) -> list[t
     the boundary, even inside a line, and reads the headers after it. The value of a part
     is redacted when either finds it secret."""
     spans: list[tuple[int, int]] = []
-    first = _delimiter(boundary, first=True).search(text)
-    delimiters = []
-    if first is not None:
-        delimiters.append(first)
-        delimiters.extend(_delimiter(boundary, first=False).finditer(text, first.end()))
-    for index, match in enumerate(delimiters):
-        if match.group().endswith("--"):
+    delimiters = _delimiters(text, boundary)
+    for index, (_, end, closing) in enumerate(delimiters):
+        if closing:
             break  # the close delimiter: what follows is the epilogue
-        part_end = delimiters[index + 1].start() if index + 1 < len(delimiters) else len(text)
-        headers_end = _HEADERS_END.search(text, match.end(), part_end)
+        part_end = delimiters[index + 1][0] if index + 1 < len(delimiters) else len(text)
+        headers_end = _HEADERS_END.search(text, end, part_end)
         if headers_end is None:
             continue  # cut inside its headers: no value in the text
-        if _part_is_secret(text[match.end() : headers_end.start()], fields):
+        if _part_is_secret(text[end : headers_end.start()], fields):
             spans.append((headers_end.end(), part_end))
     marker = "--" + boundary
-    starts = [found.start() for found in re.finditer(re.escape(marker), text)]
+    starts = []
+    position = 0
+    while (at := text.find(marker, position)) >= 0:
+        starts.append(at)
+        position = at + len(marker)
     for index, start in enumerate(starts):
         part_start = start + len(marker)
         last = index + 1 == len(starts)
@@ -549,10 +582,21 @@ def _reading(body: bytes, codec: str, required: bool, errors: str = "strict") ->
 
 
 def _codec(charset: str) -> str | None:
+    """The text encoding ``charset`` names; None for an unknown one (werkzeug and Django
+    read such a body as UTF-8) and for a codec that is not a text encoding: bz2, zlib,
+    base64 ... are looked up by the same names, and one of them would inflate a 2 KiB
+    body to gigabytes (str.decode refuses them, as every reader of a body does)."""
     try:
-        return codecs.lookup(charset).name
+        name = codecs.lookup(charset).name
     except LookupError:
-        return None  # werkzeug and Django read a body in an unknown charset as UTF-8
+        return None
+    try:
+        b"\0".decode(name)  # (not b"": that returns "" before the codec is looked at)
+    except LookupError:  # "... is not a text encoding"
+        return None
+    except (UnicodeError, ValueError):  # a text encoding that takes no lone NUL
+        pass
+    return name
 
 
 def _content_type(content_type: str) -> tuple[str, list[str], list[str]]:
@@ -564,12 +608,17 @@ def _content_type(content_type: str) -> tuple[str, list[str], list[str]]:
     try:
         message = Message()
         message["content-type"] = content_type
+        found: dict[str, list[str]] = {"charset": [], "boundary": []}
         for name, value in message.get_params(failobj=[])[1:]:
             text = collapse_rfc2231_value(value) if isinstance(value, tuple) else value
-            if name.lower() == "charset" and text and text not in charsets:
-                charsets.append(text)
-            elif name.lower() == "boundary" and text and text not in boundaries:
-                boundaries.append(text)
+            if name.lower() in found and text:
+                found[name.lower()].append(text)
+        # Of a parameter given many times, a reader takes the first (the email package) or
+        # the last (a dict of them: werkzeug, Django): only those two are read so.
+        for mine, given in ((charsets, found["charset"]), (boundaries, found["boundary"])):
+            for text in given[:1] + given[-1:]:
+                if text not in mine:
+                    mine.append(text)
     except Exception:  # the email package's parser on a hostile header: werkzeug's stands
         pass
     return mimetype.strip().lower(), charsets, boundaries

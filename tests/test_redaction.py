@@ -700,3 +700,55 @@ def test_a_refused_soap_request_logs_its_500_and_no_password(rejected_lines: Lin
     record = json.loads(line)
     assert (record["status"], record["code"]) == (500, "GK-CONCURRENCY-LIMIT")
     assert "<wsse:Username>alice</wsse:Username>" in record["body"]
+
+
+@pytest.mark.parametrize("codec", ["bz2", "zlib", "base64", "uu", "quopri", "rot13"])
+def test_a_charset_that_is_no_text_encoding_is_not_decoded(codec: str) -> None:
+    """A Content-Type charset naming a codec that is not a text encoding (bz2 would
+    inflate a 2 KiB body to gigabytes) is read as no reader reads it: not at all. The
+    body is looked at as UTF-8 bytes, as werkzeug and Django read an unknown charset."""
+    import bz2
+
+    bomb = bz2.compress(b"\0" * 10_000_000)
+    record = record_of(
+        method="POST",
+        data=bomb,
+        content_type=f"application/x-www-form-urlencoded; charset={codec}",
+    )
+    assert len(logged_bytes(record)) <= len(bomb)
+    form = record_of(
+        method="POST",
+        data=f"user=bob&password={SECRET}",
+        content_type=f"application/x-www-form-urlencoded; charset={codec}",
+    )
+    assert form["body"] == f"user=bob&password={REDACTED}"
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    ['"' + '\\"' * 8000, '"a' * 8000, '"\\"a' * 5000, '"a":"' * 3000 + '"password":"' + SECRET],
+    ids=["escaped-quotes", "quote-letter", "mixed", "members"],
+)
+def test_hostile_json_bodies_are_redacted_in_one_pass(hostile: str) -> None:
+    """Bodies built to make the JSON member search start over at every quote (runs of
+    escaped quotes) are read in one pass (no timing asserted: a pass per quote over
+    16 KiB took the better part of a second) and still redacted."""
+    config = {"rejected_log": {"body_bytes": 16384}}
+    record = record_of(config, method="POST", data=hostile, content_type="application/json")
+    assert SECRET not in logged_bytes(record).decode("utf-8", "replace")
+
+
+def test_a_boundary_given_many_times_is_read_as_its_readers_read_it() -> None:
+    """Of a boundary parameter repeated hundreds of times, the first and the last are the
+    ones the email package and a dict of parameters (werkzeug, Django) take: a part
+    delimited by either is redacted, whatever the others say."""
+    others = "; ".join(f"boundary=x{n}" for n in range(300))
+    body = (
+        f'--LAST\r\nContent-Disposition: form-data; name="password"\r\n\r\n{SECRET}\r\n--LAST--\r\n'
+    )
+    record = record_of(
+        method="POST",
+        data=body,
+        content_type=f"multipart/form-data; boundary=FIRST; {others}; boundary=LAST",
+    )
+    assert SECRET not in record["body"]
