@@ -107,8 +107,23 @@ def ip_segment(value: object, ipv6_prefix: int) -> str:
 
 
 def _network(value: str, ipv6_prefix: int) -> str:
-    # A proxy may write an IPv6 address as in a URL, in brackets: the same address.
-    text = value[1:-1] if value[:1] == "[" and value[-1:] == "]" else value
+    # A proxy may write an address as in a URL: an IPv6 one in brackets, either with a
+    # port (Azure's X-Forwarded-For: 203.0.113.7:51234, [2001:db8::7]:443). The same
+    # client whatever its port: counted as the address, or a client would get a key per
+    # source port.
+    text = value
+    if value[:1] == "[":
+        close = value.find("]")
+        port = value[close + 2 :]
+        if close > 0 and (
+            close == len(value) - 1
+            or (value[close + 1] == ":" and port.isascii() and port.isdigit())
+        ):
+            text = value[1:close]
+    elif value.count(":") == 1:
+        host, _, port = value.partition(":")
+        if port.isascii() and port.isdigit():
+            text = host
     try:
         address = ipaddress.ip_address(text)
     except ValueError:

@@ -196,3 +196,21 @@ def test_middleware_limits_an_ipv6_network() -> None:
     assert (first.status_code, second.status_code) == (200, 429)
     assert second.get_json()["limit"]["path"] == "shop/login/*"
     assert busy(gk) == {}
+
+
+@pytest.mark.parametrize(
+    ("first", "again"),
+    [
+        ("203.0.113.7:51234", "203.0.113.7:51235"),
+        ("203.0.113.7:51234", "203.0.113.7"),
+        ("[2001:db8::7]:443", "[2001:db8::9]:8443"),
+        ("[2001:db8::7]:443", "2001:db8::7"),
+    ],
+)
+def test_an_address_with_a_port_counts_as_the_address(first: str, again: str) -> None:
+    """A proxy that writes the client's port with its address (Azure's X-Forwarded-For,
+    through ProxyFix) gives each source port of one client: counted as the address (an
+    IPv6 one by its network), not as a key per port."""
+    gk = keeper()
+    assert admitted(gk, first)
+    assert not admitted(gk, again)
