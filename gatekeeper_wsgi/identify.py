@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ os.register_at_fork(after_in_child=_new_id_prefix)
 
 CallerResolver = Callable[["WSGIEnvironment"], "str | None"]
 
+#: seconds between two ERRORs of a failing caller.resolver (monotonic clock)
+RESOLVER_LOG_INTERVAL = 10.0
+
 
 def environ_key(header: str) -> str:
     """The WSGI environ key of an HTTP header name (``X-Caller-Id`` -> ``HTTP_X_CALLER_ID``)."""
@@ -79,6 +83,9 @@ class Identifier:
         self.caller_key = environ_key(config.caller.header)
         self.request_id_key = environ_key(config.request_id_header)
         self.resolver: CallerResolver | None = config.caller.resolver
+        # when the resolver's failure was last logged, and how often it failed since
+        self._resolver_logged = -RESOLVER_LOG_INTERVAL
+        self._resolver_failures = 0
         #: whether a limit counts by user (Django reads request.user only then)
         self.needs_user = any(limit.key == "user" for limit in config.limits.values())
         # Memos of the per-request regular-expression work: path -> service (without a
@@ -124,8 +131,20 @@ class Identifier:
         if self.resolver is not None:
             try:
                 value = self.resolver(environ)
-            except Exception:
-                logger.exception("gatekeeper: caller.resolver raised; caller treated as missing")
+            except Exception as exc:
+                # A resolver that fails on some input fails on every such request: one
+                # ERROR (with its traceback) per interval, the rest counted in the next.
+                now = time.monotonic()
+                self._resolver_failures += 1
+                if now - self._resolver_logged >= RESOLVER_LOG_INTERVAL:
+                    logger.error(
+                        "gatekeeper: caller.resolver raised (%d times since the last report);"
+                        " caller treated as missing",
+                        self._resolver_failures,
+                        exc_info=exc,
+                    )
+                    self._resolver_logged = now
+                    self._resolver_failures = 0
                 return None
         else:
             value = environ.get(self.caller_key)

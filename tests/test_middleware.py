@@ -628,6 +628,23 @@ def test_caller_resolver_that_raises_or_returns_junk_means_missing(
     assert "caller.resolver raised" in caplog.text
 
 
+def test_a_failing_resolver_is_reported_once_an_interval(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resolver that raises on some input raises on every such request: one ERROR with
+    its traceback per interval, not one per request a client can send."""
+
+    def resolver(environ: WSGIEnvironment) -> Any:
+        raise RuntimeError("auth down")
+
+    mw = make(ok_app, {"project": "shop", "caller": {"resolver": resolver}})
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        for _ in range(500):
+            assert fetch(mw, "/a").status_code == 200
+    errors = [r for r in caplog.records if "caller.resolver raised" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+
+
 def test_unimportable_resolver_is_a_config_error() -> None:
     """A resolver path that cannot be imported fails at start-up, naming `caller.resolver`."""
     with pytest.raises(ConfigError, match=r"caller\.resolver"):
