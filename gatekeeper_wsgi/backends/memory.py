@@ -76,10 +76,13 @@ class _Counter:
     a long window sheds entries in amortized O(1), as a deque would, at 8 bytes each.
     """
 
-    __slots__ = ("gauge", "head", "inflight", "used", "window")
+    __slots__ = ("dues", "gauge", "head", "inflight", "used", "window")
 
     def __init__(self) -> None:
         self.inflight = 0
+        #: when its delayed releases mature, a heap (None until it has one): a refusal
+        #: reads the soonest in O(1), not by a pass over every delayed release
+        self.dues: list[float] | None = None
         #: None until a rate limit records into it
         self.window: array[float] | None = None
         self.head = 0
@@ -440,11 +443,12 @@ class MemoryBackend(Backend):
                     if counting is not None and counting.wildcard:
                         self._wild.setdefault(counting.path, OrderedDict())[key] = counter
 
-    def _soonest(self, counter: _Counter, now: float) -> float:
+    @staticmethod
+    def _soonest(counter: _Counter, now: float) -> float:
         """Seconds until a delayed release of this counter matures; 0 when none is held
         (a request in flight may finish at any moment)."""
-        dues = [due for due, _, counters, _ in self._delayed if counter in counters]
-        return max(0.0, min(dues) - now) if dues else 0.0
+        dues = counter.dues
+        return max(0.0, dues[0] - now) if dues else 0.0
 
     def release(self, grant: Grant, status: int | None, delay: float, now: float) -> None:
         if TYPE_CHECKING:  # checked by mypy only: an assert costs every release
@@ -480,8 +484,14 @@ class MemoryBackend(Backend):
                             if index < len(window) and window[index] == stamp:
                                 del window[index]
                 if delay > 0:
-                    entry = (now + delay, next(self._seq), grant.counters, grant.slots)
+                    due = now + delay
+                    entry = (due, next(self._seq), grant.counters, grant.slots)
                     heapq.heappush(self._delayed, entry)
+                    for counter in grant.counters:
+                        if counter.dues is None:
+                            counter.dues = [due]
+                        else:
+                            heapq.heappush(counter.dues, due)
                 else:
                     for counter in grant.counters:
                         counter.inflight -= 1
@@ -510,6 +520,9 @@ class MemoryBackend(Backend):
         while delayed and delayed[0][0] <= now:
             for counter in heapq.heappop(delayed)[2]:
                 counter.inflight -= 1
+                # The global heap matures in order: this due is the counter's soonest.
+                if counter.dues:
+                    heapq.heappop(counter.dues)
         if self.delay_stage is not None:
             self.delay_stage.record(time.perf_counter() - started)
 
