@@ -200,6 +200,16 @@ def start_worker(script: str, directory: Path) -> subprocess.Popen[str]:
     )
 
 
+def stop_worker(worker: subprocess.Popen[str]) -> None:
+    """Kill ``worker`` if it still runs, reap it and close its pipes."""
+    if worker.poll() is None:
+        worker.kill()
+    worker.wait(30)
+    for stream in (worker.stdin, worker.stdout):
+        if stream is not None:
+            stream.close()
+
+
 def scrape(directory: Path) -> CollectorRegistry:
     """What a gunicorn scrape endpoint serves: the workers' files aggregated."""
     registry = CollectorRegistry()
@@ -245,12 +255,7 @@ def test_two_worker_processes_aggregate_in_multiprocess_mode(tmp_path: Path) -> 
         assert value("gatekeeper_inflight", {"limit": "shop", "level": "project"}) is None
     finally:
         for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-            worker.wait(30)
-            for stream in (worker.stdin, worker.stdout):
-                if stream is not None:
-                    stream.close()
+            stop_worker(worker)
 
 
 UWSGI_MASTER = textwrap.dedent(
@@ -300,12 +305,7 @@ def test_a_worker_forked_without_fork_hooks_exports_its_own_counts(tmp_path: Pat
         assert master.wait(30) == 0
         assert scrape(directory).get_sample_value("gatekeeper_admitted_total") == 4
     finally:
-        if master.poll() is None:
-            master.kill()
-        master.wait(30)
-        for stream in (master.stdin, master.stdout):
-            if stream is not None:
-                stream.close()
+        stop_worker(master)
 
 
 DELAYING_WORKER = textwrap.dedent(
