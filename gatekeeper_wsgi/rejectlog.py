@@ -209,9 +209,10 @@ def _headers(
     return headers, cut
 
 
-#: The longest the log waits for a rejected request's body still on its way, in seconds,
-#: where the server lets it tell (see :func:`_read_arrived`): a client that sent its
-#: headers first (``Expect: 100-continue``) has its body there within a round trip
+#: The longest the log waits for each piece of a rejected request's body still on its way
+#: (a socket timeout per read, not a deadline for the whole body: docs/deployment.md), in
+#: seconds, where the server lets it tell (see :func:`_read_arrived`): a client that sent
+#: its headers first (``Expect: 100-continue``) has its body there within a round trip
 BODY_WAIT = 0.005
 
 
