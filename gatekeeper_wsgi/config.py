@@ -842,16 +842,22 @@ def expand_source(source: ConfigSource) -> ConfigSource:
     from gatekeeper_wsgi.fileformats import load_file
 
     settings, lines = load_file(path, settings_keys=TOP_LEVEL)
+    named = _other_file(settings, path)
+    if named is None:
+        return source
+    build_config(settings, file=path, lines=lines)
+    return {**settings, "reload": {**settings["reload"], "file": named}}
+
+
+def _other_file(settings: Mapping[str, Any], file: str) -> str | None:
+    """The file the ``reload.file`` of ``settings``, read from ``file``, names (a relative
+    name beside ``file``), when it names one other than ``file`` itself."""
     reload = settings.get("reload")
     named = reload.get("file") if isinstance(reload, Mapping) else None
     if not isinstance(named, str) or not named:
-        return source
-    named = os.path.join(os.path.dirname(path), named)
-    if os.path.abspath(named) == os.path.abspath(path):
-        return source
-    build_config(settings, file=path, lines=lines)
-    assert isinstance(reload, Mapping)
-    return {**settings, "reload": {**reload, "file": named}}
+        return None
+    named = os.path.join(os.path.dirname(file), named)
+    return None if os.path.abspath(named) == os.path.abspath(file) else named
 
 
 def load_config(
@@ -895,20 +901,14 @@ def _check_no_other_file(
     """The file laid over settings cannot name yet another one: it is the file watched,
     and a ``reload.file`` of its own would be reported (status page, ``gatekeeper
     check``) yet never read."""
-    reload = file_settings.get("reload")
-    named = reload.get("file") if isinstance(reload, Mapping) else None
-    if named in (None, ""):
-        return
-    if isinstance(named, str):
-        target = os.path.join(os.path.dirname(file), named)
-        if os.path.abspath(target) == os.path.abspath(file):
-            return
-    raise ConfigError(
-        "reload.file",
-        f"the file laid over the settings cannot name another file; got {shown(named)}",
-        file=file,
-        line=lines.get("reload.file"),
-    )
+    if _other_file(file_settings, file) is not None:
+        raise ConfigError(
+            "reload.file",
+            "the file laid over the settings cannot name another file; got "
+            + shown(file_settings["reload"]["file"]),
+            file=file,
+            line=lines.get("reload.file"),
+        )
 
 
 def located(error: ConfigError, file: str | None) -> ConfigError:

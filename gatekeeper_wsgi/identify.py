@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, RequestRedirect, Rule
 
 from gatekeeper_wsgi.config import Config
+from gatekeeper_wsgi.forks import ForkWatch
 from gatekeeper_wsgi.requestvalues import key_segment, remember
 from gatekeeper_wsgi.values import CALLER_RE
 
@@ -34,20 +35,17 @@ MAX_CALLER_CHARS = 128
 # Unique per process and request, without the cost of uuid4 on every request.
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
-#: the process the prefix was made in (see request_id_from)
-_ID_PID = os.getpid()
 
 
 def _new_id_prefix() -> None:
-    # A forked worker (gunicorn --preload, multiprocessing) inherits the parent's prefix
-    # and counter: without a prefix of its own it would repeat its siblings' ids.
-    global _ID_PREFIX, _ID_COUNTER, _ID_PID
+    # A forked worker (gunicorn --preload, uWSGI, multiprocessing) inherits the parent's
+    # prefix and counter: without a prefix of its own it would repeat its siblings' ids.
+    global _ID_PREFIX, _ID_COUNTER
     _ID_PREFIX = os.urandom(6).hex()
     _ID_COUNTER = itertools.count(1)
-    _ID_PID = os.getpid()
 
 
-os.register_at_fork(after_in_child=_new_id_prefix)
+_ID_FORKS = ForkWatch(_new_id_prefix)
 
 CallerResolver = Callable[["WSGIEnvironment"], "str | None"]
 
@@ -65,8 +63,7 @@ def request_id_from(environ: Mapping[str, Any], environ_key: str) -> str:
     value = environ.get(environ_key)
     if isinstance(value, str) and len(value) <= 128 and _REQUEST_ID_RE.fullmatch(value):
         return value
-    if os.getpid() != _ID_PID:  # forked without Python's fork hooks (uWSGI's default)
-        _new_id_prefix()
+    _ID_FORKS.check()
     return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
 
 

@@ -163,7 +163,11 @@ class Route:
         inherited = inherit(chain)
         self._chain = tuple(chain)
         self.delay = inherited.delay_seconds
-        status, header, body = inherited[1:4]
+        status, header, body = (
+            inherited.timeout_status,
+            inherited.timeout_header,
+            inherited.timeout_body,
+        )
         self.timeout_status = None if status is None else status.timeout_status
         self.timeout_header: TimeoutHeader | None = (
             None if header is None else header.timeout_header

@@ -30,6 +30,7 @@ LEAVES: dict[str, frozenset[str]] = {
     "gatekeeper_wsgi.errors": frozenset({"gatekeeper_wsgi.values"}),
     "gatekeeper_wsgi.requestvalues": frozenset({"gatekeeper_wsgi.values"}),
     "gatekeeper_wsgi.turns": frozenset(),
+    "gatekeeper_wsgi.forks": frozenset(),
 }
 FRAMEWORKS = ("django", "flask", "redis")
 

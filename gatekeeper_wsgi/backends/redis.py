@@ -73,6 +73,7 @@ from gatekeeper_wsgi.backends.base import (
 )
 from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
+from gatekeeper_wsgi.forks import ForkWatch
 from gatekeeper_wsgi.redact import mask_text, mask_url
 
 __all__ = ["RedisBackend", "check_report"]
@@ -189,21 +190,17 @@ _generation = 0
 _BACKENDS: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
 
 
-#: the process the token was made in: a fork Python's hook does not see (uWSGI forks its
-#: workers without them unless --py-call-osafterfork) is found by comparing it
-_pid = os.getpid()
-
-
 def _after_fork_in_child() -> None:
-    global _token, _generation, _pid
+    global _token, _generation
     _token = os.urandom(8).hex()
     _generation += 1
-    _pid = os.getpid()
     for backend in list(_BACKENDS):
         backend._after_fork()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+#: renews the token and connections in a forked child, also one forked without Python's
+#: fork hooks (uWSGI's default mode): checked by every admission, which uses the token
+_FORKS = ForkWatch(_after_fork_in_child)
 
 
 def _flush_at_exit() -> None:
@@ -1118,8 +1115,7 @@ class RedisBackend(Backend):
         return self._acquire(slots, True)
 
     def _acquire(self, slots: Sequence[Slot], turn: bool) -> Grant | Denial:
-        if os.getpid() != _pid:  # forked without Python's fork hooks: the child's own now
-            _after_fork_in_child()
+        _FORKS.check()
         lease = f"{_token}{next(_sequence):x}"
         input = self._input(slots)
         try:
