@@ -8,9 +8,9 @@ exists (Redis cells are skipped otherwise), then runs, each in its own process:
    request by direct WSGI calls, 1 and 8 threads, against the bare app and the peer;
 2. ``throughput.py``: requests/s under gunicorn with ``wrk`` (or Python threads);
 3. ``engine.py``, ``shared.py``, ``redis_backend.py``, ``queue_handoff.py``, ``frs.py``,
-   ``limit_lookup.py``, ``memory_keys.py``, ``status_cost.py`` and (when ``valgrind`` is
-   installed, a few minutes more) ``instructions.py`` with shortened runs, their reports
-   quoted as printed.
+   ``limit_lookup.py``, ``memory_keys.py``, ``status_cost.py``, ``cold_cache.py`` and (when
+   ``valgrind`` is installed, a few minutes more) ``instructions.py`` with shortened runs,
+   their reports quoted as printed.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ REPORTS = [
         ["--rounds", "5", "--seconds", "1"],
     ),
     ("Instructions per request (callgrind)", "instructions.py", ["--requests", "500"]),
+    ("The middleware's cost with cold caches", "cold_cache.py", ["--rounds", "11"]),
 ]
 
 
