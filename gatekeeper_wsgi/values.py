@@ -64,7 +64,7 @@ def scheme_of(url: str) -> str:
         known = ", ".join(sorted(BACKENDS))
         raise ValueError(f"unknown backend {mask_url(url)!r}; expected one of: {known}")
     if scheme == "memory" and url.strip().lower() not in ("memory", "memory://", "memory:"):
-        raise ValueError(f"the memory backend takes no address, got {url!r}")
+        raise ValueError(f"the memory backend takes no address, got {mask_url(url)!r}")
     return scheme
 
 

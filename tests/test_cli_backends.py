@@ -32,6 +32,18 @@ BAD_URLS = [
     "redis://127.0.0.1:9/0?max_holdd=5",
     "redis://127.0.0.1:9/0?bogus=1",
     "redis://127.0.0.1:9/0?socket_timeout=abc",
+    # redis-py takes these, and every request would then fail at the backend
+    "redis://127.0.0.1:9/0?socket_timeout=nan",
+    "redis://127.0.0.1:9/0?socket_timeout=-1",
+    "redis://127.0.0.1:9/0?socket_timeout=1e999",
+    "redis://127.0.0.1:9/0?socket_connect_timeout=nan",
+    "redis://127.0.0.1:9/0?socket_connect_timeout=0",
+    "redis://127.0.0.1:9/0?health_check_interval=-3",
+    "redis://127.0.0.1:9/0?max_connections=" + "9" * 5000,
+    # an option given twice: one value would win unseen
+    "redis://127.0.0.1:9/0?max_hold=5&max_hold=600",
+    "redis://127.0.0.1:9/0?socket_timeout=1&socket_timeout=2",
+    "shared:///{tmp}/gk.shm?size=100&size=5000000",
     "valkey://127.0.0.1:9/0?bogus=1",
     "unix:///tmp/redis.sock?db=zero",
     "memory://somewhere",
@@ -47,6 +59,7 @@ GOOD_URLS = [
     "shared:///{tmp}/gk.shm?mode=0660",
     "redis://127.0.0.1:9/0",
     "redis://:secret@127.0.0.1:9/0?prefix=shop&max_hold=600&socket_timeout=0.5",
+    "redis://127.0.0.1:9/0?socket_connect_timeout=2&health_check_interval=0&max_connections=50",
     "rediss://127.0.0.1:9/0?ssl_cert_reqs=none",
     "valkey://127.0.0.1:9/2?breaker_cooldown=2.5",
     "unix:///tmp/redis.sock?db=3",
@@ -87,6 +100,10 @@ def test_check_names_the_bad_option_and_masks_the_password(tmp_path: Path) -> No
     assert "max_hold" in output
     status, output = checked({"backend": f"shared://{tmp_path}/gk.shm?size=abc"})
     assert status == 1 and "size" in output
+    # a Redis URL given to the memory backend by mistake: refused, its password masked
+    status, output = checked({"backend": "memory://:hunter2@redis.internal:6379/0"})
+    assert status == 1 and "memory backend takes no address" in output
+    assert "hunter2" not in output and "redis.internal" in output
 
 
 def test_a_typo_in_a_redis_option_fails_at_start_up() -> None:

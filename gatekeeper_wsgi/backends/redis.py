@@ -869,6 +869,7 @@ class RedisBackend(Backend):
         if scheme == "valkey":
             scheme = "redis"
         query = parse_qsl(parts.query, keep_blank_values=True)
+        _check_options(url, query)
         ours = {"prefix", "max_hold", "breaker_cooldown", "flush_interval", "cluster"}
         options = {name: value for name, value in query if name in ours}
         passed = [(name, value) for name, value in query if name not in ours]
@@ -1825,6 +1826,34 @@ class RedisBackend(Backend):
         for connection in list(self._connections):
             connection.disconnect()
         self.client.close()
+
+
+#: redis-py's URL options it converts with float() / int(): both take what would fail
+#: every request later (NaN, infinities, negative numbers), so they are checked first
+_SECONDS_OPTIONS = ("socket_timeout", "socket_connect_timeout", "timeout")
+_WHOLE_OPTIONS = ("socket_read_size", "max_connections", "health_check_interval")
+
+
+def _check_options(url: str, query: list[tuple[str, str]]) -> None:
+    """ConfigError for an option given twice (one value would win unseen) or for a number
+    option of redis-py's that it would take and then fail on (see _SECONDS_OPTIONS)."""
+    seen: set[str] = set()
+    for name, value in query:
+        if name in seen:
+            raise ConfigError(
+                "backend", f"{name}: given twice in {mask_url(url)[:200]!r}; give it once"
+            )
+        seen.add(name)
+        if name in _SECONDS_OPTIONS:
+            _seconds(url, name, {name: value}, 0.0)
+        elif name in _WHOLE_OPTIONS and not (
+            value.isascii() and value.isdigit() and len(value) < 10
+        ):
+            raise ConfigError(
+                "backend",
+                f"{name}: expected a whole number >= 0, got {value[:40]!r} in "
+                f"{mask_url(url)[:200]!r}",
+            )
 
 
 def _seconds(

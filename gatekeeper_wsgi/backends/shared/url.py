@@ -34,6 +34,10 @@ def parse_url(url: str) -> tuple[str, dict[str, int]]:
                 "backend",
                 f"unknown option {name!r} in {url!r}; expected size, leases, procs, windows, mode",
             )
+        if name in options:
+            raise ConfigError(
+                "backend", f"option {name!r} given twice in {url[:200]!r}; give it once"
+            )
         # ASCII digits only, as every other number of the configuration (int() would also
         # take "1_000" and non-ASCII digits: SPEC 4.10); at most 11, which bounds int().
         digits = _OCTAL if name == "mode" else _DECIMAL
