@@ -23,6 +23,7 @@ from werkzeug.http import parse_accept_header
 
 from gatekeeper_wsgi.config import FAULT_FORMATS, Config, FaultFormat
 from gatekeeper_wsgi.errors import Rejected
+from gatekeeper_wsgi.redact import failure_without_message
 from gatekeeper_wsgi.values import FAULT_CODES
 
 if TYPE_CHECKING:
@@ -308,18 +309,26 @@ def _call_renderer(
     renderer: Renderer, rejected: Rejected, request_id: str, environ: WSGIEnvironment
 ) -> tuple[str, bytes] | None:
     """The user renderer's (content type, body), or None when it failed (logged)."""
+    # A broken renderer must not turn every rejection into a 500 during overload.
     try:
         content_type, body = renderer(rejected, request_id, environ)
         if isinstance(body, str):
             body = body.encode("utf-8")
-        if not isinstance(content_type, str) or not isinstance(body, bytes):
-            raise TypeError(
-                f"expected (str, bytes | str), got ({type(content_type).__name__}, "
-                f"{type(body).__name__})"
-            )
-    except Exception:
-        # A broken renderer must not turn every rejection into a 500 during overload.
-        logger.exception("fault renderer %r failed; sending the standard ServiceFault", renderer)
+    except Exception as exc:
+        logger.error(
+            "fault renderer %r failed; sending the standard ServiceFault: %s",
+            renderer,
+            failure_without_message(exc),
+        )
+        return None
+    if not isinstance(content_type, str) or not isinstance(body, bytes):
+        logger.error(
+            "fault renderer %r returned (%s, %s), expected (str, bytes | str); sending the"
+            " standard ServiceFault",
+            renderer,
+            type(content_type).__name__,
+            type(body).__name__,
+        )
         return None
     return _header_value(content_type) or "application/octet-stream", body
 

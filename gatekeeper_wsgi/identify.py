@@ -19,6 +19,7 @@ from werkzeug.routing import Map, RequestRedirect, Rule
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.forks import ForkWatch
+from gatekeeper_wsgi.redact import failure_without_message
 from gatekeeper_wsgi.requestvalues import key_segment, remember
 from gatekeeper_wsgi.values import CALLER_RE
 
@@ -130,15 +131,15 @@ class Identifier:
                 value = self.resolver(environ)
             except Exception as exc:
                 # A resolver that fails on some input fails on every such request: one
-                # ERROR (with its traceback) per interval, the rest counted in the next.
+                # ERROR (with where it raised) per interval, the rest counted in the next.
                 now = time.monotonic()
                 self._resolver_failures += 1
                 if now - self._resolver_logged >= RESOLVER_LOG_INTERVAL:
                     logger.error(
                         "gatekeeper: caller.resolver raised (%d times since the last report);"
-                        " caller treated as missing",
+                        " caller treated as missing: %s",
                         self._resolver_failures,
-                        exc_info=exc,
+                        failure_without_message(exc),
                     )
                     self._resolver_logged = now
                     self._resolver_failures = 0

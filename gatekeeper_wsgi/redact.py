@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import traceback
 from email.message import Message
 from email.utils import collapse_rfc2231_value
 from typing import NamedTuple
@@ -27,6 +28,7 @@ __all__ = [
     "SECRET_FIELDS",
     "SECRET_HEADERS",
     "BodyUnreadable",
+    "failure_without_message",
     "is_secret_header",
     "mask_text",
     "mask_url",
@@ -130,6 +132,19 @@ def mask_text(text: str) -> str:
     masked, for log lines that quote what a library said."""
     text = _URL_CREDENTIALS.sub(lambda m: m.group("head") + _MASK + "@", text)
     return _TEXT_FIELDS.sub(lambda m: m.group("head") + _MASK, text)
+
+
+def failure_without_message(exc: BaseException) -> str:
+    """What a log may say of an exception that the user's code (a resolver, a renderer,
+    a hook) raised while it held a request: its type and where it was raised, without
+    its message, which may quote the request's secrets (``KeyError: 'k-live-…'`` of a
+    resolver that looks an API key up)."""
+    frames = "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    return f"{name} (message not logged: it may quote the request)\n{frames}".rstrip()
 
 
 # --- request bodies --------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from gatekeeper_wsgi.access import check_token
 from gatekeeper_wsgi.backends.base import KeyUsage, LimitTotals
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.limitindex import counting_limit, counts
-from gatekeeper_wsgi.redact import mask_url
+from gatekeeper_wsgi.redact import failure_without_message, mask_url
 from gatekeeper_wsgi.values import Limit
 
 if TYPE_CHECKING:
@@ -367,8 +367,11 @@ class StatusApp:
         if self._allow is not None:
             try:
                 allowed = bool(self._allow(environ))
-            except Exception:
-                logger.exception("gatekeeper: the status endpoint's allow() raised; denied")
+            except Exception as exc:
+                logger.error(
+                    "gatekeeper: the status endpoint's allow() raised; denied: %s",
+                    failure_without_message(exc),
+                )
         return check_token(environ, self.token, allowed=allowed)
 
 

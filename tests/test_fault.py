@@ -524,16 +524,20 @@ def test_user_renderer_content_type_is_sanitized() -> None:
 def failing_renderer(
     rejected: Rejected, request_id: str, environ: WSGIEnvironment
 ) -> tuple[str, str]:
-    raise RuntimeError("template missing")
+    raise RuntimeError(f"template missing for {environ.get('HTTP_AUTHORIZATION')}")
 
 
 def test_broken_user_renderer_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    """A renderer that raises still lets the client get the standard fault; the error is logged."""
+    """A renderer that raises still lets the client get the standard fault; the error is
+    logged with its type and where it was raised, not its message, which may quote the
+    request's secrets (SPEC 4.8)."""
+    environ = {"HTTP_AUTHORIZATION": "Bearer s3cret-token"}
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
-        status, _, body = render_fault(checkout_full(), {}, "r", renderer=failing_renderer)
+        status, _, body = render_fault(checkout_full(), environ, "r", renderer=failing_renderer)
     assert status == "503 Service Unavailable"
     assert json.loads(body)["code"] == "GK-CONCURRENCY-LIMIT"
-    assert "template missing" in caplog.text
+    assert "RuntimeError" in caplog.text and "failing_renderer" in caplog.text
+    assert "s3cret-token" not in caplog.text
 
 
 def test_user_renderer_wrong_return_falls_back(caplog: pytest.LogCaptureFixture) -> None:

@@ -29,6 +29,7 @@ from gatekeeper_wsgi.kernel import (
 )
 from gatekeeper_wsgi.naming import UNRESOLVED
 from gatekeeper_wsgi.naming import name_segment as service_segment
+from gatekeeper_wsgi.redact import failure_without_message
 from gatekeeper_wsgi.requestvalues import remember
 
 from .conf import get_gatekeeper
@@ -454,8 +455,8 @@ class GateKeeperMiddleware:
         ):
             if isinstance(result, Exception):
                 logger.error(
-                    "gatekeeper: request_rejected receiver %r raised",
+                    "gatekeeper: request_rejected receiver %r raised: %s",
                     receiver,
-                    exc_info=result,
+                    failure_without_message(result),
                 )
         return response

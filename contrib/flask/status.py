@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from flask import Blueprint, current_app, request
 from werkzeug.wrappers import Response
 
+from gatekeeper_wsgi.redact import failure_without_message
+
 if TYPE_CHECKING:
     from .extension import GateKeeper
 
@@ -31,8 +33,11 @@ def _vouched(auth: Callable[[], bool]) -> bool:
     not: logged, and the token decides)."""
     try:
         return bool(auth())
-    except Exception:
-        logger.exception("gatekeeper: the status blueprint's auth hook raised; the token decides")
+    except Exception as exc:
+        logger.error(
+            "gatekeeper: the status blueprint's auth hook raised; the token decides: %s",
+            failure_without_message(exc),
+        )
         return False
 
 
