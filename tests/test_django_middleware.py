@@ -704,6 +704,29 @@ def test_rejection_is_logged_with_its_body(
     assert line["headers"]["Authorization"] == "[redacted]"
 
 
+@pytest.mark.parametrize(
+    ("path", "logged"),
+    [
+        ("/caf%C3%A9/", "/caf%C3%A9/"),  # UTF-8: Django decodes it to text
+        ("/%FF%FE/", "/%FF%FE/"),  # not UTF-8: Django percent-encodes the bytes
+        ("/a%20b/", "/a%20b/"),
+    ],
+)
+def test_a_rejected_path_is_logged_as_sent_on_the_request_line(
+    settings: Any, client: Client, caplog: pytest.LogCaptureFixture, path: str, logged: str
+) -> None:
+    """The log's path is the request line's, as the WSGI middleware logs it (and replay
+    sends it), not Django's decoded text encoded again."""
+    configure_gatekeeper(settings, {"site/*": {"concurrency": 0}})
+    caplog.set_level(logging.INFO, logger="gatekeeper.rejected")
+    assert client.get(path, headers={"X-Request-Id": "path-1"}).status_code == 503
+
+    assert rejectlog.flush()
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gatekeeper.rejected"]
+    (line,) = [line for line in lines if line["requestId"] == "path-1"]
+    assert line["path"] == logged
+
+
 # -- settings and the WSGI middleware --------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
@@ -205,6 +206,24 @@ def _session_user(request: HttpRequest) -> Any:
     except Exception:  # a store down or a session it cannot read: as if anonymous
         logger.debug("gatekeeper: could not read the session's user", exc_info=True)
         return None
+
+
+# A byte Django percent-encoded because it was not UTF-8 (repercent_broken_unicode: only
+# bytes 0x80-0xFF, in capitals).
+_REPERCENTED = re.compile(rb"%[89A-F][0-9A-F]")
+
+
+def _wsgi_path(text: str) -> str:
+    """A ``PATH_INFO`` / ``SCRIPT_NAME`` Django has decoded, back in PEP 3333's form (the
+    request's bytes as latin-1), which the rejected log reads from any WSGI environ:
+    Django decodes the path's bytes as UTF-8 and percent-encodes those that are not, and
+    the path logged (and replayed) would otherwise name another resource. A literal
+    ``%FF`` in the decoded path (``%25FF`` on the request line) cannot be told apart
+    from a byte Django encoded, and is taken as the byte."""
+    data = text.encode("utf-8", "surrogateescape")
+    if b"%" in data:
+        data = _REPERCENTED.sub(lambda found: bytes((int(found[0][1:], 16),)), data)
+    return data.decode("latin-1")
 
 
 class _DjangoGate(Gate):
@@ -433,11 +452,10 @@ class GateKeeperMiddleware:
         meta = request.META
         # Under ASGI there is no wsgi.input; the request reads its own body, which Django
         # has received whole (so it ends where the stream does, chunked or not).
-        log_environ = (
-            meta
-            if "wsgi.input" in meta
-            else {**meta, "wsgi.input": request, "wsgi.input_terminated": True}
-        )
+        log_environ = {**meta, "PATH_INFO": _wsgi_path(meta.get("PATH_INFO", ""))}
+        log_environ["SCRIPT_NAME"] = _wsgi_path(meta.get("SCRIPT_NAME", ""))
+        if "wsgi.input" not in meta:
+            log_environ.update({"wsgi.input": request, "wsgi.input_terminated": True})
         status, headers, body = gate.fault(identifier, meta, rejected, log_environ)
         code, _, reason = status.partition(" ")
         # A HEAD response carries the GET's headers and no content (RFC 9110 9.3.2), as the
