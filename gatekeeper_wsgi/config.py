@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, AnyStr, Literal, TypeVar, get_args
 
 from werkzeug.routing import Map, Rule
+from werkzeug.routing.converters import NumberConverter
 from werkzeug.utils import import_string
 
 from gatekeeper_wsgi.adaptive import ALGORITHMS, AdaptiveSpec
@@ -294,6 +295,26 @@ def merge_settings(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[
     return merged
 
 
+def _number_converter_arguments(rule: Rule) -> str | None:
+    """What is wrong with the arguments of an ``int`` / ``float`` converter of ``rule``
+    (bound into a map), or None: werkzeug takes ``min=x`` as the text "x" and fails
+    only when a path is matched - inside a request, where the rule would then never
+    apply."""
+    for variable, converter in getattr(rule, "_converters", {}).items():
+        if not isinstance(converter, NumberConverter):
+            continue
+        for argument in ("min", "max"):
+            value = getattr(converter, argument, None)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                return f"{variable}: {argument} must be a number, got {shown(value)}"
+        digits = getattr(converter, "fixed_digits", 0)
+        if isinstance(digits, bool) or not isinstance(digits, int) or digits < 0:
+            return f"{variable}: fixed_digits must be a whole number, got {shown(digits)}"
+    return None
+
+
 class _Checker:
     """Reads one settings dict, converting strings from .properties files, raising
     :class:`ConfigError` with key, value, expectation, and file:line where known."""
@@ -347,6 +368,8 @@ class _Checker:
         return self.string(key, value)
 
     def optional_path(self, key: str, value: object) -> str | None:
+        if isinstance(value, os.PathLike):  # a pathlib.Path (Django's BASE_DIR / "...")
+            value = os.fspath(value)
         text = self.optional_string(key, value)
         return None if text is None else self.no_nul(key, text)
 
@@ -542,10 +565,16 @@ class _Checker:
             name = self.string(key, service)
             if not _SEGMENT_RE.fullmatch(name) or name == "*":
                 raise self.bad(key, name, "a service name of [A-Za-z0-9._:@-]")
+            checked = Rule(rule, endpoint=name)
             try:
-                Map([Rule(rule, endpoint=name)])
-            except (ValueError, LookupError) as exc:
+                Map([checked])
+            # werkzeug raises TypeError for an unknown converter argument and SyntaxError
+            # for a variable named twice, besides ValueError and LookupError.
+            except Exception as exc:
                 raise self.bad(key, rule, f"a werkzeug rule ({exc})") from None
+            numbers = _number_converter_arguments(checked)
+            if numbers is not None:
+                raise self.bad(key, rule, f"a werkzeug rule ({numbers})")
             result[rule] = name
         return MappingProxyType(result)
 
@@ -889,23 +918,30 @@ def load_config(
     from gatekeeper_wsgi.fileformats import load_file
 
     file_settings, lines = load_file(file, data, settings_keys=TOP_LEVEL)
-    if settings:
-        _check_no_other_file(file_settings, file, lines)
+    if settings or data is not None:
+        # ``data`` of the file alone: its reload (or its read at start-up, after
+        # expand_source found it naming no other file).
+        _check_no_other_file(file_settings, file, lines, laid_over=bool(settings))
     merged = merge_settings(settings, file_settings)
     return build_config(merged, file=file, lines=lines, whole_file=not settings)
 
 
 def _check_no_other_file(
-    file_settings: Mapping[str, Any], file: str, lines: Mapping[str, int]
+    file_settings: Mapping[str, Any], file: str, lines: Mapping[str, int], *, laid_over: bool
 ) -> None:
-    """The file laid over settings cannot name yet another one: it is the file watched,
-    and a ``reload.file`` of its own would be reported (status page, ``gatekeeper
-    check``) yet never read."""
+    """The file watched cannot name another one: a ``reload.file`` of its own would be
+    reported (status page, ``gatekeeper check``) yet never read. The file laid over
+    settings never can; a configuration file read alone can at start-up (expand_source),
+    and a reload that starts naming one fails (the other file is laid over by a restart)."""
     if _other_file(file_settings, file) is not None:
+        why = (
+            "the file laid over the settings cannot name another file"
+            if laid_over
+            else "a reload cannot lay another file over this one (a restart does)"
+        )
         raise ConfigError(
             "reload.file",
-            "the file laid over the settings cannot name another file; got "
-            + shown(file_settings["reload"]["file"]),
+            f"{why}; got {shown(file_settings['reload']['file'])}",
             file=file,
             line=lines.get("reload.file"),
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -554,6 +556,35 @@ INVALID_SETTINGS: list[tuple[str, dict[str, Any], str, str, str]] = [
         "'orders'",
         "starting with '/'",
     ),
+    (
+        "route converter given an unknown argument",
+        {"routes": {"/o/<int(foo=1):id>": "order"}},
+        "routes./o/<int(foo=1):id>",
+        "'/o/<int(foo=1):id>'",
+        "a werkzeug rule (",
+    ),
+    (
+        "route naming a variable twice",
+        {"routes": {"/<path:a>/<path:a>": "order"}},
+        "routes./<path:a>/<path:a>",
+        "'/<path:a>/<path:a>'",
+        "a werkzeug rule (",
+    ),
+    (
+        # werkzeug takes min=x as the text "x" and fails only when a request is matched
+        "route number converter with a bound that is no number",
+        {"routes": {"/o/<int(min=x):id>": "order"}},
+        "routes./o/<int(min=x):id>",
+        "'/o/<int(min=x):id>'",
+        "id: min must be a number, got 'x'",
+    ),
+    (
+        "route number converter with fixed_digits that are no number",
+        {"routes": {"/o/<int(fixed_digits=x):f>": "order"}},
+        "routes./o/<int(fixed_digits=x):f>",
+        "'/o/<int(fixed_digits=x):f>'",
+        "fixed_digits must be a whole number",
+    ),
 ]
 
 
@@ -1054,3 +1085,47 @@ def test_the_file_laid_over_settings_cannot_name_another(tmp_path: Path) -> None
         GateKeeper({"project": "shop", "reload": {"file": str(ops)}})
     ops.write_text(f"limits.shop.concurrency = 2\nreload.file = {ops}\n")  # itself: fine
     assert GateKeeper({"project": "shop", "reload": {"file": str(ops)}}).config.limits
+
+
+def test_a_reload_that_starts_naming_another_file_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A configuration file read alone may name a reload.file at start-up (laid over it);
+    a reload of it that starts naming one fails, keeping the configuration in force, rather
+    than reporting a file it never reads."""
+    main = tmp_path / "gk.properties"
+    main.write_text("project = shop\nlimits.shop.concurrency = 50\n")
+    ops = tmp_path / "ops.properties"
+    ops.write_text("limits.shop.concurrency = 1\n")
+    gk = GateKeeper(str(main))
+    try:
+        replacement = tmp_path / "next.properties"
+        replacement.write_text(main.read_text() + "reload.file = ops.properties\n")
+        os.replace(replacement, main)
+        with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+            assert gk.reload() is False
+        assert f"{main}:3: reload.file: a reload cannot" in caplog.text
+        assert gk.config.limits["shop"].concurrency == 50
+        assert gk.config.reload.file is None
+    finally:
+        gk.close()
+    # at start-up the same file lays the other one over
+    restarted = GateKeeper(str(main))
+    try:
+        assert restarted.config.limits["shop"].concurrency == 1
+    finally:
+        restarted.close()
+
+
+def test_reload_file_may_be_a_path_object(tmp_path: Path) -> None:
+    """reload.file as a pathlib.Path (Django's ``BASE_DIR / "gatekeeper.properties"``) is
+    the file it names, as a str is."""
+    ops = tmp_path / "ops.properties"
+    ops.write_text("limits.shop.concurrency = 3\n")
+    config = build_config({"project": "shop", "reload": {"file": ops}})
+    assert config.reload.file == str(ops)
+    gk = GateKeeper({"project": "shop", "reload": {"file": ops}})
+    try:
+        assert gk.config.limits["shop"].concurrency == 3
+    finally:
+        gk.close()
