@@ -476,6 +476,52 @@ def test_body_marker_in_a_plain_response_is_faulty(settings: Any, client: Client
     assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 1
 
 
+def served(path: str) -> bytes:
+    """One GET through Django's WSGI handler as a server makes it: iterate, then close
+    (Django's test client closes first, then reads the content)."""
+    path_info, _, query = path.partition("?")
+    environ = {
+        "REQUEST_METHOD": "GET",
+        "PATH_INFO": path_info,
+        "QUERY_STRING": query,
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(),
+    }
+    result = WSGIHandler()(environ, lambda status, given, exc_info=None: None)
+    body = b"".join(result)
+    result.close()  # type: ignore[attr-defined]
+    return body
+
+
+@pytest.mark.parametrize(
+    ("marker", "text", "faulty"),
+    [
+        ("^TIMEOUT$", "TIMEOUT", True),  # anchored: the body's start and end
+        ("TIMEOUT", "OUT of stock, try again some other TIME", False),  # no marker at all
+        ("TIMEOUT", "backend TIMEOUT", True),
+    ],
+)
+@pytest.mark.parametrize("how", ["server", "test client"])
+def test_a_plain_responses_body_is_searched_once_as_a_whole(
+    settings: Any, client: Client, marker: str, text: str, faulty: bool, how: str
+) -> None:
+    """The body of an ordinary response is searched for the marker once, as one text,
+    whether a server reads it before the close or the test client after: an anchored
+    marker matches the whole body, and no marker is found across a seam of the body
+    with itself."""
+    configure_gatekeeper(
+        settings, {"site/body": {"concurrency": 5, "delay": 3600, "timeout_body": marker}}
+    )
+    query = f"text={text.replace(' ', '+')}"
+    if how == "server":
+        assert served(f"/body/?{query}") == text.encode()
+    else:
+        assert client.get(f"/body/?{query}").content == text.encode()
+    assert get_gatekeeper().stats()["counters"]["delayed_pending"] == int(faulty)
+
+
 def test_file_response_is_released_on_close(settings: Any, client: Client) -> None:
     """A FileResponse holds its slot until its content is consumed and closed."""
     configure_gatekeeper(settings, {"site/file": {"concurrency": 1}})

@@ -149,13 +149,26 @@ class _ReleasedWhenRead(list):  # type: ignore[type-arg]
     client's next request never meets its own previous one.
     """
 
-    __slots__ = ("watch",)
+    __slots__ = ("read", "watch")
     watch: ResponseWatch
+    #: whether the body has been handed out (and so scanned for a body marker, by the
+    #: watch's stream) at least in part
+    read: bool
 
     def __iter__(self) -> Iterator[bytes]:
+        self.read = True
         chunks = list.__iter__(self)
         length = sum(map(len, list.__iter__(self)))
         return self.watch.stream(chunks, length)
+
+    def close(self) -> None:
+        """The response's closer: releases (if the body's end did not already). A body
+        nobody read before (Django's test client closes, then reads ``content``) is
+        searched for the marker whole first; one that was read was searched as it went."""
+        watch = self.watch
+        if not self.read and watch.scans_body:
+            watch.chunk(b"".join(list.__iter__(self)))
+        watch.finish()
 
 
 def _username(request: HttpRequest) -> str | None:
@@ -435,13 +448,18 @@ class GateKeeperMiddleware:
             else:
                 response.streaming_content = watch.stream(cast("Iterator[bytes]", content), length)
         elif isinstance(response, HttpResponse):
-            if watch.scans_body:
-                watch.chunk(response.content)
             container = getattr(response, "_container", None)
             if type(container) is list:  # an HttpResponse's (not a custom class's)
                 # Django's private body list and closers, which django-stubs leave out.
                 response._container = body = _ReleasedWhenRead(container)  # type: ignore[attr-defined]
                 body.watch = watch
+                body.read = False
+                # The body is scanned once: as it is read, or whole at the close when
+                # nobody read it before (see _ReleasedWhenRead.close).
+                response._resource_closers.append(body.close)  # type: ignore[attr-defined]
+                return
+            if watch.scans_body:
+                watch.chunk(response.content)
         # The closer holds the watch, so a response dropped without close() finishes it
         # when collected (ResponseWatch's safety net).
         response._resource_closers.append(watch.finish)  # type: ignore[attr-defined]
