@@ -136,3 +136,19 @@ def test_middleware_by_its_module_path_counts_as_first(settings: Any) -> None:
     """The middleware may be named by its module path too."""
     settings.MIDDLEWARE = ["gatekeeper_wsgi.contrib.django.middleware.GateKeeperMiddleware"]
     assert ids() == []
+
+
+def test_w003_a_backend_password_django_reports_would_list(settings: Any) -> None:
+    """W003: the backend URL holds a password and Django's error reports would list it;
+    gatekeeper's reporter filter (or a subclass) silences it."""
+    settings.GATEKEEPER = {"backend": "redis://:s3cret@127.0.0.1:9/0"}
+    assert ids() == ["gatekeeper.W003"]
+    (message,) = check_settings()
+    assert "s3cret" not in str(message)
+    settings.DEFAULT_EXCEPTION_REPORTER_FILTER = (
+        "gatekeeper_wsgi.contrib.django.debug.SafeExceptionReporterFilter"
+    )
+    assert ids() == []
+    settings.GATEKEEPER = {"backend": "redis://127.0.0.1:9/0"}  # no password: no warning
+    del settings.DEFAULT_EXCEPTION_REPORTER_FILTER
+    assert ids() == []

@@ -17,6 +17,7 @@ from django.core import mail
 from django.core.handlers.wsgi import WSGIHandler
 from django.test import AsyncClient, Client
 from django.utils.log import AdminEmailHandler, RequireDebugFalse
+from django.views.debug import get_default_exception_reporter_filter
 from gatekeeper_wsgi.contrib.django.checks import check_settings
 from werkzeug.test import EnvironBuilder
 
@@ -146,3 +147,27 @@ def test_checks_report_every_invalid_setting_with_a_docs_hint(settings: Any) -> 
     assert all("docs/configuration.md" in m.hint for m in messages if m.id == "gatekeeper.E002")
     limit_hints = [m.hint for m in messages if "limits." in m.msg]
     assert all("docs/configuration.md#limits" in hint for hint in limit_hints)
+
+
+def test_an_error_mail_masks_the_backend_password(settings: Any, admins: list[Any]) -> None:
+    """With gatekeeper's reporter filter, the settings an error mail lists show the
+    backend URL's password masked (Django's own filter hides settings by name only, and
+    ``backend`` is no such name)."""
+    settings.GATEKEEPER = {
+        "project": "site",
+        "backend": "redis://:S3cretRedisPw@127.0.0.1:9/0",  # nothing listens: fails open
+        "limits": {"site/boom": {"concurrency": 5}},
+    }
+    settings.DEFAULT_EXCEPTION_REPORTER_FILTER = (
+        "gatekeeper_wsgi.contrib.django.debug.SafeExceptionReporterFilter"
+    )
+    # Django reads it once per process (an lru_cache no setting_changed clears): a site
+    # sets it in settings.py, before any error; this test, after others' mails.
+    get_default_exception_reporter_filter.cache_clear()
+    settings.CACHE_URL = "redis://user:CachePw@cache:6379/1"  # any setting's URL
+    assert Client(raise_request_exception=False).get("/boom/").status_code == 500
+    (message,) = admins
+    text = message.body + "".join(str(part[0]) for part in message.alternatives)
+    assert "127.0.0.1:9/0" in text  # the settings are listed
+    assert "S3cretRedisPw" not in text and "CachePw" not in text
+    get_default_exception_reporter_filter.cache_clear()  # Django's own again, for others

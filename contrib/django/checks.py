@@ -12,6 +12,9 @@
 ``gatekeeper.W001`` ``GateKeeperMiddleware`` is not in ``MIDDLEWARE``: nothing is limited
 ``gatekeeper.W002`` ``routes`` is set; it names services for bare WSGI only, Django uses
                     URL names
+``gatekeeper.W003`` ``backend`` holds a password, which Django's error reports (mails to
+                    ``ADMINS``) would list: set ``DEFAULT_EXCEPTION_REPORTER_FILTER`` to
+                    ``gatekeeper_wsgi.contrib.django.debug.SafeExceptionReporterFilter``
 =================== ==========================================================================
 
 Every invalid setting is reported, not only the first: the configuration stops at its
@@ -32,6 +35,7 @@ from django.utils.module_loading import import_string
 from gatekeeper_wsgi.backends import BACKENDS, check_backend_url
 from gatekeeper_wsgi.config import SECTIONS, load_config
 from gatekeeper_wsgi.errors import ConfigError
+from gatekeeper_wsgi.redact import mask_url
 
 from .conf import SETTING, effective_config
 
@@ -44,6 +48,7 @@ MIDDLEWARE_PATHS = frozenset(
     }
 )
 _DOCS = "docs/configuration.md"
+_REPORTER_FILTER = "gatekeeper_wsgi.contrib.django.debug.SafeExceptionReporterFilter"
 _SETTINGS_HINT = f"See {_DOCS} (the configuration reference) in the gatekeeper-wsgi source."
 # Settings documented in a section of their own.
 _SECTIONS = frozenset({*SECTIONS, "limits"})
@@ -131,6 +136,16 @@ def _check_gatekeeper_setting() -> list[CheckMessage]:
     except ConfigError as exc:
         return [_config_error(exc)]
     messages: list[CheckMessage] = []
+    if mask_url(config.backend) != config.backend and not _reports_mask_urls():
+        messages.append(
+            Warning(
+                f"settings.{SETTING}['backend'] holds a password, which Django's error "
+                "reports (the mails to ADMINS, the DEBUG page) list in full.",
+                hint="Set DEFAULT_EXCEPTION_REPORTER_FILTER = "
+                f"'{_REPORTER_FILTER}', which masks it.",
+                id="gatekeeper.W003",
+            )
+        )
     if config.routes:
         messages.append(
             Warning(
@@ -140,6 +155,17 @@ def _check_gatekeeper_setting() -> list[CheckMessage]:
             )
         )
     return messages
+
+
+def _reports_mask_urls() -> bool:
+    """Whether Django's error reports go through a filter that masks URL credentials."""
+    from .debug import SafeExceptionReporterFilter
+
+    try:
+        cls = import_string(settings.DEFAULT_EXCEPTION_REPORTER_FILTER)
+    except ImportError:
+        return False  # Django's own check reports it
+    return isinstance(cls, type) and issubclass(cls, SafeExceptionReporterFilter)
 
 
 def _is_gatekeeper_middleware(path: object) -> bool:
