@@ -120,7 +120,12 @@ def mask_url(url: str) -> str:
 
 
 # user:password@ in any URL inside a text, and password=... query or key=value pairs.
-_URL_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s@/]*@")
+# A scheme begins where no scheme character precedes it: tried at every character of a
+# long run of letters (an error message quoting a 1 MB key), each start would scan the
+# rest of the run for "://" - quadratic.
+_URL_CREDENTIALS = re.compile(
+    r"(?P<head>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s@/]*@"
+)
 _TEXT_FIELDS = re.compile(
     r"(?P<head>\b(?:" + "|".join(sorted(SECRET_FIELDS, key=len, reverse=True)) + r")=)[^&\s'\"]*",
     re.IGNORECASE,

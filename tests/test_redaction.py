@@ -752,3 +752,12 @@ def test_a_boundary_given_many_times_is_read_as_its_readers_read_it() -> None:
         content_type=f"multipart/form-data; boundary=FIRST; {others}; boundary=LAST",
     )
     assert SECRET not in record["body"]
+
+
+def test_masking_an_error_quoting_a_huge_key_is_linear() -> None:
+    """An error message quoting a 1 MB key (``gatekeeper check`` of a file that is one long
+    line) is masked in one pass: unchanged, with URLs in it still masked (no timing
+    asserted: the quadratic pass it replaced took minutes on a megabyte)."""
+    for hostile in ["x" * 1_000_000, "x:" * 500_000, "a://" * 250_000]:
+        assert mask_text(hostile) == hostile
+    assert mask_text("k" * 100_000 + " redis://:pw@h/0") == "k" * 100_000 + " redis://:***@h/0"
