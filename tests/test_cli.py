@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -622,6 +623,10 @@ def test_replay_rejects_bad_arguments(rejected_log: Path, tmp_path: Path) -> Non
     assert run_replay(rejected_log, "ftp://host", out=io.StringIO()) == 2
     assert run_replay(rejected_log, "http://127.0.0.1:1", rate="fast", out=io.StringIO()) == 2
     assert run_replay(tmp_path / "none.log", "http://127.0.0.1:1", out=io.StringIO()) == 2
+    for to in ("http://127.0.0.1:99999/", "http://[::1", "http://127.0.0.1:abc/"):
+        errors = io.StringIO()
+        assert run_replay(rejected_log, to, out=io.StringIO(), err=errors) == 2
+        assert errors.getvalue() == f"error: --to must be an http:// or https:// URL, got {to!r}\n"
     for timeout in (math.inf, math.nan, -1.0, 0.0):
         assert (
             run_replay(rejected_log, "http://127.0.0.1:1", timeout=timeout, out=io.StringIO()) == 2
@@ -673,3 +678,75 @@ def test_replay_reports_requests_that_cannot_be_put_on_the_wire(
     assert run_replay(log, recorder.url, out=out) == 1
     assert out.getvalue().count("-> failed:") == 2
     assert [r["path"] for r in recorder.requests] == ["/fine"]
+
+
+def raw_request_heads(requests: int) -> tuple[str, list[bytes], threading.Thread]:
+    """A loopback server that keeps the head of each of ``requests`` requests as its bytes
+    came (a WSGI server would merge or refuse repeated headers) and answers 204."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    heads: list[bytes] = []
+
+    def serve() -> None:
+        with listener:
+            for _ in range(requests):
+                connection, _ = listener.accept()
+                with connection:
+                    head = b""
+                    while b"\r\n\r\n" not in head:
+                        piece = connection.recv(65536)
+                        if not piece:
+                            break
+                        head += piece
+                    heads.append(head.partition(b"\r\n\r\n")[0])
+                    connection.sendall(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", heads, thread
+
+
+def test_replay_sends_a_given_host_instead_of_its_own(tmp_path: Path) -> None:
+    """`-H 'Host: ...'` replaces the Host the connection makes (one Host header: two are a
+    400); a given Content-Length is not sent, the body's own is."""
+    log = tmp_path / "rejected.log"
+    record = {"method": "POST", "path": "/orders", "query": "", "headers": {}, "body": "{}"}
+    log.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    url, heads, thread = raw_request_heads(1)
+    out = io.StringIO()
+    overrides = [("Host", "shop.example"), ("Content-Length", "99")]
+    assert run_replay(log, url, out=out, headers=overrides) == 0, out.getvalue()
+    thread.join(30)
+    (head,) = heads
+    lines = head.lower().split(b"\r\n")
+    assert [line for line in lines if line.startswith(b"host:")] == [b"host: shop.example"]
+    assert [line for line in lines if line.startswith(b"content-length:")] == [b"content-length: 2"]
+    assert "Content-Length given with --header: not sent" in out.getvalue()
+
+
+def test_replay_percent_encodes_a_logged_query_that_is_not_ascii(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A query logged with the raw bytes a client sent (PEP 3333's latin-1 characters)
+    goes out percent-encoded as those bytes, not as a failure to encode it."""
+    log = tmp_path / "rejected.log"
+    record = {"method": "GET", "path": "/q", "query": "name=caf\u00e9", "headers": {}}
+    log.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out) == 0, out.getvalue()
+    (request,) = recorder.requests
+    assert request["query"] == "name=caf%E9"
+
+
+def test_replay_skips_a_line_nested_too_deeply_and_goes_on(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A foreign line of JSON nested 5 000 deep (another logger's) is skipped like any
+    other line that is no record, and the records after it are replayed."""
+    log = tmp_path / "rejected.log"
+    deep = "app said: " + '{"x": ' + "[" * 5000 + "]" * 5000 + "}"
+    record = {"method": "GET", "path": "/after", "query": "", "headers": {}}
+    log.write_text(deep + "\n" + json.dumps(record) + "\n", encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out) == 0, out.getvalue()
+    assert "line 1: skipped: not a rejected-request record" in out.getvalue()
+    assert [request["path"] for request in recorder.requests] == ["/after"]

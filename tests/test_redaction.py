@@ -629,6 +629,17 @@ def test_replay_says_what_a_redacted_body_means(tmp_path: Path) -> None:
     out = io.StringIO()
     assert run_replay(log, "http://127.0.0.1:9", dry_run=True, out=out) == 0
     assert "redacted in the log" in out.getvalue()
+    for codec in ("utf-16", "utf-32"):  # logged as body_b64: the note is there too
+        record = record_of(
+            method="POST",
+            data=f'{{"user": "alice", "password": "{SECRET}"}}'.encode(codec),
+            content_type=f"application/json; charset={codec}",
+        )
+        assert "body_b64" in record
+        log.write_text(json.dumps(record) + "\n", encoding="utf-8")
+        out = io.StringIO()
+        assert run_replay(log, "http://127.0.0.1:9", dry_run=True, out=out) == 0
+        assert "redacted in the log" in out.getvalue(), codec
     help_text = io.StringIO()
     with pytest.raises(SystemExit), contextlib.redirect_stdout(help_text):
         main(["replay", "--help"])

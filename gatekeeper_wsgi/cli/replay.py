@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from gatekeeper_wsgi.cli.status import printable
 from gatekeeper_wsgi.fileformats import file_kind
@@ -55,6 +55,10 @@ _CONNECTION_HEADERS = frozenset(
         "proxy-connection",
     }
 )
+# Headers that frame the body: made for the body sent, never taken from --header.
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+# How a redacted value may be spelled in a body the log kept as bytes (body_b64).
+_REDACTED_CODECS = ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
 _RATE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|sec|second|m|min|minute|h|hour))?\s*")
 _RATE_UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0}
 _RATE_UNITS.update({"h": 3600.0, "hour": 3600.0})
@@ -139,7 +143,7 @@ def _records(log: TextIO) -> Iterator[tuple[int, Mapping[str, Any] | None]]:
                 try:
                     record = json.loads(text[start:])
                     break
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: nested 5 000 deep
                     continue
             if isinstance(record, dict) and "method" in record and "path" in record:
                 yield number, record
@@ -159,10 +163,15 @@ def _prepare(
     if not path.startswith("/"):
         path = "/" + path
     query = str(record.get("query") or "")
-    target = base_path.rstrip("/") + path + (f"?{query}" if query else "")
+    target = _ascii(base_path.rstrip("/") + path + (f"?{query}" if query else ""))
+    notes: list[str] = []
+    framing = [name for name, _ in overrides if name.lower() in _FRAMING_HEADERS]
+    if framing:
+        # The body sent is the one logged: its framing is made for it.
+        notes.append(f"{', '.join(framing)} given with --header: not sent (made for the body)")
+        overrides = [item for item in overrides if item[0].lower() not in _FRAMING_HEADERS]
     override_names = {name.lower() for name, _ in overrides}
     headers: list[tuple[str, str]] = []
-    notes: list[str] = []
     logged = record.get("headers") or {}
     if isinstance(logged, Mapping):
         for name, value in logged.items():
@@ -183,7 +192,7 @@ def _prepare(
             body = str(record.get("body") or "").encode("utf-8")
     except (binascii.Error, ValueError):
         skip = "the logged body_b64 is not valid base64"
-    if REDACTED.encode() in body or REDACTED in query:
+    if REDACTED in query or any(REDACTED.encode(codec) in body for codec in _REDACTED_CODECS):
         # The log never holds the secret, so the replay cannot send it either.
         notes.append(
             f"fields were redacted in the log: sent with {REDACTED!r} as their values "
@@ -213,7 +222,12 @@ def _send(
     )
     connection = connection_class(host, port, timeout=timeout)
     try:
-        connection.putrequest(request.method, request.target, skip_accept_encoding=True)
+        # A Host given with --header (the logged one is never sent) replaces the one the
+        # connection would make: two Host headers are a 400 (RFC 9112 3.2).
+        given_host = any(name.lower() == "host" for name, _ in request.headers)
+        connection.putrequest(
+            request.method, request.target, skip_host=given_host, skip_accept_encoding=True
+        )
         for name, value in request.headers:
             connection.putheader(name, value.encode("latin-1", "replace"))
         if request.body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -248,8 +262,12 @@ def run_replay(
     and 2.
     """
     errors = err if err is not None else out
-    target = urlsplit(to_url)
-    if target.scheme not in ("http", "https") or not target.hostname:
+    try:  # urlsplit and .port raise ValueError for a bad port or an unclosed "["
+        target = urlsplit(to_url)
+        host, port = target.hostname, target.port
+    except ValueError:
+        host = None
+    if host is None or target.scheme not in ("http", "https"):
         print(f"error: --to must be an http:// or https:// URL, got {to_url!r}", file=errors)
         return 2
     try:
@@ -259,8 +277,6 @@ def run_replay(
     except ValueError as exc:
         print(f"error: {exc}", file=errors)
         return 2
-    host = target.hostname
-    port = target.port
     sent = failed = skipped = 0
     started = time.monotonic()
     for number, record in _records(log):
@@ -309,6 +325,18 @@ def run_replay(
     verb = "would send" if dry_run else "sent"
     print(f"{verb} {sent - failed}, failed {failed}, skipped {skipped}", file=out)
     return 1 if failed else 0
+
+
+def _ascii(target: str) -> str:
+    """A logged request target as http.client sends it, in ASCII: any other character
+    percent-encoded as the byte it stands for (PEP 3333 strings are latin-1; a character
+    beyond latin-1, as its UTF-8 bytes)."""
+    if target.isascii():
+        return target
+    return "".join(
+        char if char.isascii() else quote(char.encode("latin-1" if ord(char) < 256 else "utf-8"))
+        for char in target
+    )
 
 
 def parse_header(text: str) -> tuple[str, str]:
