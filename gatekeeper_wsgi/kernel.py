@@ -165,7 +165,12 @@ class ResponseWatch:
         self.admission.release_collected(self.status, self.faulty)
 
     def stream(
-        self, content: Iterable[bytes], length: int | None = None, sent: bool = False
+        self,
+        content: Iterable[bytes],
+        length: int | None = None,
+        sent: bool = False,
+        *,
+        head: bool = False,
     ) -> Iterator[bytes]:
         """``content`` passed through, scanned for a body marker; finished when exhausted,
         or - when the body's ``length`` is known - as soon as that many bytes were handed
@@ -179,6 +184,12 @@ class ResponseWatch:
         server (or a test client whose reader raised) closes it afterwards; raised before
         any body went out (``sent``: some went out already, by ``write()``), it is the
         500 the server answers.
+
+        ``head``: the body of a HEAD response (``length`` 0), which the server drops. It
+        ends with its first piece (handed out once the status is known, for the servers
+        that send the headers with it): the rest is not made, and the app's generator,
+        closed with the response, does no work its released slots no longer count
+        (gunicorn, waitress and uWSGI would iterate it to its end).
         """
         scans = self.admission.route.timeout_body is not None
         # Bytes still to hand out; -1: length unknown, _FINISHED: all handed out.
@@ -210,6 +221,9 @@ class ResponseWatch:
                         if scans:
                             self.judge()
                         self.admission.release(self.status, self.faulty)
+                        if head:
+                            yield chunk
+                            return
                 yield chunk
         except GeneratorExit:  # closed early: the client went away
             raise
@@ -223,7 +237,7 @@ class ResponseWatch:
             self.finish()
 
     async def astream(
-        self, content: AsyncIterator[bytes], length: int | None = None
+        self, content: AsyncIterator[bytes], length: int | None = None, *, head: bool = False
     ) -> AsyncIterator[bytes]:
         """The async form of :meth:`stream`."""
         left = -1 if length is None else length
@@ -235,6 +249,9 @@ class ResponseWatch:
                     if left <= 0:
                         left = _FINISHED
                         self.finish()
+                        if head:
+                            yield chunk
+                            return
                 yield chunk
         except (GeneratorExit, asyncio.CancelledError):
             raise

@@ -177,9 +177,9 @@ class _HeadWatchedResponse(_WatchedResponse):
     """The watched response of a HEAD request: released as the server takes the first
     piece of the body it will drop, or at its end if there is none - before the headers
     go out. The client has the whole response with them, and its next request, on
-    another thread, must fit; iterating the rest (gunicorn, waitress and uWSGI do) runs
-    outside the limit. A body that declares its length is released the same way at its
-    last byte in any request (see ``__iter__``)."""
+    another thread, must fit. The body ends there (:meth:`ResponseWatch.stream`'s
+    ``head``): gunicorn, waitress and uWSGI would iterate the rest, and the app would make
+    it outside the limit - a way around any concurrency limit for whoever sends HEAD."""
 
     __slots__ = ()
 
@@ -191,7 +191,7 @@ class _HeadWatchedResponse(_WatchedResponse):
         return self._write(data)
 
     def __iter__(self) -> Iterator[bytes]:
-        return self.stream(self._inner, 0, self._written > 0)
+        return self.stream(self._inner, 0, self._written > 0, head=True)
 
 
 class _SizedWatchedResponse(_WatchedResponse):

@@ -476,12 +476,12 @@ def test_body_marker_in_a_plain_response_is_faulty(settings: Any, client: Client
     assert get_gatekeeper().stats()["counters"]["delayed_pending"] == 1
 
 
-def served(path: str) -> bytes:
-    """One GET through Django's WSGI handler as a server makes it: iterate, then close
-    (Django's test client closes first, then reads the content)."""
+def served(path: str, method: str = "GET") -> bytes:
+    """One request through Django's WSGI handler as a server makes it: iterate, then
+    close (Django's test client closes first, then reads the content)."""
     path_info, _, query = path.partition("?")
     environ = {
-        "REQUEST_METHOD": "GET",
+        "REQUEST_METHOD": method,
         "PATH_INFO": path_info,
         "QUERY_STRING": query,
         "SERVER_NAME": "testserver",
@@ -520,6 +520,16 @@ def test_a_plain_responses_body_is_searched_once_as_a_whole(
     else:
         assert client.get(f"/body/?{query}").content == text.encode()
     assert get_gatekeeper().stats()["counters"]["delayed_pending"] == int(faulty)
+
+
+def test_a_streamed_head_body_ends_with_its_first_piece(settings: Any) -> None:
+    """A HEAD's streamed body (the server drops it) ends with its first piece: the view's
+    generator makes no more, so no work runs outside the limit its released slot no
+    longer counts. A GET's is made whole."""
+    configure_gatekeeper(settings, {"site/stream": {"concurrency": 1}})
+    assert served("/stream/", "HEAD") == b"first "
+    assert served("/stream/").startswith(b"first 1")
+    assert busy(get_gatekeeper()) == {}
 
 
 def test_file_response_is_released_on_close(settings: Any, client: Client) -> None:

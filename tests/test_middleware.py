@@ -29,7 +29,7 @@ import pytest
 from defusedxml.ElementTree import fromstring
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from werkzeug.test import Client, EnvironBuilder, TestResponse
+from werkzeug.test import Client, EnvironBuilder, TestResponse, create_environ
 from werkzeug.wsgi import FileWrapper
 
 from gatekeeper_wsgi import (
@@ -412,6 +412,35 @@ def test_empty_chunks_before_start_response_do_not_end_the_response(
     assert busy(mw.gatekeeper) == {}
     codes = [client.open("/login", method=method, buffered=True).status_code for _ in range(4)]
     assert codes == [401, 401, 429, 429]
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_a_head_body_ends_with_its_first_piece(make: Any, method: str) -> None:
+    """A HEAD's body, which the server drops, ends with its first piece: the app's
+    generator makes no more (closed with the response), so no work runs outside the
+    limit its released slot no longer counts - else HEAD requests would get around any
+    concurrency limit on a streamed export. A GET's body is made whole."""
+    made: list[int] = []
+    closed: list[bool] = []
+
+    def export(environ: Any, start_response: Any) -> Iterator[bytes]:
+        start_response("200 OK", [("Content-Type", "text/csv")])
+        try:
+            for row in range(20):
+                made.append(row)
+                yield b"row %d\n" % row
+        finally:
+            closed.append(True)
+
+    mw = make(export, {"project": "shop", "limits": {"shop/export": {"concurrency": 1}}})
+    environ = {**create_environ("/export"), "REQUEST_METHOD": method}
+    response = mw(environ, lambda status, headers, exc_info=None: None)
+    pieces = list(response)  # as a server iterates it, dropping a HEAD's body
+    assert busy(mw.gatekeeper) == {}
+    response.close()
+    assert closed == [True]
+    assert len(made) == (1 if method == "HEAD" else 20)
+    assert len(pieces) == len(made)
 
 
 def test_a_status_the_app_started_and_raised_after_is_not_counted(make: Any) -> None:

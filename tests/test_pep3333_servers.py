@@ -114,10 +114,10 @@ def test_a_file_read_whole_never_refuses_the_next_request(server: Gunicorn) -> N
 
 
 def test_a_head_answered_never_refuses_the_next_request(server: Gunicorn) -> None:
-    """A HEAD of a streamed body: the client has the whole response with its headers,
-    while the server still iterates the body it drops. The next request at once, on a
-    fresh connection, 50 times: every one is admitted (the slot comes back before the
-    headers go out)."""
+    """A HEAD of a streamed body: the client has the whole response with its headers (and
+    the body, which the server drops, ends there). The next request at once, on a fresh
+    connection, 50 times: every one is admitted (the slot comes back before the headers go
+    out)."""
     statuses = []
     for _ in range(50):
         assert server.request("/chunks", method="HEAD") == (200, b"")

@@ -443,10 +443,12 @@ class GateKeeperMiddleware:
             # a cast, not isinstance(AsyncIterator), which costs ~0.4 µs per response.
             if response.is_async:
                 response.streaming_content = watch.astream(
-                    cast("AsyncIterator[bytes]", content), length
+                    cast("AsyncIterator[bytes]", content), length, head=head
                 )
             else:
-                response.streaming_content = watch.stream(cast("Iterator[bytes]", content), length)
+                response.streaming_content = watch.stream(
+                    cast("Iterator[bytes]", content), length, head=head
+                )
         elif isinstance(response, HttpResponse):
             container = getattr(response, "_container", None)
             if type(container) is list:  # an HttpResponse's (not a custom class's)
