@@ -96,24 +96,28 @@ def redact_query(query: str, fields: frozenset[str], mask: str = REDACTED) -> st
     return "".join(parts)
 
 
+#: query fields of a URL whose values are secrets: the request fields, and the TLS key's
+#: passphrase of a ``rediss://`` URL (redis-py's ``ssl_password``)
+_URL_SECRET_FIELDS = SECRET_FIELDS | {"ssl_password"}
+
+
 def mask_url(url: str) -> str:
     """A URL fit to print: the password in its user info and the values of secret query
     fields replaced by ``***`` (``redis://:***@host/0?password=***``)."""
     try:
         parts = urlsplit(url)
         password = parts.password
-        host = parts.hostname or ""
-        port = parts.port
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number
     except ValueError:
         # Not parseable as a URL (a bad port, a stray bracket): show only its scheme.
         return url.split("://", 1)[0] + "://…" if "://" in url else mask_text(url)
     netloc = parts.netloc
     if password is not None or (parts.username is not None and "@" in netloc):
         user = parts.username or ""
-        if port is not None:
-            host = f"{host}:{port}"
+        # host and port as written: an IPv6 address keeps its brackets
+        host = netloc.rpartition("@")[2]
         netloc = f"{user}:{_MASK}@{host}" if password is not None else f"{user}@{host}"
-    query = redact_query(parts.query, SECRET_FIELDS, _MASK)
+    query = redact_query(parts.query, _URL_SECRET_FIELDS, _MASK)
     if netloc == parts.netloc and query == parts.query:
         return url
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
@@ -127,7 +131,10 @@ _URL_CREDENTIALS = re.compile(
     r"(?P<head>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s@/]*@"
 )
 _TEXT_FIELDS = re.compile(
-    r"(?P<head>\b(?:" + "|".join(sorted(SECRET_FIELDS, key=len, reverse=True)) + r")=)[^&\s'\"]*",
+    # not \b: "ssl_password=" holds "password=" after an underscore, a word character
+    r"(?P<head>(?<![A-Za-z0-9])(?:"
+    + "|".join(sorted(SECRET_FIELDS, key=len, reverse=True))
+    + r")=)[^&\s'\"]*",
     re.IGNORECASE,
 )
 

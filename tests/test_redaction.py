@@ -772,3 +772,21 @@ def test_masking_an_error_quoting_a_huge_key_is_linear() -> None:
     for hostile in ["x" * 1_000_000, "x:" * 500_000, "a://" * 250_000]:
         assert mask_text(hostile) == hostile
     assert mask_text("k" * 100_000 + " redis://:pw@h/0") == "k" * 100_000 + " redis://:***@h/0"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://u:pw@[::1]:7250/0", "redis://u:***@[::1]:7250/0"),  # brackets kept
+        (
+            "rediss://:pw@h:1/0?ssl_password=KEY&ssl_cert_reqs=none",
+            "rediss://:***@h:1/0?ssl_password=***&ssl_cert_reqs=none",
+        ),
+    ],
+)
+def test_a_masked_url_stays_a_url_with_every_secret_masked(url: str, shown: str) -> None:
+    """An IPv6 host keeps its brackets (the port stays apart from the address), and a
+    rediss:// URL's TLS key passphrase (ssl_password) is masked, in the URL and in a
+    message quoting it."""
+    assert mask_url(url) == shown
+    assert mask_text(f"backend {url} failed") == f"backend {shown} failed"
