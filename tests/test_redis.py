@@ -663,3 +663,33 @@ def test_from_url_builds_a_redis_backend(prefixed: str) -> None:
     assert backend.prefix == prefixed.rsplit("prefix=", 1)[1]
     assert not backend.local
     backend.close()
+
+
+def test_a_key_of_another_type_fails_its_own_path_alone(
+    prefixed: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone wrote a key of another type under one caller's path: that caller's requests
+    fail (on_backend_error), while every other caller's are admitted and counted - the
+    breaker stays closed (Redis answers), and the give-back that caller's failed admission
+    leaves waiting (which rode along with every later admission of the process, failing
+    each, for good) is dropped once Redis refuses it alone."""
+    gk = keeper(prefixed, {"shop/work/*": {"concurrency": 2}}, on_backend_error="reject")
+    backend = gk.backend
+    assert isinstance(backend, RedisBackend)
+    backend.client.set(backend.key_of("shop/work/mallory"), "not a sorted set")
+    for _ in range(3):
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "mallory")
+        assert refused.value.code == "GK-BACKEND-UNAVAILABLE"
+        held = [gk.admit("shop", "work", "alice") for _ in range(2)]
+        with pytest.raises(Rejected) as full:  # counted: the limit holds
+            gk.admit("shop", "work", "alice")
+        assert full.value.code == "GK-CONCURRENCY-LIMIT"
+        for admission in held:
+            admission.release(200)
+    assert gk.inflight() == {}  # the other key is no limit's: left out
+    totals = gk.totals()
+    assert totals is not None and totals["shop/work/*"].inflight == 0
+    assert backend.releases_dropped >= 1
+    dropped = [r for r in caplog.records if "redis refused a release" in r.getMessage()]
+    assert len(dropped) == 1  # one WARNING an interval

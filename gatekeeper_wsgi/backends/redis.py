@@ -107,6 +107,8 @@ _LINGER_FROM = 0.001
 #: Releases waiting to be sent (or sent again, after an outage); past this the oldest are
 #: dropped and end by lease expiry.
 _PENDING_RELEASES = 10_000
+# A dropped release (see RedisBackend._apply_alone) is named in a WARNING at most this often.
+_DROPPED_LOG_INTERVAL = 10.0
 _KEY_CACHE_SIZE = 10_000
 #: Tombstones and marks score above this (lua/gate.lua): counts read below it.
 _BELOW_BAND = "(4503599627370496"
@@ -402,6 +404,12 @@ class _Breaker:
             )
 
 
+def _wrong_type(exc: BaseException | None) -> bool:
+    """Whether Redis refused a call for a key that holds another type than the script
+    reads (WRONGTYPE): someone else's key under the prefix, not an outage."""
+    return isinstance(exc, redis.exceptions.ResponseError) and "WRONGTYPE" in str(exc)
+
+
 def _denial(result: list[Any]) -> Denial:
     """The Denial of a refusing gate.lua answer {0, slot, kind, retry after in us}; a
     {3, slot, kind, retry after in us, max_keys} answer (a new key of a wildcard limit whose
@@ -621,7 +629,12 @@ class _Outbox:
                     continue
                 try:
                     backend._send(batch)
-                except BackendError:
+                except BackendError as exc:
+                    if _wrong_type(exc.__cause__):
+                        self._sending = []
+                        with contextlib.suppress(BackendError):  # given back: sent later
+                            backend._apply_alone(batch)
+                        continue
                     with self._lock:
                         self._sending = []
                         self._waiting.extendleft(reversed(batch))
@@ -646,9 +659,11 @@ class _Outbox:
         if batch:
             try:
                 self._backend._send(batch)
-            except BackendError:
-                self.give_back(batch)
-                raise
+            except BackendError as exc:
+                if not _wrong_type(exc.__cause__):
+                    self.give_back(batch)
+                    raise
+                self._backend._apply_alone(batch)
 
     def close(self) -> None:
         self._stop.set()
@@ -829,6 +844,9 @@ class RedisBackend(Backend):
         self._reports: dict[str, AdaptiveReport] = {}
         #: adaptive windows this process claimed and computed (their next state written)
         self.windows_computed = 0
+        #: releases Redis refused alone (a key of another type under their path): dropped
+        self.releases_dropped = 0
+        self._dropped_logged = -_DROPPED_LOG_INTERVAL
         self._outbox = _Outbox(self)
         #: until when (time.monotonic()) releases are sent at once, not left waiting
         self._contended_until = 0.0
@@ -1163,9 +1181,38 @@ class RedisBackend(Backend):
         releases = outbox.take(self._tag(input.keys[0]))
         try:
             return self._run(releases, input, lease)
-        except BackendError:
-            outbox.give_back(releases)
-            raise
+        except BackendError as exc:
+            if not _wrong_type(exc.__cause__):
+                outbox.give_back(releases)
+                raise
+        # A key of another type under the path of one of the releases would fail every
+        # admission it rides along with: each release alone first, then the admission.
+        self._apply_alone(releases)
+        return self._run([], input, lease)
+
+    def _apply_alone(self, releases: list[_Release]) -> None:
+        """``releases``, which Redis refused together for a key of another type: one call
+        each. One refused alone is dropped (kept, it would fail every call it went with,
+        for good; its lease ends by max_hold), with a WARNING at most every
+        ``_DROPPED_LOG_INTERVAL``. Those left when one fails otherwise (an outage) go back
+        to the outbox."""
+        for index, release in enumerate(releases):
+            try:
+                self._run([release], None, "")
+            except BackendError as exc:
+                if not _wrong_type(exc.__cause__):
+                    self._outbox.give_back(releases[index:])
+                    raise
+                self.releases_dropped += 1
+                now = time.monotonic()
+                if now - self._dropped_logged >= _DROPPED_LOG_INTERVAL:
+                    self._dropped_logged = now
+                    logger.warning(
+                        "gatekeeper: redis refused a release (%s); dropped, its lease ends"
+                        " by max_hold (%d dropped so far)",
+                        exc,
+                        self.releases_dropped,
+                    )
 
     def _tag(self, key: str) -> str | None:
         """``key`` up to its hash tag, which a Cluster routes it by (None off a Cluster:
@@ -1433,7 +1480,13 @@ class RedisBackend(Backend):
             else:
                 answer = self._evalsha(self._pack(releases, input, lease))
         except Exception as exc:  # redis-py's, or anything it let through: never a 500
-            breaker.failure(exc)
+            if _wrong_type(exc):
+                # Redis answered: a key under the prefix holds another type (written by
+                # someone else). That path fails; the process's other calls go on (an
+                # open breaker would refuse them all, each time that path is asked for).
+                breaker.success()
+            else:
+                breaker.failure(exc)
             # Wrapped here, not only by the base's guard: the release sender catches it.
             raise self.backend_error(exc) from exc
         except BaseException:
@@ -1754,7 +1807,8 @@ class RedisBackend(Backend):
     def _each_key(self, command: Callable[[Any, str, int], Any]) -> list[tuple[str, Any]]:
         """``command(pipeline, key, now_us)`` on every limit key under the prefix, in one
         pipeline after a SCAN and after sending the releases still waiting; the (key,
-        reply) pairs. Failures are backend errors."""
+        reply) pairs. Failures are backend errors; a key of another type (someone else's
+        under the prefix) is left out, as it is no limit's."""
         pattern = _glob_escape(self.prefix) + ":{*}:z:*"
         replies: list[Any] = []
         with self._reading():
@@ -1764,8 +1818,15 @@ class RedisBackend(Backend):
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
                     command(pipe, key, now_us)
-                replies = pipe.execute()
-        return list(zip(keys, replies, strict=True))
+                replies = pipe.execute(raise_on_error=False)
+                for reply in replies:
+                    if isinstance(reply, Exception) and not _wrong_type(reply):
+                        raise reply
+        return [
+            (key, reply)
+            for key, reply in zip(keys, replies, strict=True)
+            if not isinstance(reply, Exception)
+        ]
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
