@@ -180,3 +180,14 @@ def test_check_accepts_an_existing_table(tmp_path: Path) -> None:
     (tmp_path / "empty.shm").write_bytes(b"")
     (tmp_path / "empty.shm").chmod(0o600)
     assert checked({"backend": f"shared://{tmp_path}/empty.shm"})[0] == 0
+
+
+def test_a_redis_backend_names_an_ipv6_host_in_brackets() -> None:
+    """The backend's name in its log lines keeps an IPv6 address apart from its port."""
+    from gatekeeper_wsgi.backends.redis import RedisBackend
+
+    backend = RedisBackend.from_url("redis://u:pw@[::1]:7250/0", check=False)
+    try:
+        assert backend.label == "redis at [::1]:7250"
+    finally:
+        backend.close()

@@ -937,9 +937,8 @@ class RedisBackend(Backend):
             raise ConfigError(
                 "backend", f"invalid redis URL {mask_url(url)!r}: {mask_text(str(exc))}"
             ) from exc
-        location = parts.hostname or ""
-        if parts.port:
-            location = f"{location}:{parts.port}"
+        # host and port as written: an IPv6 address keeps its brackets
+        location = parts.netloc.rpartition("@")[2]
         if scheme == "unix":
             location = parts.path
         backend = cls(
