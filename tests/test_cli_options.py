@@ -163,3 +163,5 @@ def test_every_option_of_the_table_is_in_each_programs_help(command: Any) -> Non
         assert option.help in script_help
         if not option.positional:  # click lists no help for arguments
             assert option.help.lower() in flask_help
+        elif option.settings_default is not None:  # optional: the settings stand in
+            assert f"[{label.lower()}]" in flask_help

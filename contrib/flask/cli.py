@@ -75,9 +75,10 @@ def _click_param(option: Option) -> click.Parameter:
     """The click parameter of one row of the option table."""
     if option.positional:
         # A framework's settings stand in for a positional that has a settings default.
-        return click.Argument(
-            [option.key], required=option.settings_default is None, metavar=option.metavar
-        )
+        required = option.settings_default is None
+        # click shows an explicit metavar as given: an optional one gets its brackets here.
+        shown = option.metavar if required or option.metavar is None else f"[{option.metavar}]"
+        return click.Argument([option.key], required=required, metavar=shown)
     help_text = option.help[:1].upper() + option.help[1:] + "."
     return click.Option(
         [*option.spellings, option.key],
