@@ -446,6 +446,37 @@ def test_releases_waiting_at_exit_are_sent(prefixed: str) -> None:
     backend.close()
 
 
+def _admit_twice_and_return(url: str) -> None:
+    """A multiprocessing child's work: two requests, then return at once (its releases
+    still wait in its sender)."""
+    gk = GateKeeper({"project": "shop", "backend": url, "limits": {"shop/w": {"concurrency": 50}}})
+    for _ in range(2):
+        gk.admit("shop", "w", "c").release(200)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_multiprocessing_child_that_returns_sends_its_releases(
+    prefixed: str, method: str
+) -> None:
+    """A multiprocessing child started by fork or forkserver ends with os._exit, which
+    skips atexit: its waiting releases are sent by multiprocessing's own exit, and nothing
+    stays held until max_hold."""
+    context = multiprocessing.get_context(method)
+    children = [
+        context.Process(target=_admit_twice_and_return, args=(prefixed,)) for _ in range(10)
+    ]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    backend = backend_from_url(prefixed)
+    try:
+        assert backend.inflight(0.0) == {}
+    finally:
+        backend.close()
+
+
 def test_a_release_placed_as_the_idle_sender_ends_is_still_sent(
     prefixed: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -216,6 +216,24 @@ def _flush_at_exit() -> None:
 
 
 atexit.register(_flush_at_exit)
+#: the process in which _flush_at_exit is registered with multiprocessing too
+_exit_flush_pid = 0
+
+
+def _flush_at_multiprocessing_exit() -> None:
+    """Run :func:`_flush_at_exit` also when this process is a multiprocessing child: one
+    started by fork or forkserver ends with ``os._exit``, which skips ``atexit``, after
+    running the finalizers registered in it. Called as the process's release sender
+    starts (its first release)."""
+    global _exit_flush_pid
+    pid = os.getpid()
+    if _exit_flush_pid != pid:
+        _exit_flush_pid = pid
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, _flush_at_exit, exitpriority=100)
+
+
 _sequence = itertools.count()
 
 
@@ -554,6 +572,7 @@ class _Outbox:
 
     def _start(self) -> None:
         """Start the sender (with ``_lock`` held)."""
+        _flush_at_multiprocessing_exit()
         self._generation = _generation
         if self._stop.is_set():
             self._thread = None
