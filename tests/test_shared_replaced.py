@@ -255,3 +255,29 @@ def test_foreign_file_put_at_the_path_is_refused_untouched(
     assert table.read_bytes() == b"somebody's data" * 100
     assert any("not a gatekeeper shared table" in message for message in caplog.messages)
     a.close()
+
+
+def test_a_table_made_writable_by_others_is_reported_at_once(
+    table: Path, path_clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table in use made writable by others (chmod 0666): the processes using it log
+    one ERROR naming why (a process starting now refuses it: the next worker a server
+    starts would not boot), and go on counting in it; fixed, it is quiet again."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
+    gk = GateKeeper(settings_for(table))
+    try:
+        os.chmod(table, 0o666)
+        for _ in range(3):
+            path_clock.advance(table_module.PATH_CHECK_EVERY)
+            gk.admit("shop", "api", "a").release(200)
+        (error,) = path_errors(caplog, table)
+        assert "can no longer be trusted: it is writable by group and others" in error
+        os.chmod(table, 0o600)
+        path_clock.advance(table_module.PATH_CHECK_EVERY)
+        gk.admit("shop", "api", "a").release(200)
+        os.chmod(table, 0o606)  # loosened again: said again
+        path_clock.advance(table_module.PATH_CHECK_EVERY)
+        gk.admit("shop", "api", "a").release(200)
+        assert len(path_errors(caplog, table)) == 2
+    finally:
+        gk.close()

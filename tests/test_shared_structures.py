@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from gatekeeper_wsgi.backends.base import Grant, Slot
 from gatekeeper_wsgi.backends.shared import SharedBackend
-from gatekeeper_wsgi.backends.shared.faults import NoRoom
+from gatekeeper_wsgi.backends.shared.faults import Damaged, NoRoom
 from gatekeeper_wsgi.backends.shared.journal import Journal
 from gatekeeper_wsgi.backends.shared.keys import KeyTable
 from gatekeeper_wsgi.backends.shared.layout import (
@@ -45,7 +45,9 @@ from gatekeeper_wsgi.backends.shared.layout import (
     HEADER,
     MUT_END,
     MUT_START,
+    N_FIRST,
     N_INFLIGHT,
+    N_LEN,
     NIL,
     NODE,
     R_COUNT,
@@ -627,3 +629,33 @@ def test_a_kill_between_the_chunk_counters_and_their_check_word_is_rolled_back(
     totals = reopened.totals([build_config(_RATED).limits["p"]], 1.0)
     assert totals["p"].top[0].used == CHUNK_STAMPS
     reopened.close()
+
+
+@pytest.mark.parametrize(
+    ("length", "self_linked"),
+    [(0xFFFFFFFF, True), (3 * CHUNK_STAMPS + 1, True), (CHUNK_STAMPS + 1, False)],
+    ids=["4e9 entries in a loop", "more entries than 3 chunks hold", "a link past the chunks"],
+)
+def test_a_window_no_table_holds_is_damage_not_a_walk(length: int, self_linked: bool) -> None:
+    """Garbage in a rate window's node (an entry count no table holds, a chunk linked to
+    itself or to no chunk): purging, reading or summing it raises Damaged (the table is
+    re-created) at once, instead of walking it for hours under the file lock. (A loop
+    within the entries the table holds is walked: bounded, and wrong counts at worst.)"""
+    mm, layout, journal = table(chunks=3, registry=1)
+    windows = Windows(mm, layout, journal)
+    _fresh_node(mm, layout, 0)
+    for stamp in range(CHUNK_STAMPS + 2):  # two chunks
+        windows.append(0, float(stamp), 1000.0)
+    journal.commit()
+    offset = layout.nodes_off
+    first = U32.unpack_from(mm, offset + N_FIRST)[0]
+    U32.pack_into(mm, offset + N_LEN, length)
+    link = first if self_linked else layout.chunks + 7
+    U32.pack_into(mm, layout.chunks_off + first * CHUNK_SIZE, link)
+    for read in (
+        lambda: windows.purge(0, 1e9),
+        lambda: windows.stamps(0),
+        lambda: windows.usage(0, 1e9),
+    ):
+        with pytest.raises(Damaged):
+            read()

@@ -35,7 +35,7 @@ def check_mode(path: str, mode: int) -> None:
 
 def open_private(path: str, mode: int) -> int:
     """Open (creating it with ``mode``) the table file, refusing anything another user
-    could have planted or could write: see :func:`_unfit`. ConfigError says why."""
+    could have planted or could write: see :func:`unfit`. ConfigError says why."""
     for _ in range(3):  # the file may vanish or appear between the two opens
         try:
             fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
@@ -54,7 +54,7 @@ def open_private(path: str, mode: int) -> int:
             continue
         except OSError as exc:
             raise _unopenable(path, exc) from exc
-        problem = _unfit(os.fstat(fd), mode)
+        problem = unfit(os.fstat(fd), mode)
         if problem is None:
             return fd
         os.close(fd)
@@ -74,7 +74,7 @@ def check_file(path: str, mode: int, magics: Collection[bytes]) -> None:
     except OSError as exc:
         raise _unopenable(path, exc) from exc
     try:
-        problem = _unfit(os.fstat(fd), mode)
+        problem = unfit(os.fstat(fd), mode)
         if problem is not None:
             raise ConfigError("backend", f"refusing the shared table {path!r}: {problem}")
         head = os.pread(fd, max(map(len, magics)), 0)
@@ -91,7 +91,7 @@ def _unopenable(path: str, exc: OSError) -> ConfigError:
     return ConfigError("backend", f"cannot open the shared table {path!r}: {reason}")
 
 
-def _unfit(info: os.stat_result, mode: int) -> str | None:
+def unfit(info: os.stat_result, mode: int) -> str | None:
     """Why an existing file must not be used as the table, None if it may: it must be a
     regular file with one name, owned by this process's user (or, when ``mode`` shares it
     with the group, by the group), writable by nobody else. Checked on the open

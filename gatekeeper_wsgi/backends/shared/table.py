@@ -37,7 +37,7 @@ from gatekeeper_wsgi.backends.shared.filelock import (
     lseek,
     unlock_file,
 )
-from gatekeeper_wsgi.backends.shared.files import check_mode, open_private
+from gatekeeper_wsgi.backends.shared.files import check_mode, open_private, unfit
 from gatekeeper_wsgi.backends.shared.gauges import Gauges
 from gatekeeper_wsgi.backends.shared.journal import Journal, Transaction
 from gatekeeper_wsgi.backends.shared.keys import KeyTable
@@ -207,6 +207,9 @@ class Table(Backend):
         self._path_due = 0.0
         #: the path names nothing usable (said once): the open file is kept meanwhile
         self._unusable_path = False
+        #: the open file was made unfit to trust where it is (said once, see
+        #: _check_loosened)
+        self._loosened = False
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
@@ -279,6 +282,7 @@ class Table(Backend):
         else:
             if (info.st_dev, info.st_ino) == self._file:
                 self._unusable_path = False
+                self._check_loosened(info)
                 return
             what = "was replaced by another file"
         try:
@@ -310,6 +314,23 @@ class Table(Backend):
         self._ours = None
         os.close(old)
         self._use(fd)
+
+    def _check_loosened(self, info: os.stat_result) -> None:
+        """The open file, still at the path, made unfit (``chmod o+w``, a new owner, a
+        hard link): one ERROR until it is fit again. This process keeps counting in it
+        (its leases are there), but a process starting now refuses it - the next worker a
+        server starts would not boot."""
+        problem = unfit(info, self._mode)
+        if problem is None:
+            self._loosened = False
+        elif not self._loosened:
+            self._loosened = True
+            logger.error(
+                "gatekeeper: shared table %s can no longer be trusted: %s; a process "
+                "starting now refuses it - restore its mode and owner",
+                self.path,
+                problem,
+            )
 
     def _unmap(self) -> None:
         if self._mm is not None:

@@ -54,14 +54,38 @@ EMPTY_WINDOW = struct.Struct("<III")
 class Windows(Structure):
     """The sliding logs of the rate keys of one mapped table."""
 
-    __slots__ = ("_chunks", "_chunks_off", "_registry", "_registry_off")
+    __slots__ = ("_chunks", "_chunks_off", "_entries", "_registry", "_registry_off")
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
         super().__init__(mm, layout, journal)
         self._chunks_off = layout.chunks_off
         self._chunks = layout.chunks
+        #: the most entries all windows together can hold
+        self._entries = layout.chunks * CHUNK_STAMPS
         self._registry_off = layout.registry_off
         self._registry = layout.registry
+
+    def _window(self, offset: int) -> tuple[int, int, int, int]:
+        """(start, first, last, length) of the window of the node at ``offset``; Damaged
+        for a length no table holds or a chunk out of range: walked as it says, garbage
+        there (a chunk linked to itself, ~4e9 entries) would keep the file lock, and every
+        process of the host waiting for it, for hours."""
+        start, first, last, length = WINDOW.unpack_from(self._mm, offset + N_OFFSET)
+        if length and (
+            length > self._entries
+            or first >= self._chunks
+            or last >= self._chunks
+            or start >= CHUNK_STAMPS
+        ):
+            raise Damaged(f"a rate window says it holds {length} entries from chunk {first}")
+        return start, first, last, length
+
+    def _next(self, chunk: int) -> int:
+        """The chunk after ``chunk`` in its window; Damaged if the link leads nowhere."""
+        following: int = U32.unpack_from(self._mm, self._chunks_off + chunk * CHUNK_SIZE)[0]
+        if following >= self._chunks:
+            raise Damaged(f"a rate window's chunk {chunk} links to chunk {following}")
+        return following
 
     def chunk_at(self, chunk: int) -> int:
         """The offset of window chunk ``chunk``."""
@@ -75,6 +99,8 @@ class Windows(Structure):
         start, first, last, length = WINDOW.unpack_from(mm, offset + N_OFFSET)
         if not length:
             return 0, 0.0
+        if length > self._entries or first >= self._chunks or start >= CHUNK_STAMPS:
+            self._window(offset)  # raises Damaged (checked here inline: every rate admission)
         chunk = first
         chunks_off = self._chunks_off
         stamps = CHUNK_STAMPS_FMT.unpack_from(mm, chunks_off + chunk * CHUNK_SIZE + 8)
@@ -88,7 +114,7 @@ class Windows(Structure):
                 break
             if start == CHUNK_STAMPS:
                 passed = chunk
-                chunk, start = U32.unpack_from(mm, chunks_off + chunk * CHUNK_SIZE)[0], 0
+                chunk, start = self._next(chunk), 0
                 stamps = CHUNK_STAMPS_FMT.unpack_from(mm, chunks_off + chunk * CHUNK_SIZE + 8)
             oldest = stamps[start]
         if left == length:
@@ -182,14 +208,15 @@ class Windows(Structure):
         """``node``'s window entries, oldest first, read without changing anything."""
         mm = self._mm
         offset = self._nodes_off + node * self._node_size
-        start, chunk, _, left = WINDOW.unpack_from(mm, offset + N_OFFSET)
+        start, chunk, _, left = self._window(offset)
         found: list[float] = []
         while left:
             stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self.chunk_at(chunk) + 8)
             part = stamps[start : start + left]
             found.extend(part)
             left -= len(part)
-            chunk, start = U32.unpack_from(mm, self.chunk_at(chunk))[0], 0
+            if left:
+                chunk, start = self._next(chunk), 0
         return found
 
     def usage(self, node: int, cutoff: float) -> tuple[int, float]:
@@ -197,14 +224,15 @@ class Windows(Structure):
         ``node``'s window, read without purging it; (0, 0.0) if none."""
         mm = self._mm
         offset = self._nodes_off + node * self._node_size
-        start, chunk, _, left = WINDOW.unpack_from(mm, offset + N_OFFSET)
+        start, chunk, _, left = self._window(offset)
         while left:
             stamps = CHUNK_STAMPS_FMT.unpack_from(mm, self.chunk_at(chunk) + 8)
             for stamp in stamps[start : start + left]:
                 if stamp > cutoff:
                     return left, stamp - cutoff
                 left -= 1
-            chunk, start = U32.unpack_from(mm, self.chunk_at(chunk))[0], 0
+            if left:
+                chunk, start = self._next(chunk), 0
         return 0, 0.0
 
     def new_chunk(self, now: float) -> int:
