@@ -1099,13 +1099,18 @@ def _adaptive_in_force(
     ``config`` governs (one that a reload made fixed is no longer adaptive, though the
     backend still holds its controller for a while), and each adaptive limit without
     ``*`` from the start, at its ``initial`` until it has measured (the value its faults
-    and Prometheus give). ``keys``: of those concrete paths only."""
+    and Prometheus give), each within its bounds in force. ``keys``: of those concrete
+    paths only."""
     index = config.limit_index
     adaptive: dict[str, AdaptiveReport] = {}
     for key, report in reported.items():
         limit = counting_limit(index, key)
         if limit is not None and limit.adaptive is not None:
-            adaptive[key] = report
+            # Within the bounds in force: a reload that narrowed them is enforced at once,
+            # while a controller learned under the old ones moves on its next sample.
+            bounds = limit.adaptive
+            value = min(max(report["limit"], bounds.min), bounds.max)
+            adaptive[key] = report if value == report["limit"] else {**report, "limit": value}
     for limit in config.limits.values():
         spec = limit.adaptive
         if spec is None or limit.wildcard or limit.path in adaptive:

@@ -289,7 +289,8 @@ def test_a_reload_to_a_fixed_limit_leaves_the_adaptive_report(
 
 
 def test_a_reload_to_a_lower_max_applies_at_once(clock: FakeClock, tmp_path: Path) -> None:
-    """The learned limit is clamped to a lowered max as soon as the new table is in use."""
+    """The learned limit is clamped to a lowered max as soon as the new table is in use,
+    in what is enforced and in what stats report."""
     file = tmp_path / "gk.properties"
     file.write_text("project = shop\nlimits.shop.concurrency = auto\n")
     gk = GateKeeper(str(file), clock=clock)
@@ -299,6 +300,7 @@ def test_a_reload_to_a_lower_max_applies_at_once(clock: FakeClock, tmp_path: Pat
         "project = shop\nlimits.shop.concurrency = auto\nlimits.shop.adaptive = max=5\n"
     )
     assert gk.reload()
+    assert gk.stats()["adaptive"]["shop"]["limit"] == 5  # reported as enforced
     held = [gk.admit("shop", "a", "c") for _ in range(5)]
     assert refusal(gk).limit_value == "5"
     for admission in held:

@@ -270,3 +270,35 @@ def test_a_tampered_state_starts_over(prefixed: str) -> None:
         assert gk.stats()["counters"]["backend_errors"] == 0
     finally:
         gk.close()
+
+
+@pytest.mark.parametrize("how", ["reload", "restart"])
+def test_a_lowered_max_holds_at_once(prefixed: str, tmp_path: Any, how: str) -> None:
+    """A limit learned at 30 under max 40, then a reload (or a redeploy) lowers max to 8:
+    the ninth request is refused at once, with the value 8 in its fault and in stats -
+    not only once a window of samples was computed under the new bounds (on a quiet path,
+    maybe never)."""
+    file = tmp_path / "gk.properties"
+    common = f"project = shop\nbackend = {prefixed}\nlimits.shop/work.concurrency = auto\n"
+    file.write_text(common + "limits.shop/work.adaptive = min=2, max=40\n")
+    gk = GateKeeper(str(file))
+    try:
+        gk.admit("shop", "work", "c").release(200)
+        settled(gk)
+        backend = redis_backend(gk)
+        backend.client.hset(backend.adaptive_key("shop/work"), "limit", 30)  # learned
+        file.write_text(common + "limits.shop/work.adaptive = min=2, max=8\n")
+        if how == "reload":
+            assert gk.reload()
+        else:
+            gk.close()
+            gk = GateKeeper(str(file))
+        held = [gk.admit("shop", "work", "c") for _ in range(8)]
+        with pytest.raises(Rejected) as refused:
+            gk.admit("shop", "work", "c")
+        assert (refused.value.code, refused.value.limit_value) == ("GK-CONCURRENCY-LIMIT", "8")
+        assert gk.stats()["adaptive"]["shop/work"]["limit"] == 8
+        for admission in held:
+            admission.release(200)
+    finally:
+        gk.close()

@@ -1100,7 +1100,8 @@ class RedisBackend(Backend):
                 keys.append(own)
             if limit.adaptive is not None:
                 adaptive.add(index)
-                concurrency = f"a{limit.adaptive.initial}"
+                spec = limit.adaptive
+                concurrency = f"a{spec.initial}:{spec.min}:{spec.max}"
                 keys.append(self.adaptive_key(slot.key))
                 self._adaptive[keys[-1]] = (limit.adaptive, slot.key)
             wildcard = 2 if limit.wildcard else 0

@@ -70,7 +70,7 @@
 -- then, when an admission follows:
 --   lease id (unique per admission; '' = only check and take nothing: a peek)
 --   max_hold in us (a lease not released by then expires)
---   then one spec per slot: "<concurrency (-1: none; a<initial>: adaptive)> <rate quota
+--   then one spec per slot: "<concurrency (-1: none; a<initial>:<min>:<max>: adaptive)> <rate quota
 --   (0: none)> <rate window in us> <flags: enforce (1/0) + 2 for a wildcard limit's slot
 --   + 4 for a limit with a queue (a newcomer is refused while its path's line has waiters,
 --   so it lines up behind them; the lease id "^<lease>" is a waiter's turn, not barred)>
@@ -530,9 +530,17 @@ repeat
       end
       queued = flags >= 4
       if byte(concurrency, 1) == 97 then
-        -- 'a<initial>': adaptive; the limit in force is the one its hash holds
-        concurrency = tonumber(call('HGET', KEYS[kk + width], 'limit'))
-          or tonumber(sub(concurrency, 2))
+        -- 'a<initial>:<min>:<max>': adaptive; the limit in force is the one its hash
+        -- holds, within the bounds configured now (a reload or a redeploy may have
+        -- narrowed them since it was learned: a lowered max holds at once)
+        local initial, low, high = match(concurrency, '^a(%d+):(%d+):(%d+)$')
+        low, high = low + 0, high + 0
+        concurrency = tonumber(call('HGET', KEYS[kk + width], 'limit')) or initial + 0
+        if concurrency > high then
+          concurrency = high
+        elseif concurrency < low then
+          concurrency = low
+        end
         width = width + 1
         adaptive = true
       else
