@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -51,7 +52,7 @@ from gatekeeper_wsgi.limitindex import counting_limit, counts
 from gatekeeper_wsgi.monitor import Monitor, Stats
 from gatekeeper_wsgi.redact import mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
-from gatekeeper_wsgi.values import RateInfo, Slot
+from gatekeeper_wsgi.values import Limit, RateInfo, Slot
 
 __all__ = ["Admission", "ConfigSource", "GateKeeper"]
 
@@ -686,9 +687,10 @@ class GateKeeper:
         slot = slots[denial.at]
         queue = slot.limit.queue
         answer, longest = self._longest_wait(slots, denial, now)
-        # A request waits in the queue of the limit that refused it, unless a rate limit
-        # refuses it for longer than it may wait there: it would only time out.
-        if queue is not None and (longest is denial or longest.retry_after <= queue.wait):
+        # A request waits in the queue of the limit that refused it, unless a rate window
+        # (its own, or another's) refuses it for longer than it may wait there: it would
+        # only time out, holding its worker thread and a place in the line meanwhile.
+        if queue is not None and (longest.kind != "rate" or longest.retry_after <= queue.wait):
             return self._wait(slots, slot, now, request)
         raise self._rejection(answer, longest)
 
@@ -709,6 +711,10 @@ class GateKeeper:
             for other in slots[denial.at + 1 :]
             if other.enforce and (other.limit.rate or other.limit.concurrency is not None)
         )
+        if denial.kind == "concurrency" and slot.limit.rate is not None:
+            # The limit that refused counts a rate too, which the backends look at after
+            # its concurrency: its own window may keep the request out far longer.
+            rest = (slot._replace(limit=_rate_only(slot.limit)), *rest)
         while rest:
             try:
                 found = self.backend.peek(rest, now)
@@ -1090,6 +1096,14 @@ class GateKeeper:
         """Release backend resources (after the releases still waiting)."""
         _release_collected()
         self.backend.close()
+
+
+@functools.lru_cache(maxsize=1024)
+def _rate_only(limit: Limit) -> Limit:
+    """``limit`` without its concurrency: its rate window alone, for a peek (see
+    GateKeeper._longest_wait). Cached by the limit (compared by identity), so a backend's
+    memos of routes see one such limit, not one per refusal."""
+    return dataclasses.replace(limit, concurrency=None, adaptive=None)
 
 
 def _adaptive_in_force(

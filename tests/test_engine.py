@@ -907,18 +907,63 @@ def test_queue_timeout_after_a_short_real_wait(make: Make) -> None:
 
 
 def test_a_rate_limits_queue_timeout_says_when_the_window_admits(make: Make) -> None:
-    """A waiter in a rate limit's queue that times out hears when that window admits
-    again (not the queue's wait), with the RateLimit fields of a rate refusal."""
+    """A waiter in a rate limit's queue that times out (the window freed a place within
+    its wait, and the waiter ahead took it) hears when that window admits again (not the
+    queue's wait), with the RateLimit fields of a rate refusal."""
     gk = make(
-        {"shop/export": {"rate": "1/minute", "queue": {"size": 2, "wait": 0.05}}},
+        {"shop/export": {"rate": "1/1s", "queue": {"size": 2, "wait": 1.5}}},
         clock=time.monotonic,
     )
     gk.admit("shop", "export", "a").release(200)
-    rejection = refused(gk, "shop", "export", "b")
+    got: list[Admission | Rejected] = []
+
+    def wait_in_line() -> None:
+        try:
+            got.append(gk.admit("shop", "export", "b"))
+        except Rejected as rejected:
+            got.append(rejected)
+
+    first = start(wait_in_line)
+    wait_until(lambda: waiters(gk) == 1)
+    second = start(wait_in_line)
+    for thread in (first, second):
+        thread.join(30)
+    admitted, rejection = got
+    assert isinstance(admitted, Admission) and isinstance(rejection, Rejected)
     assert (rejection.code, rejection.limit_path) == ("GK-QUEUE-TIMEOUT", "shop/export")
-    assert rejection.retry_after in (59, 60)  # a minute less the moments the test took
+    assert rejection.retry_after == 1  # the window's next place, not the queue's wait
     assert rejection.rate is not None
-    assert (rejection.rate.quota, rejection.rate.window, rejection.rate.remaining) == (1, 60.0, 0)
+    assert (rejection.rate.quota, rejection.rate.window, rejection.rate.remaining) == (1, 1.0, 0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"rate": "1/minute", "queue": {"size": 5, "wait": 5}},
+        {"rate": "1/minute", "concurrency": 1},
+        {"rate": "1/minute", "concurrency": 1, "queue": {"size": 5, "wait": 5}},
+    ],
+    ids=["rate + queue", "rate + concurrency", "rate + concurrency + queue"],
+)
+def test_a_window_that_refuses_longer_than_the_wait_answers_at_once(
+    make: Make, spec: dict[str, Any]
+) -> None:
+    """A limit whose window refuses a request for a minute answers with the window's
+    refusal at once: 429 and the minute's Retry-After - not a place in its queue held for
+    the whole wait only to time out (a brute force tying up worker threads), and not the
+    "retry in a second" of its concurrency when that is full too (the backends look at a
+    limit's concurrency before its rate)."""
+    gk = make({"shop/login": spec}, clock=time.monotonic)
+    held = gk.admit("shop", "login", "a")
+    if "concurrency" not in spec:
+        held.release(200)
+    rejection = refused(gk, "shop", "login", "b")
+    assert (rejection.code, rejection.status) == ("GK-RATE-LIMIT", 429)
+    assert rejection.retry_after in (59, 60)  # a minute less the moments the test took
+    assert gk.stats()["counters"]["rejected"] == {"GK-RATE-LIMIT": 1}
+    assert waiters(gk) == 0
+    if "concurrency" in spec:
+        held.release(200)
 
 
 def test_queue_waiter_woken_by_release(make: Make) -> None:

@@ -393,6 +393,10 @@ class Model:
                 # When a delayed release holding this path matures (any moment if none).
                 soonest = min((due for due, paths in self.pending if path in paths), default=now)
                 code, wait = "GK-CONCURRENCY-LIMIT", soonest - now
+                # Its own window, full too, may keep the request out longer.
+                own = self.window_wait(path, limit, now)
+                if own is not None and own > wait:
+                    code, wait = "GK-RATE-LIMIT", own
             else:
                 found = self.window_wait(path, limit, now)
                 if found is None:
