@@ -76,9 +76,10 @@ _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 _UNITS = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 _SHORT_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# Numbers of any length: one out of bounds is refused with the bounds (see Checker.rate).
 _RATE_RE = re.compile(
-    r"\s*([0-9]{1,12})\s*/\s*"
-    r"(?:(second|minute|hour|day)|([0-9]{1,12}(?:\.[0-9]{1,12})?)?\s*([smhd]))\s*",
+    r"\s*([0-9]+)\s*/\s*"
+    r"(?:(second|minute|hour|day)|([0-9]+(?:\.[0-9]+)?)?\s*([smhd]))\s*",
     re.ASCII,
 )
 
@@ -653,7 +654,18 @@ class _Checker:
 
     def dashboard(self, value: object) -> DashboardConfig:
         section = self.section("dashboard", value)
-        return DashboardConfig(token=self.optional_string("dashboard.token", section["token"]))
+        token = section["token"]
+        if token is None or token == "":
+            return DashboardConfig(token=None)
+        # A secret: never quoted in the error (which reaches a log on a failed reload).
+        # Printable ASCII, as an Authorization header carries it.
+        if not isinstance(token, str) or not (token.isascii() and token.isprintable()):
+            raise self.error(
+                "dashboard.token",
+                "expected a string of printable ASCII characters (what was given is not "
+                "shown: the token is a secret)",
+            )
+        return DashboardConfig(token=token)
 
     def limit(self, path: str, value: object) -> Limit:
         base = f"limits.{path}"
@@ -801,15 +813,22 @@ class _Checker:
         if match is None:
             raise self.bad(key, value, "a rate like '5/minute', '100/10s' or '2/h'")
         count, word, multiple, unit = match.groups()
-        seconds = _UNITS[word] if word else float(multiple or 1) * _SHORT_UNITS[unit]
-        if not 1 <= int(count) <= MAX_INTEGER or not 0 < seconds <= MAX_WINDOW:
+        if word:
+            seconds = _UNITS[word]
+        elif multiple is None:
+            seconds = _SHORT_UNITS[unit]
+        else:  # more digits than a year has seconds: out of bounds, however many
+            seconds = float(multiple) * _SHORT_UNITS[unit] if len(multiple) <= 24 else math.inf
+        # int() of a number longer than the bounds' is not taken (thousands of digits)
+        quota = int(count) if len(count) <= 12 else MAX_INTEGER + 1
+        if not 1 <= quota <= MAX_INTEGER or not 0 < seconds <= MAX_WINDOW:
             raise self.bad(
                 key,
                 value,
                 f"a rate of 1..{MAX_INTEGER} per a window longer than 0 and at most a year",
             )
         assert isinstance(value, str)
-        return Rate(limit=int(count), seconds=seconds, text=value.strip())
+        return Rate(limit=quota, seconds=seconds, text=value.strip())
 
     def key(self, key: str, value: object) -> str:
         text = self.string(key, value)

@@ -24,6 +24,7 @@ import html
 import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
@@ -253,17 +254,19 @@ def render_dashboard(json_url: str, *, nonce: str, refresh_seconds: float = 2.0)
     ``nonce`` must match the ``Content-Security-Policy`` sent with the page
     (see :func:`security_headers`).
     """
-    page = _asset("dashboard.html")
     values = {
-        "{{nonce}}": html.escape(nonce, quote=True),
-        "{{json_url}}": html.escape(json_url, quote=True),
-        "{{refresh_ms}}": str(max(100, int(refresh_seconds * 1000))),
-        "{{css}}": _asset("dashboard.css"),
-        "{{js}}": _asset("dashboard.js"),
+        "nonce": html.escape(nonce, quote=True),
+        "json_url": html.escape(json_url, quote=True),
+        "refresh_ms": str(max(100, int(refresh_seconds * 1000))),
+        "css": _asset("dashboard.css"),
+        "js": _asset("dashboard.js"),
     }
-    for placeholder, value in values.items():
-        page = page.replace(placeholder, value)
-    return page
+    # In one pass over the template: a value holding a placeholder's text (a SCRIPT_NAME
+    # a proxy header set to "/x{{js}}") is not replaced in its turn.
+    return _PLACEHOLDER.sub(lambda found: values[found[1]], _asset("dashboard.html"))
+
+
+_PLACEHOLDER = re.compile(r"\{\{(nonce|json_url|refresh_ms|css|js)\}\}")
 
 
 def security_headers(nonce: str | None = None) -> list[tuple[str, str]]:

@@ -1129,3 +1129,44 @@ def test_reload_file_may_be_a_path_object(tmp_path: Path) -> None:
         assert gk.config.limits["shop"].concurrency == 3
     finally:
         gk.close()
+
+
+@pytest.mark.parametrize(
+    "rate", ["9999999999999/second", "5/1234567890123s", "9" * 5000 + "/s", "5/" + "9" * 5000 + "s"]
+)
+def test_a_rate_number_of_any_length_is_refused_with_the_bounds(rate: str) -> None:
+    """A rate's N or window longer than its bounds allow is refused with those bounds,
+    however many digits it has (not as a rate that does not parse)."""
+    error = config_error({"limits": {"shop": {"rate": rate}}})
+    assert error.key == "limits.shop.rate"
+    assert "a rate of 1..1000000000 per a window longer than 0 and at most a year" in str(error)
+
+
+@pytest.mark.parametrize("token", [90817263544, "t\u00f6k-s3cret", "s3cret\x01x", ["s3cret"]])
+def test_a_bad_dashboard_token_is_refused_without_showing_it(token: object) -> None:
+    """A dashboard token that is no printable ASCII text (a number in a TOML file, a
+    non-ASCII one no Authorization header can carry) is a ConfigError that does not quote
+    it (SPEC 4.8)."""
+    error = config_error({"dashboard": {"token": token}})
+    assert error.key == "dashboard.token" and "printable ASCII" in str(error)
+    assert "s3cret" not in str(error) and "90817263544" not in str(error)
+
+
+def test_a_reload_with_a_bad_token_logs_no_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ERROR of a reload refused for its token does not quote it either."""
+    file = tmp_path / "gk.toml"
+    file.write_text('[gatekeeper]\nproject = "shop"\n')
+    gk = GateKeeper(str(file))
+    try:
+        replacement = tmp_path / "next.toml"
+        replacement.write_text(
+            '[gatekeeper]\nproject = "shop"\n[gatekeeper.dashboard]\ntoken = 90817263544\n'
+        )
+        os.replace(replacement, file)
+        with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+            assert gk.reload() is False
+        assert "dashboard.token" in caplog.text and "90817263544" not in caplog.text
+    finally:
+        gk.close()

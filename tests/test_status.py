@@ -174,6 +174,19 @@ def test_page_escapes_the_mount_point_and_sets_a_strict_csp(keeper: GateKeeper) 
     assert response.headers["Cache-Control"] == "no-store"
 
 
+def test_a_mount_point_holding_a_placeholder_stays_text(keeper: GateKeeper) -> None:
+    """A SCRIPT_NAME holding the page template's placeholders (a proxy header can set it)
+    is shown as that text: the template is filled in one pass, not placeholder by
+    placeholder, which pasted the page's script into the attribute."""
+    app = StatusApp(keeper, token="t")
+    response = Client(app).get(
+        "/", headers={"Authorization": "Bearer t"}, environ_overrides={"SCRIPT_NAME": "/x{{js}}"}
+    )
+    page = response.get_data(as_text=True)
+    assert 'data-json-url="/x{{js}}/status.json"' in page
+    assert page.count('"use strict"') == 1
+
+
 def test_mounted_under_a_prefix_next_to_the_app(keeper: GateKeeper) -> None:
     """Mounted with DispatcherMiddleware, the page points its fetches at the mount."""
     app = DispatcherMiddleware(

@@ -133,7 +133,7 @@
   }
 
   function markRate(row, entry) {
-    var used = entry && typeof entry.used === "number";
+    var used = !!entry && typeof entry.used === "number";  // a boolean: toggle(x, undefined) flips
     row.classList.toggle("locked", used && entry.remaining === 0);
     if (used) {
       row.dataset.used = String(entry.used);
