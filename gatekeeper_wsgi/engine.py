@@ -940,6 +940,10 @@ class GateKeeper:
                     _release_collected()
                 retry_hint = None
                 now = clock()
+                if self._file is not None:
+                    # A waiter checks the file as a request does: a reload due meanwhile
+                    # (no newcomer may come to make it) applies to the waiters at once.
+                    self._reload_if_due(now)
                 if self.config is not config:
                     config = self.config
                     again = self._waited.again = self._resolve_now(request)
@@ -972,6 +976,8 @@ class GateKeeper:
                     timeout = min(timeout, max(due - now, 0.0005))
                 if retry_hint:
                     timeout = min(timeout, retry_hint)
+                if self._file is not None:  # awake when the file is due to be checked
+                    timeout = min(timeout, max(self._next_check - now, 0.001))
                 line.sleep(ticket, timeout)
         finally:
             line.leave(ticket)

@@ -999,6 +999,26 @@ def test_queue_waiter_woken_by_a_reload_that_raises_the_limit(make: Make, tmp_pa
     got[0].release(200)
 
 
+def test_queue_waiters_check_a_file_due_for_a_reload(make: Make, tmp_path: Path) -> None:
+    """Waiters check the file as requests do: a reload due while they wait (no newcomer
+    comes to make it, no one calls reload()) applies to them - a raised limit admits them
+    while the holder still holds its slot."""
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, "limits.shop/checkout.concurrency = 1\nlimits.shop/checkout.queue = 5, 120\n")
+    gk = make({}, clock=time.monotonic, reload={"file": str(path), "every_seconds": 0.05})
+    holder = gk.admit("shop", "checkout", "a")
+    got: list[Admission] = []
+    thread = start(lambda: got.append(gk.admit("shop", "checkout", "b")))
+    wait_until(lambda: waiters(gk) == 1)
+    rewrite(path, "limits.shop/checkout.concurrency = 2\nlimits.shop/checkout.queue = 5, 120\n")
+    thread.join(DEADLINE)
+    assert len(got) == 1
+    assert gk.stats()["counters"]["reloads"] == 1
+    assert busy(gk) == {"shop/checkout": 2}
+    holder.release(200)
+    got[0].release(200)
+
+
 def test_queue_waiter_gets_the_slot_of_a_response_collected_unclosed(make: Make) -> None:
     """A response dropped without close() (a test client's) gives its slot back when
     collected: to the waiter in line, at once, not to whoever comes next."""
