@@ -8,6 +8,8 @@ wildcard and rate limits. Real files, the backend driven directly and through th
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -383,3 +385,34 @@ def test_a_key_longer_than_the_table_was_made_for_is_counted(tmp_path: Path) -> 
     for admission in (first, other, anchor):
         admission.release(200)
     gk.close()
+
+
+def test_a_table_bigger_than_the_free_space_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table is sparse: a page is given when first written, and a file system with
+    none left kills the writing process (SIGBUS). Creating a table that may grow past the
+    free space says so in a WARNING; one that fits says nothing."""
+    caplog.set_level(logging.WARNING, "gatekeeper")
+
+    def create(name: str, size: int) -> int:
+        path = tmp_path / name
+        gk = GateKeeper(
+            {
+                "project": "shop",
+                "backend": f"shared://{path}?size={size}",
+                "limits": {"shop/*": {"concurrency": 1}},
+            }
+        )
+        gk.close()
+        return path.stat().st_size
+
+    per_key = create("probe.shm", 100_000) / 100_000
+    assert not [r for r in caplog.records if "SIGBUS" in r.getMessage()]
+    status = os.statvfs(tmp_path)
+    keys = int(2 * status.f_bavail * status.f_frsize / per_key) + 1
+    if keys >= 2**31:
+        pytest.skip("the file system has more room than the largest table takes")
+    create("huge.shm", keys)
+    (warning,) = [r.getMessage() for r in caplog.records if "SIGBUS" in r.getMessage()]
+    assert "huge.shm may use up to" in warning and "MB free" in warning

@@ -620,6 +620,7 @@ class Table(Backend):
             os.ftruncate(fd, 0)
         # Never shrink: another process may still map the old, larger size.
         os.ftruncate(fd, max(size, layout.total))
+        self._warn_if_no_room(layout.total)
         self._map(layout, bytes(HEADER))
         mm = self._mm
         assert mm is not None
@@ -636,6 +637,28 @@ class Table(Backend):
         MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
         self._epoch = epoch
         logger.info("gatekeeper: initialised shared table %s: %s", self.path, layout.describe())
+
+    def _warn_if_no_room(self, total: int) -> None:
+        """A WARNING when the file system holds less free space than the sparse table may
+        come to use: the page a write first touches is given then, and with none left
+        the kernel kills the writing process (SIGBUS), in every worker that grows the
+        table - no error Python could catch. Reserving the whole table instead would take
+        its full size (up to hundreds of MB) from a tmpfs at once."""
+        try:
+            info = os.fstatvfs(self._fd)
+            used = os.fstat(self._fd).st_blocks * 512
+        except OSError:
+            return
+        free = info.f_bavail * info.f_frsize
+        if free < total - used:
+            logger.warning(
+                "gatekeeper: shared table %s may use up to %.0f MB, and its file system has "
+                "%.0f MB free: when that runs out, a process writing the table is killed "
+                "(SIGBUS); give it room, or smaller options (?size=, ?leases=, ?windows=)",
+                self.path,
+                total / 1e6,
+                free / 1e6,
+            )
 
     def close(self) -> None:
         """Unmap and close the file. Leases this process still holds stay in the table
