@@ -23,6 +23,7 @@ __all__ = [
     "ip_segment",
     "key_segment",
     "remember",
+    "wsgi_string",
 ]
 
 K = TypeVar("K")
@@ -136,3 +137,10 @@ def _network(value: str, ipv6_prefix: int) -> str:
     host_bits = 128 - ipv6_prefix
     network = ipaddress.IPv6Address(int(address) >> host_bits << host_bits)
     return f"{network}-{ipv6_prefix}"
+
+
+def wsgi_string(text: str) -> str:
+    """Text a framework decoded from a PEP 3333 string (a path, its bytes read as UTF-8),
+    back in PEP 3333's form: those bytes as latin-1 (what an environ's ``SCRIPT_NAME`` and
+    ``PATH_INFO`` hold, and what the status app encodes into a redirect or a cookie path)."""
+    return text.encode("utf-8", "surrogateescape").decode("latin-1")

@@ -807,3 +807,15 @@ def test_cli_replay_dry_run_lists_a_rejected_request(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "POST /pay?cart=7 -> dry run" in result.output
+
+
+def test_a_token_link_under_a_non_ascii_mount_point_lands_there() -> None:
+    """The status blueprint mounted at a non-ASCII prefix: a token link is sent on to that
+    prefix, percent-encoded as UTF-8 (the path the browser asked for), and the cookie is
+    scoped to it."""
+    app, _ = status_app(url_prefix="/\u00f6ps")
+    with app.test_client() as client:
+        with client.get("/%C3%B6ps/?token=s3cret") as response:
+            assert response.status_code == 303
+            assert response.headers["Location"] == "/%C3%B6ps/"
+            assert "Path=/%C3%B6ps;" in response.headers["Set-Cookie"]

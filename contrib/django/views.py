@@ -23,6 +23,7 @@ from django.contrib.auth.views import redirect_to_login
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 
 from gatekeeper_wsgi.engine import GateKeeper
+from gatekeeper_wsgi.requestvalues import wsgi_string
 
 from .conf import get_gatekeeper
 from .decorators import gatekeeper_exempt
@@ -87,7 +88,10 @@ def _serve(request: HttpRequest, sub_path: str, allow: Allow) -> HttpResponse:
         {
             _ALLOWED_KEY: allowed,
             "REQUEST_METHOD": request.method,
-            "SCRIPT_NAME": path[: len(path) - len(sub_path)] if path.endswith(sub_path) else path,
+            # Django decoded the path: the status app reads PEP 3333's latin-1 form
+            "SCRIPT_NAME": wsgi_string(
+                path[: len(path) - len(sub_path)] if path.endswith(sub_path) else path
+            ),
             "PATH_INFO": sub_path,
             "QUERY_STRING": request.META.get("QUERY_STRING", ""),
             "wsgi.input": BytesIO(),

@@ -11,6 +11,7 @@ from flask import Blueprint, current_app, request
 from werkzeug.wrappers import Response
 
 from gatekeeper_wsgi.redact import failure_without_message
+from gatekeeper_wsgi.requestvalues import wsgi_string
 
 if TYPE_CHECKING:
     from .extension import GateKeeper
@@ -64,7 +65,9 @@ def status_blueprint(
         environ = dict(request.environ)
         environ[_ALLOWED_KEY] = auth is not None and _vouched(auth)
         path = request.path
-        environ["SCRIPT_NAME"] = request.script_root + path[: len(path) - len(sub_path)]
+        # werkzeug decoded the path: the status app reads PEP 3333's latin-1 form
+        mount = request.script_root + path[: len(path) - len(sub_path)]
+        environ["SCRIPT_NAME"] = wsgi_string(mount)
         environ["PATH_INFO"] = sub_path
         return current_app.response_class.from_app(status_app, environ)
 
