@@ -814,8 +814,7 @@ def test_a_token_link_under_a_non_ascii_mount_point_lands_there() -> None:
     prefix, percent-encoded as UTF-8 (the path the browser asked for), and the cookie is
     scoped to it."""
     app, _ = status_app(url_prefix="/\u00f6ps")
-    with app.test_client() as client:
-        with client.get("/%C3%B6ps/?token=s3cret") as response:
-            assert response.status_code == 303
-            assert response.headers["Location"] == "/%C3%B6ps/"
-            assert "Path=/%C3%B6ps;" in response.headers["Set-Cookie"]
+    with app.test_client() as client, client.get("/%C3%B6ps/?token=s3cret") as response:
+        assert response.status_code == 303
+        assert response.headers["Location"] == "/%C3%B6ps/"
+        assert "Path=/%C3%B6ps;" in response.headers["Set-Cookie"]

@@ -416,3 +416,28 @@ def test_a_table_bigger_than_the_free_space_is_warned_about(
     create("huge.shm", keys)
     (warning,) = [r.getMessage() for r in caplog.records if "SIGBUS" in r.getMessage()]
     assert "huge.shm may use up to" in warning and "MB free" in warning
+
+
+def test_window_entries_run_out_with_the_wait_the_windows_say(tmp_path: Path) -> None:
+    """A table whose rate-window entries are all taken refuses a new key by its limit,
+    with the time until the soonest window looked at frees its chunks (a day, for
+    `1000/day`), not "retry in a second" - which a client obeying it would hear again
+    every second for a day."""
+    gk = GateKeeper(
+        {
+            "project": "shop",
+            "backend": f"shared://{tmp_path / 'w.shm'}?windows=4",
+            "limits": {"shop/login/*": {"rate": "1000/day", "key": "ip"}},
+        }
+    )
+    try:
+        for _ in range(28):  # 4 chunks of 7 entries, all this key's
+            gk.admit("shop", "login", "c", {"REMOTE_ADDR": "10.0.0.1"}).release(200)
+        for address in ("10.0.0.1", "10.0.0.2"):
+            with pytest.raises(Rejected) as refused:
+                gk.admit("shop", "login", "c", {"REMOTE_ADDR": address})
+            assert refused.value.code == "GK-RATE-LIMIT"
+            assert 86_000 < refused.value.retry_after <= 86_400
+        assert gk.stats()["counters"]["capacity_refused"] == 2
+    finally:
+        gk.close()

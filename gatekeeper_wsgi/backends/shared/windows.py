@@ -54,7 +54,7 @@ EMPTY_WINDOW = struct.Struct("<III")
 class Windows(Structure):
     """The sliding logs of the rate keys of one mapped table."""
 
-    __slots__ = ("_chunks", "_chunks_off", "_entries", "_registry", "_registry_off")
+    __slots__ = ("_chunks", "_chunks_off", "_entries", "_registry", "_registry_off", "_soonest")
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
         super().__init__(mm, layout, journal)
@@ -64,6 +64,8 @@ class Windows(Structure):
         self._entries = layout.chunks * CHUNK_STAMPS
         self._registry_off = layout.registry_off
         self._registry = layout.registry
+        #: when the soonest window :meth:`reclaim` looked at and left empties (inf: none)
+        self._soonest = float("inf")
 
     def _window(self, offset: int) -> tuple[int, int, int, int]:
         """(start, first, last, length) of the window of the node at ``offset``; Damaged
@@ -255,9 +257,12 @@ class Windows(Structure):
         elif self.reclaim(now):
             return self.new_chunk(now)
         else:
+            soonest = self._soonest
             raise NoRoom(
                 f"all {high * CHUNK_STAMPS} rate window entries are in use; give the table "
                 f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>",
+                # when the soonest window looked at frees its chunks (not "a second")
+                None if soonest == float("inf") else soonest - now,
                 kind="rate",
             )
         U32.pack_into(mm, self.chunk_at(chunk), NIL)
@@ -281,6 +286,7 @@ class Windows(Structure):
         base = self._registry_off
         nodes_off, node_size = self._nodes_off, self._node_size
         freed = 0
+        soonest = float("inf")
         for index in range(self._registry):
             digest, _, node, _ = REG.unpack_from(mm, base + index * REG_SIZE)
             if not digest:
@@ -295,7 +301,10 @@ class Windows(Structure):
                     self.free_chunks(view.first, view.last)
                     self.clear(node)
                     freed += 1
+                elif view.length:
+                    soonest = min(soonest, view.empty_at)
                 node = view.newer
+        self._soonest = soonest
         return freed > 0
 
     def free_chunks(self, first: int, last: int) -> None:
