@@ -15,6 +15,8 @@ import multiprocessing
 import os
 import signal
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -317,13 +319,42 @@ def newer_version_in_use(table: Path) -> None:
         file.write(struct.pack("<I", 2))  # live leases
 
 
+@contextlib.contextmanager
+def opened_elsewhere(path: Path, *, mapped: bool = True) -> Iterator[None]:
+    """Another process has the file open until the block ends, and ``mapped``: a worker
+    of the other layout version using it (standing for one); not mapped: a worker of
+    this version facing that table (it unmapped it to attach)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_MAPPED if mapped else _HOLD_OPEN, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "open\n"
+        yield
+    finally:
+        child.stdin.close()
+        child.wait(30)
+        child.stdout.close()
+
+
+_HOLD_OPEN = "import sys; f = open(sys.argv[1], 'rb'); print('open', flush=True); sys.stdin.read()"
+_HOLD_MAPPED = (
+    "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0);"
+    " print('open', flush=True); sys.stdin.read()"
+)
+
+
 def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) -> None:
     """stats() is SPEC §7's dict while the backend fails (a table of another layout
     version, its leases live): the backend's own figures as last read, the failures
     counted."""
     newer_version_in_use(table)
-    keeper = GateKeeper(config(table, {"shop": {"concurrency": 5}}, on_backend_error="reject"))
-    assert refused(keeper).code == "GK-BACKEND-UNAVAILABLE"
+    with opened_elsewhere(table):
+        keeper = GateKeeper(config(table, {"shop": {"concurrency": 5}}, on_backend_error="reject"))
+        assert refused(keeper).code == "GK-BACKEND-UNAVAILABLE"
     stats = keeper.stats()
     assert set(stats) == {"counters", "stages", "adaptive"}
     assert stats["counters"]["backend_errors"] >= 1
@@ -333,18 +364,38 @@ def test_stats_answers_while_the_table_is_in_use_by_another_layout(table: Path) 
 
 def test_other_layout_version_is_recreated_only_when_idle(table: Path) -> None:
     """A file of another layout version is re-created when it has no live leases, and
-    reported (BackendError) while it has."""
+    reported (BackendError) while it has and a process of it is there."""
     newer_version_in_use(table)
-    backend = SharedBackend(table)
-    with pytest.raises(LayoutMismatch, match=f"layout version {VERSION + 1}"):
-        backend.inflight(0.0)
-    backend.close()
+    with opened_elsewhere(table):
+        backend = SharedBackend(table)
+        with pytest.raises(LayoutMismatch, match=f"layout version {VERSION + 1}"):
+            backend.inflight(0.0)
+        backend.close()
     with open(table, "r+b") as file:
         file.seek(24)
         file.write(struct.pack("<I", 0))
     backend = SharedBackend(table)
     assert backend.inflight(0.0) == {}
     backend.close()
+    with open(table, "rb") as file:
+        assert struct.unpack_from("<I", file.read(12), 8)[0] == VERSION
+
+
+def test_other_layout_version_with_leases_of_dead_processes_is_recreated(
+    table: Path,
+) -> None:
+    """A file of another layout version whose live leases belong to processes that are
+    gone (killed: they never gave them back, and this version cannot read that version's
+    process table to reclaim them) is re-created once no other process has it open - not
+    left refusing every request for good (the workers of this version all have it open,
+    none mapped)."""
+    newer_version_in_use(table)
+    # Another worker of this version has it open too (not mapped: it faces the same
+    # table): no process of the other version is left.
+    with opened_elsewhere(table, mapped=False):
+        backend = SharedBackend(table)
+        assert backend.inflight(0.0) == {}
+        backend.close()
     with open(table, "rb") as file:
         assert struct.unpack_from("<I", file.read(12), 8)[0] == VERSION
 

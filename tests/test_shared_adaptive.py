@@ -26,6 +26,7 @@ from gatekeeper_wsgi import GateKeeper, Rejected
 from gatekeeper_wsgi.adaptive import PROBE_CONCURRENCY, PROBE_SAMPLES, WINDOW_SAMPLES
 from gatekeeper_wsgi.backends.shared import VERSION, LayoutMismatch, SharedBackend
 from tests.conftest import FakeClock
+from tests.test_shared import opened_elsewhere
 
 DEADLINE = 20.0
 AIMD = {"algorithm": "aimd", "min": 1, "max": 50, "initial": 20}
@@ -337,9 +338,10 @@ def test_a_table_of_the_previous_layout_is_reported_until_idle(tmp_path: Path) -
         file.write(struct.pack("<I", VERSION - 1))
         file.seek(24)
         file.write(struct.pack("<I", 1))
-    backend = SharedBackend(table)
-    with pytest.raises(
-        LayoutMismatch, match=f"layout version {VERSION - 1} \\(this is {VERSION}\\)"
-    ):
-        backend.inflight(0.0)
-    backend.close()
+    with opened_elsewhere(table):
+        backend = SharedBackend(table)
+        with pytest.raises(
+            LayoutMismatch, match=f"layout version {VERSION - 1} \\(this is {VERSION}\\)"
+        ):
+            backend.inflight(0.0)
+        backend.close()

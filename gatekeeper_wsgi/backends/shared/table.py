@@ -82,6 +82,31 @@ __all__ = ["LayoutMismatch", "Recreated", "Table"]
 logger = logging.getLogger("gatekeeper")
 
 
+def _mapped_by_another(device: int, inode: int) -> bool:
+    """Whether a process other than this one has the file (``device``, ``inode``) mapped,
+    by /proc/<pid>/maps (True when /proc cannot be read). A process of another layout
+    version that uses the table has it mapped; one of this version facing that table has
+    it open but not mapped (it unmapped it to attach), and a killed one has neither."""
+    me = str(os.getpid())
+    wanted = (f"{os.major(device):02x}:{os.minor(device):02x}", str(inode))
+    try:
+        processes = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return True
+    for pid in processes:
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) > 4 and (fields[3], fields[4]) == wanted:
+                        return True
+        except OSError:  # gone, or another user's
+            continue
+    return False
+
+
 class LayoutMismatch(BackendError):
     """The file holds a table of another layout version that live leases still use."""
 
@@ -210,6 +235,8 @@ class Table(Backend):
         #: the open file was made unfit to trust where it is (said once, see
         #: _check_loosened)
         self._loosened = False
+        #: (until when, whether) another process was last found with the file mapped
+        self._open_checked: tuple[float, bool] = (0.0, True)
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
@@ -538,10 +565,14 @@ class Table(Backend):
             self._recreate(f"its layout version was overwritten ({version})")
         elif magic == MAGIC:
             live = U32.unpack_from(head, H_LIVE)[0]
-            if live:
+            # Its live leases count only while a process of that version is there to hold
+            # them: one killed (kill -9, the OOM killer, a timeout) never gave its back,
+            # and this version cannot read that version's process table to reclaim them.
+            if live and self._in_use_elsewhere(info):
                 raise LayoutMismatch(
                     f"shared table {self.path!r} has layout version {version} (this is "
                     f"{VERSION}) and {live} live leases; it is re-created as soon as none is"
+                    f" (or no process of that version is left)"
                 )
             logger.warning(
                 "gatekeeper: re-creating shared table %s (layout version %d -> %d)",
@@ -637,6 +668,19 @@ class Table(Backend):
         MAGIC_VERSION.pack_into(mm, 0, MAGIC, VERSION)
         self._epoch = epoch
         logger.info("gatekeeper: initialised shared table %s: %s", self.path, layout.describe())
+
+    def _in_use_elsewhere(self, info: os.stat_result) -> bool:
+        """Whether another process has the file ``info`` describes mapped: a process of
+        the other layout version, still there to hold its leases (:func:`_mapped_by_another`;
+        a table is private to its user, whose processes those are). Looked up at most once
+        a second: a table of another version in use is retried on every call. True when
+        /proc cannot tell."""
+        now = _monotonic()
+        if now < self._open_checked[0]:
+            return self._open_checked[1]
+        found = _mapped_by_another(info.st_dev, info.st_ino)
+        self._open_checked = (now + 1.0, found)
+        return found
 
     def _warn_if_no_room(self, total: int) -> None:
         """A WARNING when the file system holds less free space than the sparse table may
