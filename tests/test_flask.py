@@ -330,6 +330,15 @@ def test_invalid_decorator_values_fail_at_decoration() -> None:
         gk.limit(concurrency=-1)(view)
     with pytest.raises(ConfigError, match="caller"):
         gk.limit(caller="bad caller", concurrency=1)(view)
+    # a caller that is no caller name: named as `caller` (not as an internal path), and
+    # an empty one is not taken as "every caller"
+    for bad in ("a/b", ""):
+        with pytest.raises(ConfigError, match=r"@limit on 'test_.*view': caller: expected"):
+            gk.limit(caller=bad, concurrency=1)(view)
+    # a queue tuple of the wrong length is refused as `queue`, not with a ValueError
+    for queue in ((1,), (1, 2, 3)):
+        with pytest.raises(ConfigError, match=r"@limit on 'test_.*view': queue"):
+            gk.limit(concurrency=1, queue=queue)(view)  # type: ignore[arg-type]
 
 
 def test_limit_and_exempt_on_one_view_conflict() -> None:

@@ -48,6 +48,7 @@ from gatekeeper_wsgi.errors import ConfigError
 from gatekeeper_wsgi.middleware import GateKeeperMiddleware
 from gatekeeper_wsgi.naming import UNRESOLVED, name_segment
 from gatekeeper_wsgi.requestvalues import remember
+from gatekeeper_wsgi.values import CALLER_RE
 
 from .cli import EXTENSION_KEY, gatekeeper_cli
 
@@ -80,7 +81,7 @@ class _ViewLimit:
 def _limit_fields(**given: Any) -> dict[str, Any]:
     fields = {name: value for name, value in given.items() if value is not None}
     queue = fields.get("queue")
-    if isinstance(queue, tuple):
+    if isinstance(queue, tuple) and len(queue) == 2:  # another tuple: refused as `queue`
         size, wait = queue
         fields["queue"] = {"size": size, "wait": wait}
     return fields
@@ -288,6 +289,11 @@ class GateKeeper:
 
         def decorate(view: ViewFunc) -> ViewFunc:
             where = f"@limit on {getattr(view, '__qualname__', view)!r}"
+            if caller is not None and not (isinstance(caller, str) and CALLER_RE.fullmatch(caller)):
+                raise ConfigError(
+                    f"{where}: caller",
+                    f"expected a caller name (1 to 128 of [A-Za-z0-9._:@-]), got {caller!r:.60}",
+                )
             _validated(fields, probe, where)
             with self._lock:
                 if view in self._exempt:
