@@ -399,9 +399,17 @@ def _local_name(tag: object) -> str:
     return tag.rpartition("}")[2] if isinstance(tag, str) else ""
 
 
+def _whole_number(text: str) -> int:
+    """A JSON integer; one longer than Python converts (4 300 digits) is refused as such,
+    not as JSON that does not parse."""
+    if len(text) > 4000:
+        raise _Refused(400, f"a JSON number of {len(text)} digits: at most 4000")
+    return int(text)
+
+
 def _parse_json(body: bytes) -> dict[str, str]:
     try:
-        document = json.loads(body, object_pairs_hook=_unique_members)
+        document = json.loads(body, object_pairs_hook=_unique_members, parse_int=_whole_number)
     except _Refused:
         raise
     except RecursionError:

@@ -361,6 +361,13 @@ MALFORMED = [
     pytest.param(b"<request/>", JSON, 400, "not valid JSON", id="xml-declared-json"),
     pytest.param(b'["query"]', JSON, 400, "must be an object", id="json-array"),
     pytest.param(DEEP_JSON, JSON, 400, "JSON nested too deeply", id="json-nesting"),
+    pytest.param(
+        b'{"cmd_type": "query", "biz_id": "login", "key": 1, "n": ' + b"9" * 5000 + b"}",
+        JSON,
+        400,
+        "a JSON number of 5000 digits: at most 4000",
+        id="json-5000-digit-number",
+    ),
     pytest.param(b"\xff\xfe{", JSON, 400, "not valid JSON", id="json-bad-encoding"),
     pytest.param(
         b'<?xml version="1.0" encoding="no-such"?><request/>',
