@@ -47,14 +47,20 @@ def serve(argv: Sequence[str] | None = None) -> int:
 
     from werkzeug.serving import run_simple
 
-    if args.wsgi:
-        from example_site.wsgi_demo import ExampleWSGI
+    from gatekeeper_wsgi import ConfigError
 
-        app, server = ExampleWSGI(), "bare WSGI"
-    else:
-        from example_site.flask_app import create_app
+    try:  # a backend URL the configuration refuses (or whose extra is missing): one line
+        if args.wsgi:
+            from example_site.wsgi_demo import ExampleWSGI
 
-        app, server = create_app(), "Flask"  # type: ignore[assignment]
+            app, server = ExampleWSGI(), "bare WSGI"
+        else:
+            from example_site.flask_app import create_app
+
+            app, server = create_app(), "Flask"  # type: ignore[assignment]
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(banner(server, args.port), flush=True)
     run_simple("127.0.0.1", args.port, app, threaded=True)
     return 0

@@ -107,9 +107,9 @@ def gatekeeper_settings() -> dict[str, Any]:
 
 TOKEN_HELP = """Dashboard token: {token}
   scrapers send it as a header:
-    curl -s -H "Authorization: Bearer ${token_env}" localhost:{port}/gatekeeper/status.json
+    curl -s -H "Authorization: Bearer {token}" localhost:{port}/gatekeeper/status.json
   a browser opens /gatekeeper/?token=<the token> once: the server answers with a redirect
-  to /gatekeeper/ and a cookie, so the token does not stay in the address bar or history.
+  to /gatekeeper/ and a cookie, so the token does not stay in the address bar.
 """
 
 
@@ -121,7 +121,7 @@ def index(server: str, port: int) -> str:
 def banner(server: str, port: int) -> str:
     """What start-up prints on the terminal: the start page and how to use the token. No
     URL carrying the token, which would end up in access logs when followed."""
-    token_help = TOKEN_HELP.format(token=dashboard_token(), token_env=TOKEN_ENV, port=port)
+    token_help = TOKEN_HELP.format(token=dashboard_token(), port=port)
     return index(server, port) + "\n" + token_help
 
 

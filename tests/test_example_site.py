@@ -129,7 +129,7 @@ def django_sender() -> Callable[..., Answer]:
 @pytest.fixture(params=["flask", "django", "wsgi"])
 def site(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Site]:
     """A fresh example app of each kind on the memory backend, its slow work held."""
-    monkeypatch.delenv(common.BACKEND_ENV, raising=False)
+    monkeypatch.setenv(common.BACKEND_ENV, "memory")  # restored after serve() sets it
     monkeypatch.setenv(common.TOKEN_ENV, TOKEN)
     work = Work(HOLD_SECONDS)
     try:
@@ -341,7 +341,21 @@ def test_banner_names_the_token_but_prints_no_url_carrying_it(
     text = common.banner("Flask", 8000)
     assert TOKEN in text
     assert "token=" + TOKEN not in text
-    assert "Authorization: Bearer" in text
+    # the header command works pasted into another terminal (the variable is the demo's)
+    assert f'-H "Authorization: Bearer {TOKEN}"' in text
+
+
+def test_a_backend_the_demo_cannot_use_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m example_site --backend <bad URL>` says why in one line (exit 2), not in
+    a traceback."""
+    from example_site.__main__ import serve
+
+    monkeypatch.setenv(common.BACKEND_ENV, "memory")  # restored after serve() sets it
+    assert serve(["--backend", "memcached://127.0.0.1:11211", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: backend") and err.count("\n") == 1
 
 
 def test_load_report_shows_the_adaptive_limit_second_by_second() -> None:
