@@ -813,13 +813,9 @@ class _Checker:
         if match is None:
             raise self.bad(key, value, "a rate like '5/minute', '100/10s' or '2/h'")
         count, word, multiple, unit = match.groups()
-        if word:
-            seconds = _UNITS[word]
-        elif multiple is None:
-            seconds = _SHORT_UNITS[unit]
-        else:  # more digits than a year has seconds: out of bounds, however many
-            seconds = float(multiple) * _SHORT_UNITS[unit] if len(multiple) <= 24 else math.inf
-        # int() of a number longer than the bounds' is not taken (thousands of digits)
+        # float() of any length is inf at worst (out of bounds); int() of thousands of
+        # digits is not taken, for a number that long is out of bounds anyway.
+        seconds = _UNITS[word] if word else float(multiple or 1) * _SHORT_UNITS[unit]
         quota = int(count) if len(count) <= 12 else MAX_INTEGER + 1
         if not 1 <= quota <= MAX_INTEGER or not 0 < seconds <= MAX_WINDOW:
             raise self.bad(

@@ -31,7 +31,7 @@ from gatekeeper_wsgi.kernel import (
 from gatekeeper_wsgi.naming import UNRESOLVED
 from gatekeeper_wsgi.naming import name_segment as service_segment
 from gatekeeper_wsgi.redact import failure_without_message
-from gatekeeper_wsgi.requestvalues import remember
+from gatekeeper_wsgi.requestvalues import remember, wsgi_string
 
 from .conf import get_gatekeeper
 from .signals import request_rejected
@@ -223,7 +223,7 @@ def _session_user(request: HttpRequest) -> Any:
 
 # A byte Django percent-encoded because it was not UTF-8 (repercent_broken_unicode: only
 # bytes 0x80-0xFF, in capitals).
-_REPERCENTED = re.compile(rb"%[89A-F][0-9A-F]")
+_REPERCENTED = re.compile(r"%[89A-F][0-9A-F]")
 
 
 def _wsgi_path(text: str) -> str:
@@ -233,10 +233,10 @@ def _wsgi_path(text: str) -> str:
     the path logged (and replayed) would otherwise name another resource. A literal
     ``%FF`` in the decoded path (``%25FF`` on the request line) cannot be told apart
     from a byte Django encoded, and is taken as the byte."""
-    data = text.encode("utf-8", "surrogateescape")
-    if b"%" in data:
-        data = _REPERCENTED.sub(lambda found: bytes((int(found[0][1:], 16),)), data)
-    return data.decode("latin-1")
+    wsgi = wsgi_string(text)
+    if "%" in wsgi:  # the byte, as latin-1 holds it
+        wsgi = _REPERCENTED.sub(lambda found: chr(int(found[0][1:], 16)), wsgi)
+    return wsgi
 
 
 class _DjangoGate(Gate):

@@ -648,12 +648,7 @@ class _Outbox:
                     continue
                 try:
                     backend._send(batch)
-                except BackendError as exc:
-                    if _wrong_type(exc.__cause__):
-                        self._sending = []
-                        with contextlib.suppress(BackendError):  # given back: sent later
-                            backend._apply_alone(batch)
-                        continue
+                except BackendError:
                     with self._lock:
                         self._sending = []
                         self._waiting.extendleft(reversed(batch))
@@ -678,11 +673,9 @@ class _Outbox:
         if batch:
             try:
                 self._backend._send(batch)
-            except BackendError as exc:
-                if not _wrong_type(exc.__cause__):
-                    self.give_back(batch)
-                    raise
-                self._backend._apply_alone(batch)
+            except BackendError:
+                self.give_back(batch)
+                raise
 
     def close(self) -> None:
         self._stop.set()
@@ -1199,28 +1192,31 @@ class RedisBackend(Backend):
             return self._run([], input, lease)
         releases = outbox.take(self._tag(input.keys[0]))
         try:
-            return self._run(releases, input, lease)
-        except BackendError as exc:
-            if not _wrong_type(exc.__cause__):
-                outbox.give_back(releases)
-                raise
-        # A key of another type under the path of one of the releases would fail every
-        # admission it rides along with: each release alone first, then the admission.
-        self._apply_alone(releases)
+            try:
+                return self._run(releases, input, lease)
+            except BackendError as exc:
+                if not _wrong_type(exc.__cause__):
+                    raise
+                # A key of another type under the path of one of the releases would fail
+                # every admission it rides along with: each release alone first, then
+                # the admission.
+                self._apply_alone(releases)
+        except BackendError:
+            outbox.give_back(releases)
+            raise
         return self._run([], input, lease)
 
     def _apply_alone(self, releases: list[_Release]) -> None:
         """``releases``, which Redis refused together for a key of another type: one call
         each. One refused alone is dropped (kept, it would fail every call it went with,
         for good; its lease ends by max_hold), with a WARNING at most every
-        ``_DROPPED_LOG_INTERVAL``. Those left when one fails otherwise (an outage) go back
-        to the outbox."""
-        for index, release in enumerate(releases):
+        ``_DROPPED_LOG_INTERVAL``. Any other failure (an outage) is raised: the caller
+        gives the releases back (those applied already do nothing when sent again)."""
+        for release in releases:
             try:
                 self._run([release], None, "")
             except BackendError as exc:
                 if not _wrong_type(exc.__cause__):
-                    self._outbox.give_back(releases[index:])
                     raise
                 self.releases_dropped += 1
                 now = time.monotonic()
@@ -1474,15 +1470,21 @@ class RedisBackend(Backend):
             outbox.give_back(posted.pop(0))
 
     def _send(self, releases: list[_Release]) -> None:
-        """Apply releases: one script call (on a Cluster, one per hash tag)."""
-        if not self._cluster:
-            self._run(releases, None, "")
-            return
+        """Apply releases: one script call (on a Cluster, one per hash tag); a batch Redis
+        refuses for a key of another type, one call per release (:meth:`_apply_alone`)."""
         by_tag: dict[str, list[_Release]] = {}
-        for release in releases:
-            by_tag.setdefault(self._tag(release.input.keys[0]) or "", []).append(release)
+        if not self._cluster:
+            by_tag[""] = releases
+        else:
+            for release in releases:
+                by_tag.setdefault(self._tag(release.input.keys[0]) or "", []).append(release)
         for batch in by_tag.values():
-            self._run(batch, None, "")
+            try:
+                self._run(batch, None, "")
+            except BackendError as exc:
+                if not _wrong_type(exc.__cause__):
+                    raise
+                self._apply_alone(batch)
 
     # --- the one way to Redis -------------------------------------------------------------
 

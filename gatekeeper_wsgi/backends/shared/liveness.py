@@ -1,5 +1,6 @@
 """Processes of a shared table: whether the owner of a lease is gone (exited, a zombie,
-or its pid reused by a newer process), this boot's id (a table written before a reboot is
+or its pid reused by a newer process), whether another process maps the file (a table of
+another layout version still in use), this boot's id (a table written before a reboot is
 stale), and the table's process slots (:class:`Processes`: ``P x 16`` bytes of pid and
 start time, a bump mark at 44), through which the leases of a dead process are found and
 reclaimed. Reads /proc; Linux only, as the table is.
@@ -224,3 +225,28 @@ class Processes(Structure):
                 self.drop(index, pid, start)
                 freed.append(index)
         return freed
+
+
+def mapped_elsewhere(device: int, inode: int) -> bool:
+    """Whether a process other than this one has the file (``device``, ``inode``) mapped,
+    by /proc/<pid>/maps (True when /proc cannot be read). A process of another layout
+    version that uses the table has it mapped; one of this version facing that table has
+    it open but not mapped (it unmapped it to attach), and a killed one has neither."""
+    me = str(os.getpid())
+    wanted = (f"{os.major(device):02x}:{os.minor(device):02x}", str(inode))
+    try:
+        processes = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return True
+    for pid in processes:
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) > 4 and (fields[3], fields[4]) == wanted:
+                        return True
+        except OSError:  # gone, or another user's
+            continue
+    return False

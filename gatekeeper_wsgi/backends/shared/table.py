@@ -68,6 +68,7 @@ from gatekeeper_wsgi.backends.shared.liveness import (
     DEEP_CHECK_EVERY,
     Processes,
     is_dead,
+    mapped_elsewhere,
     proc_stat,
 )
 from gatekeeper_wsgi.backends.shared.plans import Plans
@@ -80,31 +81,6 @@ from gatekeeper_wsgi.turns import TurnLock
 __all__ = ["LayoutMismatch", "Recreated", "Table"]
 
 logger = logging.getLogger("gatekeeper")
-
-
-def _mapped_by_another(device: int, inode: int) -> bool:
-    """Whether a process other than this one has the file (``device``, ``inode``) mapped,
-    by /proc/<pid>/maps (True when /proc cannot be read). A process of another layout
-    version that uses the table has it mapped; one of this version facing that table has
-    it open but not mapped (it unmapped it to attach), and a killed one has neither."""
-    me = str(os.getpid())
-    wanted = (f"{os.major(device):02x}:{os.minor(device):02x}", str(inode))
-    try:
-        processes = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
-    except OSError:
-        return True
-    for pid in processes:
-        if pid == me:
-            continue
-        try:
-            with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
-                for line in maps:
-                    fields = line.split(None, 5)
-                    if len(fields) > 4 and (fields[3], fields[4]) == wanted:
-                        return True
-        except OSError:  # gone, or another user's
-            continue
-    return False
 
 
 class LayoutMismatch(BackendError):
@@ -236,7 +212,7 @@ class Table(Backend):
         #: _check_loosened)
         self._loosened = False
         #: (until when, whether) another process was last found with the file mapped
-        self._open_checked: tuple[float, bool] = (0.0, True)
+        self._in_use_checked: tuple[float, bool] = (0.0, True)
         #: (device, inode) of the file last mapped as a valid table: garbage found there
         #: later is damage to re-create, not a foreign file to leave alone
         self._ours: tuple[int, int] | None = None
@@ -671,15 +647,14 @@ class Table(Backend):
 
     def _in_use_elsewhere(self, info: os.stat_result) -> bool:
         """Whether another process has the file ``info`` describes mapped: a process of
-        the other layout version, still there to hold its leases (:func:`_mapped_by_another`;
-        a table is private to its user, whose processes those are). Looked up at most once
-        a second: a table of another version in use is retried on every call. True when
-        /proc cannot tell."""
+        the other layout version, still there to hold its leases
+        (:func:`.liveness.mapped_elsewhere`). Looked up at most once a second: a table of
+        another version in use is retried on every call."""
         now = _monotonic()
-        if now < self._open_checked[0]:
-            return self._open_checked[1]
-        found = _mapped_by_another(info.st_dev, info.st_ino)
-        self._open_checked = (now + 1.0, found)
+        if now < self._in_use_checked[0]:
+            return self._in_use_checked[1]
+        found = mapped_elsewhere(info.st_dev, info.st_ino)
+        self._in_use_checked = (now + 1.0, found)
         return found
 
     def _warn_if_no_room(self, total: int) -> None:

@@ -54,7 +54,7 @@ EMPTY_WINDOW = struct.Struct("<III")
 class Windows(Structure):
     """The sliding logs of the rate keys of one mapped table."""
 
-    __slots__ = ("_chunks", "_chunks_off", "_entries", "_registry", "_registry_off", "_soonest")
+    __slots__ = ("_chunks", "_chunks_off", "_entries", "_registry", "_registry_off")
 
     def __init__(self, mm: mmap.mmap, layout: Layout, journal: Journal) -> None:
         super().__init__(mm, layout, journal)
@@ -64,8 +64,6 @@ class Windows(Structure):
         self._entries = layout.chunks * CHUNK_STAMPS
         self._registry_off = layout.registry_off
         self._registry = layout.registry
-        #: when the soonest window :meth:`reclaim` looked at and left empties (inf: none)
-        self._soonest = float("inf")
 
     def _window(self, offset: int) -> tuple[int, int, int, int]:
         """(start, first, last, length) of the window of the node at ``offset``; Damaged
@@ -98,11 +96,9 @@ class Windows(Structure):
         the oldest entry left, 0.0 if none)."""
         mm = self._mm
         offset = self._nodes_off + node * self._node_size
-        start, first, last, length = WINDOW.unpack_from(mm, offset + N_OFFSET)
+        start, first, last, length = self._window(offset)
         if not length:
             return 0, 0.0
-        if length > self._entries or first >= self._chunks or start >= CHUNK_STAMPS:
-            self._window(offset)  # raises Damaged (checked here inline: every rate admission)
         chunk = first
         chunks_off = self._chunks_off
         stamps = CHUNK_STAMPS_FMT.unpack_from(mm, chunks_off + chunk * CHUNK_SIZE + 8)
@@ -254,10 +250,10 @@ class Windows(Structure):
         elif high < self._chunks:
             chunk = high
             self._set_counters(free, high + 1)
-        elif self.reclaim(now):
-            return self.new_chunk(now)
         else:
-            soonest = self._soonest
+            freed, soonest = self.reclaim(now)
+            if freed:
+                return self.new_chunk(now)
             raise NoRoom(
                 f"all {high * CHUNK_STAMPS} rate window entries are in use; give the table "
                 f"more with ?windows=<chunks of {CHUNK_STAMPS} entries>",
@@ -277,11 +273,12 @@ class Windows(Structure):
         U32.pack_into(self._mm, at, chunk)
         return chunk
 
-    def reclaim(self, now: float) -> bool:
+    def reclaim(self, now: float) -> tuple[bool, float]:
         """Free the chunks of windows that have wholly expired (their keys idle since) among
         the ``LRU_SCAN`` least recently used keys of each wildcard limit, where such stale
-        windows collect; at most ``LRU_SCAN`` windows per call (a bounded journal). True if
-        any was freed. A window still live is never touched."""
+        windows collect; at most ``LRU_SCAN`` windows per call (a bounded journal). Returns
+        whether any was freed, and when the soonest window looked at and left empties (inf:
+        none). A window still live is never touched."""
         mm = self._mm
         base = self._registry_off
         nodes_off, node_size = self._nodes_off, self._node_size
@@ -304,8 +301,7 @@ class Windows(Structure):
                 elif view.length:
                     soonest = min(soonest, view.empty_at)
                 node = view.newer
-        self._soonest = soonest
-        return freed > 0
+        return freed > 0, soonest
 
     def free_chunks(self, first: int, last: int) -> None:
         """Put the chain of chunks ``first`` .. ``last`` on the free list."""
