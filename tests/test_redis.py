@@ -340,6 +340,9 @@ def test_url_options_are_validated() -> None:
         ("max_hold=0", "max_hold"),
         ("breaker_cooldown=x", "breaker_cooldown"),
         ("cluster=maybe", "cluster"),
+        ("spin=-0.001", "spin"),
+        ("spin=0.5", "spin"),
+        ("spin=" + "9" * 5000, "spin"),
     ]:
         with pytest.raises(ConfigError, match=name):
             backend_from_url(f"redis://127.0.0.1:1/0?{query}")

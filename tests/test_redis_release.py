@@ -100,6 +100,58 @@ def test_a_request_thread_sends_one_command_per_request(own_redis: ControlledRed
     assert gk.stats()["counters"]["backend_errors"] == 0
 
 
+def test_an_admission_looks_for_its_answer_and_the_sender_never_does(
+    own_redis: ControlledRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request thread looks for its admission's answer awake (``spin``) before it sleeps
+    on the socket; the release sender's calls, which no request waits for, do not look;
+    ``spin=0`` never looks."""
+    looks: list[float] = []
+    look = redis_backend._await_answer
+
+    def counted(sock: Any, spin: float) -> bool:
+        looks.append(spin)
+        look(sock, spin)
+        return True  # as if in time, however loaded the machine (see the next test)
+
+    monkeypatch.setattr(redis_backend, "_await_answer", counted)
+    for query, expected in [("spin=0.0002", [0.0002] * 20), ("spin=0", [])]:
+        gk = keeper(f"{own_redis.url}?{query}", {"shop/work": {"concurrency": 5}})
+        gk.admit("shop", "work", "c").release(200)  # connects: its first answer is read as is
+        looks.clear()
+        for _ in range(20):
+            gk.admit("shop", "work", "c").release(200)
+        # A status read sends the waiting releases first, as the sender does: alone.
+        assert gk.inflight() == {}
+        assert looks == expected, query
+        assert gk.stats()["counters"]["backend_errors"] == 0
+        gk.close()
+
+
+def test_an_answer_later_than_the_look_is_slept_on(own_redis: ControlledRedis) -> None:
+    """Redis holds the admission's answer longer than the thread looks for it (``CLIENT
+    PAUSE``, as a Redis on another host or a slow script would): the request is admitted
+    all the same, and that thread sleeps on its next 63 answers before it looks again, so a
+    remote Redis does not cost each request its look."""
+    gk = keeper(f"{own_redis.url}?spin=0.0002", {"shop/work": {"concurrency": 5}})
+    gk.admit("shop", "work", "c").release(200)  # connects and loads the script
+    backend = backend_of(gk)
+    connection = backend._local.connection
+    connection.gatekeeper_sleeps = 0  # (on a loaded machine, even that first look may run out)
+    pauser = redis.Redis.from_url(own_redis.url)
+    pauser.execute_command("CLIENT", "PAUSE", "100", "ALL")
+    held = gk.admit("shop", "work", "c")
+    assert gk.inflight() == {"shop/work": 1}
+    assert connection.gatekeeper_sleeps == 63
+    held.release(200)
+    for remaining in range(62, -1, -1):
+        gk.admit("shop", "work", "c").release(200)
+        assert connection.gatekeeper_sleeps == remaining
+    assert gk.inflight() == {}
+    assert gk.stats()["counters"]["backend_errors"] == 0
+    pauser.close()
+
+
 def test_the_next_request_of_the_process_is_never_refused_by_its_own_previous(
     prefixed: str,
 ) -> None:
