@@ -34,7 +34,17 @@ that found the lock held, against 8 µs with one thread each; under gunicorn,
 ``benchmarks/shared.py``'s throughput section, 117-124 µs against 67-103 µs once the
 retries kept the GIL). A failed GIL-holding unlock is made again by the plain call, which
 raises the error with its errno; a lock that cannot be taken at all fails every retry, and
-the kernel wait raises its error. Where ``ctypes`` cannot reach the C library every call
+the kernel wait raises its error.
+
+When the tries run out the holder is not running on another core. Waiting in the kernel
+then costs more than the wait: the waiter sleeps, its CPU halts (a VM's, with the guest's
+halt-polling off, as here), and the kernel wakes it on the holder's CPU, so the two
+processes end up taking turns on one CPU, each wait a sleep again: with 2 processes, 0.55
+waits in the kernel per admit + release and host admits/s at 0.74 x one process's. So,
+before the kernel wait, ``YIELDS`` more tries, each after a ``sched_yield`` that keeps the
+GIL (a holder sharing this CPU runs and lets go; the waiter never sleeps, so stays on its
+own CPU): no wait in the kernel in the same runs, and 1.20-1.23 x one process's. The GIL is
+kept for the same reason as above. Where ``ctypes`` cannot reach the C library every call
 is the plain one.
 
 ``flock`` on NFS is emulated by the server with a lock per process, not per open file
@@ -69,14 +79,21 @@ UNLOCK = fcntl.LOCK_UN
 #: tries before waiting in the kernel (each a system call of about 1 µs): a few critical
 #: sections' worth, so a waiter whose holder was descheduled wastes little
 SPINS = 20
+#: then tries after giving the CPU away (``sched_yield``, about 1 µs more each): a few
+#: hundred µs, for a holder that shares this process's CPU
+YIELDS = 200
 
 
-def _c_calls() -> tuple[Callable[[int, int], int], Callable[[int, int, int], int]] | None:
-    """``flock`` and ``lseek`` of the C library as calls that keep the GIL, or None."""
+def _c_calls() -> (
+    tuple[Callable[[int, int], int], Callable[[int, int, int], int], Callable[[], int]] | None
+):
+    """``flock``, ``lseek`` and ``sched_yield`` of the C library as calls that keep the
+    GIL, or None."""
     try:
         libc = ctypes.PyDLL(None)
         c_flock = libc.flock
         c_lseek = libc.lseek64
+        c_yield = libc.sched_yield
     except (AttributeError, OSError):  # pragma: no cover - no C library ctypes can open
         return None
     # No argtypes: converting through them costs more than the call (cachegrind, per
@@ -84,7 +101,7 @@ def _c_calls() -> tuple[Callable[[int, int], int], Callable[[int, int, int], int
     # go as C ints, which libffi widens to the register (lseek64's 64-bit offset; the
     # table passes 0). lseek's result is 64 bits: a table may be larger than 4 GiB.
     c_lseek.restype = ctypes.c_int64
-    return c_flock, c_lseek
+    return c_flock, c_lseek, c_yield
 
 
 _C = _c_calls()
@@ -98,6 +115,8 @@ C_FLOCK: Callable[[int, int], int] | None = _C[0] if _C else None
 #: table's is 0): the new offset, or -1 on an error (no exception, no errno:
 #: :func:`file_size` says why); ``os.lseek`` without ``ctypes``
 lseek: Callable[[int, int, int], int] = _C[1] if _C else os.lseek
+#: ``sched_yield()`` keeping the GIL (see :func:`_wait`)
+_C_YIELD: Callable[[], int] | None = _C[2] if _C else None
 
 
 def file_size(fd: int) -> int:
@@ -120,7 +139,8 @@ def lock_file(fd: int) -> None:
 def _wait(fd: int) -> None:
     """Take the lock another process holds (or raise why it cannot be taken): a few more
     tries keeping the GIL (the holder runs on another core and lets go within
-    microseconds), then wait in the kernel with the GIL let go."""
+    microseconds), then more, each after ``sched_yield`` (the holder may share this
+    process's CPU), then wait in the kernel with the GIL let go."""
     c_flock = C_FLOCK
     if c_flock is not None:
         # No errno here: a lock that cannot be taken at all (a closed descriptor) fails
@@ -128,6 +148,12 @@ def _wait(fd: int) -> None:
         for _ in range(SPINS):
             if c_flock(fd, LOCK_TRY) == 0:
                 return
+        c_yield = _C_YIELD
+        if c_yield is not None:
+            for _ in range(YIELDS):
+                c_yield()
+                if c_flock(fd, LOCK_TRY) == 0:
+                    return
     else:
         for _ in range(SPINS):
             try:
