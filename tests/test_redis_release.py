@@ -128,25 +128,35 @@ def test_an_admission_looks_for_its_answer_and_the_sender_never_does(
         gk.close()
 
 
-def test_an_answer_later_than_the_look_is_slept_on(own_redis: ControlledRedis) -> None:
-    """Redis holds the admission's answer longer than the thread looks for it (``CLIENT
-    PAUSE``, as a Redis on another host or a slow script would): the request is admitted
-    all the same, and that thread sleeps on its next 63 answers before it looks again, so a
-    remote Redis does not cost each request its look."""
+def test_answers_later_than_the_look_are_slept_on(own_redis: ControlledRedis) -> None:
+    """Redis holds the admission's answers longer than the thread looks (``CLIENT PAUSE``,
+    as a Redis on another host would): the requests are admitted all the same; after 8
+    late looks in a row that thread sleeps on its next 63 answers, then looks once more,
+    and one more late look puts it to sleep again: a far Redis costs a request a look once
+    in 64. A look in time starts the count over."""
     gk = keeper(f"{own_redis.url}?spin=0.0002", {"shop/work": {"concurrency": 5}})
     gk.admit("shop", "work", "c").release(200)  # connects and loads the script
-    backend = backend_of(gk)
-    connection = backend._local.connection
-    connection.gatekeeper_sleeps = 0  # (on a loaded machine, even that first look may run out)
+    connection = backend_of(gk)._local.connection
     pauser = redis.Redis.from_url(own_redis.url)
-    pauser.execute_command("CLIENT", "PAUSE", "100", "ALL")
-    held = gk.admit("shop", "work", "c")
-    assert gk.inflight() == {"shop/work": 1}
-    assert connection.gatekeeper_sleeps == 63
-    held.release(200)
+
+    def late_admission() -> None:
+        pauser.execute_command("CLIENT", "PAUSE", "20", "ALL")
+        held = gk.admit("shop", "work", "c")
+        assert gk.inflight() == {"shop/work": 1}
+        held.release(200)
+
+    # (On a loaded machine even an unpaused look may run out: the count starts here.)
+    connection.gatekeeper_sleeps = connection.gatekeeper_late = 0
+    for late in range(1, 8):
+        late_admission()
+        assert (connection.gatekeeper_late, connection.gatekeeper_sleeps) == (late, 0)
+    late_admission()
+    assert (connection.gatekeeper_late, connection.gatekeeper_sleeps) == (7, 63)
     for remaining in range(62, -1, -1):
-        gk.admit("shop", "work", "c").release(200)
-        assert connection.gatekeeper_sleeps == remaining
+        gk.admit("shop", "work", "c").release(200)  # slept on, not looked at
+        assert (connection.gatekeeper_late, connection.gatekeeper_sleeps) == (7, remaining)
+    late_admission()
+    assert (connection.gatekeeper_late, connection.gatekeeper_sleeps) == (7, 63)
     assert gk.inflight() == {}
     assert gk.stats()["counters"]["backend_errors"] == 0
     pauser.close()

@@ -101,8 +101,12 @@ DEFAULT_SPIN = 0.0002
 MAX_SPIN = 0.01
 # A look at the socket: is anything there? (Nothing is taken; never blocks.)
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
-#: After a look that ran out before the answer came (a Redis on another host, a slow
-#: script), the connection's thread sleeps on this many answers before it looks again.
+#: After this many looks in a row ran out before the answer came (a Redis on another
+#: host), the connection's thread sleeps on its next _SLEEPS_AFTER_LATE answers, then
+#: looks once more (another late one: it sleeps again). Not after one: on a machine busy
+#: to its last CPU, Redis answers late too, and looking there costs nothing (the CPU goes
+#: to whoever wants it); gunicorn on 2 CPUs lost the looks' gain with a single late one.
+_LATE_STREAK = 8
 _SLEEPS_AFTER_LATE = 63
 #: After a concurrency refusal, releases are sent at once (not left waiting) this long.
 _CONTENDED_FOR = 1.0
@@ -173,6 +177,8 @@ class _KernelTimed:
     gatekeeper_socket: socket.socket | None = None
     #: answers its thread sleeps on before it looks again (see RedisBackend._exchange)
     gatekeeper_sleeps = 0
+    #: its looks in a row that ran out before the answer came
+    gatekeeper_late = 0
 
     def _connect(self) -> socket.socket:
         sock = _kernel_timed(super()._connect(), self.socket_timeout)  # type: ignore[misc]
@@ -1683,8 +1689,14 @@ class RedisBackend(Backend):
                     sleeps = connection.gatekeeper_sleeps
                     if sleeps:
                         connection.gatekeeper_sleeps = sleeps - 1
-                    elif not _await_answer(sock, spin):
-                        connection.gatekeeper_sleeps = _SLEEPS_AFTER_LATE
+                    elif _await_answer(sock, spin):
+                        connection.gatekeeper_late = 0
+                    else:
+                        late = connection.gatekeeper_late + 1
+                        if late >= _LATE_STREAK:
+                            late = _LATE_STREAK - 1  # one more late look: sleeps again
+                            connection.gatekeeper_sleeps = _SLEEPS_AFTER_LATE
+                        connection.gatekeeper_late = late
             try:
                 return connection.read_response()
             except redis.exceptions.NoScriptError:
