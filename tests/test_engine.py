@@ -1313,6 +1313,27 @@ def test_a_reload_giving_a_tracked_key_its_own_rate_keeps_its_window(
     assert refused(gk, "shop", "login", "alice").limit_path == "shop/login/alice"
 
 
+def test_a_window_a_reload_lengthens_counts_what_is_inside_its_new_length(
+    make_clocked: Make, clock: FakeClock, tmp_path: Path
+) -> None:
+    """1/1s with a concurrency of 1, then (reloaded) 2/5s: the admission of a second ago
+    is inside the new window, even though it had slid out of the old one while a refusal
+    by the concurrency limit looked at it (a look does not drop entries; hypothesis found
+    the stress model dropping them there)."""
+    path = tmp_path / "gatekeeper.properties"
+    rewrite(path, "limits.shop.concurrency = 1\nlimits.shop.rate = 1/1s\n")
+    gk = reloading(make_clocked, path, every_requests=1)
+    held = gk.admit("shop", "orders", "c")
+    clock.advance(1.0)
+    assert refused(gk, "shop", "orders", "c").code == "GK-CONCURRENCY-LIMIT"
+    rewrite(path, "limits.shop.rate = 2/5s\n")
+    gk.admit("shop", "orders", "c").release(200)  # the reload, then the second in 5 s
+    assert gk.config.limits["shop"].concurrency is None
+    rejection = refused(gk, "shop", "orders", "c")
+    assert (rejection.code, rejection.retry_after) == ("GK-RATE-LIMIT", 4)
+    held.release(200)
+
+
 def test_reload_after_every_requests(make: Make, limits_file: Path) -> None:
     """A changed file is picked up once `every_requests` requests have been handled."""
     gk = reloading(make, limits_file, every_requests=3)

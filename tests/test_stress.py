@@ -368,13 +368,21 @@ class Model:
         """Whether ``path``'s concurrency is all taken."""
         return limit.concurrency is not None and self.inflight[path] >= limit.concurrency
 
-    def window_wait(self, path: str, limit: ModelLimit, now: float) -> float | None:
-        """Seconds until ``path``'s full rate window admits again; None if it has room."""
+    def window_wait(
+        self, path: str, limit: ModelLimit, now: float, *, peek: bool = False
+    ) -> float | None:
+        """Seconds until ``path``'s full rate window admits again; None if it has room.
+        The entries slid out are dropped, as an admission's check drops them, unless it
+        is a ``peek`` (the engine peeks at the limits it looks at after a refusal): an
+        entry slid out of a window a reload then lengthens is back in it until an
+        admission's check drops it."""
         if limit.rate is None:
             return None
         number, seconds = limit.rate
         cutoff = now - seconds
-        window = self.windows[path] = [t for t in self.windows.get(path, []) if t > cutoff]
+        window = [t for t in self.windows.get(path, []) if t > cutoff]
+        if not peek:
+            self.windows[path] = window
         return window[0] - cutoff if len(window) >= number else None
 
     def admit(self, service: str, caller: str, now: float) -> tuple[Any, ...]:
@@ -394,7 +402,7 @@ class Model:
                 soonest = min((due for due, paths in self.pending if path in paths), default=now)
                 code, wait = "GK-CONCURRENCY-LIMIT", soonest - now
                 # Its own window, full too, may keep the request out longer.
-                own = self.window_wait(path, limit, now)
+                own = self.window_wait(path, limit, now, peek=True)
                 if own is not None and own > wait:
                     code, wait = "GK-RATE-LIMIT", own
             else:
@@ -411,7 +419,7 @@ class Model:
                     if held - now > wait:
                         code, path, wait = "GK-CONCURRENCY-LIMIT", later, held - now
                     continue
-                longer = self.window_wait(later, other, now)
+                longer = self.window_wait(later, other, now, peek=True)
                 if longer is not None and longer > wait:
                     code, path, wait = "GK-RATE-LIMIT", later, longer
             self.rejected[code] += 1
