@@ -41,11 +41,12 @@ then costs more than the wait: the waiter sleeps, its CPU halts (a VM's, with th
 halt-polling off, as here), and the kernel wakes it on the holder's CPU, so the two
 processes end up taking turns on one CPU, each wait a sleep again: with 2 processes, 0.55
 waits in the kernel per admit + release and host admits/s at 0.74 x one process's. So,
-before the kernel wait, ``YIELDS`` more tries, each after a ``sched_yield`` that keeps the
-GIL (a holder sharing this CPU runs and lets go; the waiter never sleeps, so stays on its
-own CPU): no wait in the kernel in the same runs, and 1.20-1.23 x one process's. The GIL is
-kept for the same reason as above. Where ``ctypes`` cannot reach the C library every call
-is the plain one.
+before the kernel wait, more tries for ``YIELD_FOR`` (300 µs), each after a
+``sched_yield`` that keeps the GIL (a holder sharing this CPU runs and lets go; the waiter
+never sleeps, so stays on its own CPU): no wait in the kernel in the same runs, and
+1.20-1.23 x one process's. The GIL is kept for the same reason as above, for at most
+``YIELD_FOR`` and one time slice (a yield to a busy CPU may last one). Where ``ctypes``
+cannot reach the C library every call is the plain one.
 
 ``flock`` on NFS is emulated by the server with a lock per process, not per open file
 description: a table belongs on a local file system (tmpfs, ``/run``, ``/dev/shm``).
@@ -60,6 +61,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import time
 from collections.abc import Callable
 
 __all__ = [
@@ -79,9 +81,11 @@ UNLOCK = fcntl.LOCK_UN
 #: tries before waiting in the kernel (each a system call of about 1 µs): a few critical
 #: sections' worth, so a waiter whose holder was descheduled wastes little
 SPINS = 20
-#: then tries after giving the CPU away (``sched_yield``, about 1 µs more each): a few
-#: hundred µs, for a holder that shares this process's CPU
-YIELDS = 200
+#: then tries after giving the CPU away (``sched_yield``, about 1 µs each when nothing
+#: else wants the CPU) for this long (seconds), for a holder that shares this process's
+#: CPU: bounded by time, not by count, as a yield to a busy CPU may last a time slice, and
+#: the GIL is held all along
+YIELD_FOR = 0.0003
 
 
 def _c_calls() -> (
@@ -150,10 +154,13 @@ def _wait(fd: int) -> None:
                 return
         c_yield = _C_YIELD
         if c_yield is not None:
-            for _ in range(YIELDS):
+            deadline = time.perf_counter() + YIELD_FOR
+            while True:
                 c_yield()
                 if c_flock(fd, LOCK_TRY) == 0:
                     return
+                if time.perf_counter() >= deadline:
+                    break
     else:
         for _ in range(SPINS):
             try:
