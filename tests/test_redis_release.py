@@ -128,6 +128,33 @@ def test_an_admission_looks_for_its_answer_and_the_sender_never_does(
         gk.close()
 
 
+def test_a_socket_a_python_timeout_came_back_to_is_not_looked_at(
+    own_redis: ControlledRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py's own parser (without hiredis) puts a Python timeout back on the socket
+    in ``can_read``; CPython would then wait up to that timeout in each look, and a frozen
+    Redis would cost a request twice its ``socket_timeout``. Such a socket is read as
+    before, without looks."""
+    looks: list[float] = []
+    monkeypatch.setattr(redis_backend, "_await_answer", lambda sock, spin: looks.append(spin))
+    # (A limit never full: a request that takes the last slot has its release written at
+    # once, and the next admission reads that answer first, without a look.)
+    gk = keeper(f"{own_redis.url}?spin=0.0002", {"shop/work": {"concurrency": 5}})
+    gk.admit("shop", "work", "c").release(200)  # connects
+    connection = backend_of(gk)._local.connection
+    connection.gatekeeper_socket.settimeout(0.5)  # as redis-py's SocketBuffer leaves it
+    looks.clear()
+    held = [gk.admit("shop", "work", "c") for _ in range(2)]
+    assert gk.inflight() == {"shop/work": 2}
+    for admission in held:
+        admission.release(200)
+    assert looks == []
+    connection.gatekeeper_socket.settimeout(None)
+    gk.admit("shop", "work", "c").release(200)
+    assert looks == [0.0002]
+    assert gk.inflight() == {}
+
+
 def test_answers_later_than_the_look_are_slept_on(own_redis: ControlledRedis) -> None:
     """Redis holds the admission's answers longer than the thread looks (``CLIENT PAUSE``,
     as a Redis on another host would): the requests are admitted all the same; after 8

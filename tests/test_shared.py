@@ -9,6 +9,7 @@ backend table in conftest.py; these tests cover what only a multi-process backen
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import http.client
 import logging
 import multiprocessing
@@ -43,7 +44,7 @@ from gatekeeper_wsgi.errors import ConfigError
 from tests.apps.shared_app import read_observer, reset_observer
 from tests.conftest import FakeClock
 from tests.servers import Gunicorn, gather, run_together, wait_until
-from tests.tablelock import lock_free
+from tests.tablelock import lock_free, try_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 20.0
@@ -98,6 +99,41 @@ def test_two_keepers_in_one_process_share_limits(table: Path, clock: FakeClock) 
     assert refused(first, "login", "alice").code == "GK-RATE-LIMIT"
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize("keepers", [1, 2])
+def test_a_waiter_yields_the_cpu_only_to_a_holder_of_another_process(
+    table: Path, monkeypatch: pytest.MonkeyPatch, keepers: int
+) -> None:
+    """A request that finds the file lock held tries again yielding the CPU, keeping the
+    GIL - unless another keeper of this process has the file open: its thread may be the
+    holder, which needs the GIL to let go. (Held here from a descriptor of the test's
+    own, as another process would hold it.)"""
+    gks = [GateKeeper(config(table, {"shop": {"concurrency": 2}})) for _ in range(keepers)]
+    asked: list[bool] = []
+    real = table_module.lock_file
+
+    def recorded(fd: int, yielding: bool = True) -> None:
+        asked.append(yielding)
+        real(fd, yielding)
+
+    monkeypatch.setattr(table_module, "lock_file", recorded)
+    results: list[object] = []
+    fd = os.open(table, os.O_RDWR)
+    try:
+        assert try_lock(fd)
+        admitting = threading.Thread(target=lambda: results.append(gks[0].admit("shop", "a", "c")))
+        admitting.start()
+        wait_until(lambda: bool(asked), what="the admission to find the lock held")
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        admitting.join(DEADLINE)
+    finally:
+        os.close(fd)
+    assert not admitting.is_alive() and len(results) == 1
+    assert asked == [keepers == 1]
+    assert busy(gks[-1]) == {"shop": 1}  # admitted, and counted where both keepers count
+    for gk in gks:
+        gk.close()
 
 
 def test_threads_of_two_keepers_never_exceed_concurrency(table: Path) -> None:

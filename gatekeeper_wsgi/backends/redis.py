@@ -1685,7 +1685,10 @@ class RedisBackend(Backend):
                 self._read_posted(connection, posted)
             elif spin:
                 sock = getattr(connection, "gatekeeper_socket", None)
-                if sock is not None:  # else a TLS connection: its socket is not looked at
+                # Not a TLS connection's (it has none), nor one a Python timeout came back
+                # to: redis-py's own parser sets one in can_read (_post calls it), and
+                # CPython would wait up to that timeout in each look.
+                if sock is not None and sock.gettimeout() is None:
                     sleeps = connection.gatekeeper_sleeps
                     if sleeps:
                         connection.gatekeeper_sleeps = sleeps - 1

@@ -132,19 +132,21 @@ def file_size(fd: int) -> int:
     return size
 
 
-def lock_file(fd: int) -> None:
+def lock_file(fd: int, yielding: bool = True) -> None:
     """Take the exclusive lock of the table open on ``fd``, waiting while another process
-    holds it. OSError if the descriptor cannot be locked."""
+    holds it. OSError if the descriptor cannot be locked. ``yielding=False`` when the
+    holder may be a thread of this process (another descriptor of the same file): it
+    needs the GIL to let go, which the yielding tries keep."""
     if C_FLOCK is not None and C_FLOCK(fd, LOCK_TRY) == 0:
         return
-    _wait(fd)
+    _wait(fd, yielding)
 
 
-def _wait(fd: int) -> None:
+def _wait(fd: int, yielding: bool) -> None:
     """Take the lock another process holds (or raise why it cannot be taken): a few more
     tries keeping the GIL (the holder runs on another core and lets go within
     microseconds), then more, each after ``sched_yield`` (the holder may share this
-    process's CPU), then wait in the kernel with the GIL let go."""
+    process's CPU; unless not ``yielding``), then wait in the kernel with the GIL let go."""
     c_flock = C_FLOCK
     if c_flock is not None:
         # No errno here: a lock that cannot be taken at all (a closed descriptor) fails
@@ -153,7 +155,7 @@ def _wait(fd: int) -> None:
             if c_flock(fd, LOCK_TRY) == 0:
                 return
         c_yield = _C_YIELD
-        if c_yield is not None:
+        if c_yield is not None and yielding:
             deadline = time.perf_counter() + YIELD_FOR
             while True:
                 c_yield()

@@ -388,7 +388,7 @@ class Table(Backend):
             # filelock.lock_file's first try inlined (a call less on every update); it
             # waits, or raises why not, when that try fails.
             if C_FLOCK is None or C_FLOCK(fd, LOCK_TRY):
-                lock_file(fd)
+                lock_file(fd, not self._file_shared_here())
         except (OSError, ConfigError) as exc:
             turns.release()
             raise self.backend_error(exc) from exc
@@ -418,6 +418,13 @@ class Table(Backend):
             if isinstance(exc, Exception) and not isinstance(exc, PASSING):
                 raise self.backend_error(exc) from exc
             raise
+
+    def _file_shared_here(self) -> bool:
+        """Whether another table of this process has this one's file open (two keepers
+        on one path): its thread may hold the file lock, and needs the GIL to let go.
+        Asked only when the lock was found held."""
+        mine = self._file
+        return any(other is not self and other._file == mine for other in list(_INSTANCES))
 
     def _check(self, mm: mmap.mmap | None, short: bool) -> None:
         """What :meth:`_enter` does when the table is not as it left it: attach the file
