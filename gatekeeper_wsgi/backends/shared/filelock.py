@@ -45,8 +45,10 @@ before the kernel wait, more tries for ``YIELD_FOR`` (300 µs), each after a
 ``sched_yield`` that keeps the GIL (a holder sharing this CPU runs and lets go; the waiter
 never sleeps, so stays on its own CPU): no wait in the kernel in the same runs, and
 1.20-1.23 x one process's. The GIL is kept for the same reason as above, for at most
-``YIELD_FOR`` and one time slice (a yield to a busy CPU may last one). Where ``ctypes``
-cannot reach the C library every call is the plain one.
+``YIELD_FOR`` and one time slice (a yield to a busy CPU may last one). Not when another
+descriptor of the same file is open in this process (two keepers on one path): the holder
+may be its thread, which needs the GIL to let go. Where ``ctypes`` cannot reach the C
+library every call is the plain one.
 
 ``flock`` on NFS is emulated by the server with a lock per process, not per open file
 description: a table belongs on a local file system (tmpfs, ``/run``, ``/dev/shm``).
