@@ -128,6 +128,37 @@ def test_an_admission_looks_for_its_answer_and_the_sender_never_does(
         gk.close()
 
 
+def test_an_admission_after_written_releases_looks_once_their_answers_are_read(
+    own_redis: ControlledRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release written at once (its request took the last slot) has its answer read
+    before the next admission's, on the same connection; then that admission looks for its
+    own, unless it came along (held back here by ``CLIENT PAUSE``, so it did not)."""
+    looks: list[float] = []
+    look = redis_backend._await_answer
+
+    def counted(sock: Any, spin: float) -> bool:
+        looks.append(spin)
+        look(sock, spin)
+        return True
+
+    monkeypatch.setattr(redis_backend, "_await_answer", counted)
+    gk = keeper(f"{own_redis.url}?spin=0.0002", {"shop/work": {"concurrency": 2}})
+    gk.admit("shop", "work", "c").release(200)  # connects
+    connection = backend_of(gk)._local.connection
+    held = gk.admit("shop", "work", "c")
+    gk.admit("shop", "work", "c").release(200)  # the last slot: its release is written
+    assert len(connection.gatekeeper_posted) == 1
+    looks.clear()
+    pauser = redis.Redis.from_url(own_redis.url)
+    pauser.execute_command("CLIENT", "PAUSE", "50", "ALL")
+    gk.admit("shop", "work", "c").release(200)
+    assert looks == [0.0002]
+    held.release(200)
+    assert gk.inflight() == {}
+    pauser.close()
+
+
 def test_a_socket_a_python_timeout_came_back_to_is_not_looked_at(
     own_redis: ControlledRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

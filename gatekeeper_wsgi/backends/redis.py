@@ -223,6 +223,29 @@ def _await_answer(sock: socket.socket, spin: float) -> bool:
             return True
 
 
+def _look(connection: Any, spin: float) -> None:
+    """Look for the answer of the command just sent on ``connection`` for up to ``spin``
+    seconds (:func:`_await_answer`), keeping count of the looks that ran out: after
+    ``_LATE_STREAK`` in a row, sleep on the next ``_SLEEPS_AFTER_LATE`` answers first.
+    Not on a TLS connection (it has no ``gatekeeper_socket``), nor on a socket a Python
+    timeout came back to: redis-py's own parser (without hiredis) sets one in
+    ``can_read``, and CPython would wait up to that timeout in each look."""
+    sock = getattr(connection, "gatekeeper_socket", None)
+    if sock is None or sock.gettimeout() is not None:
+        return
+    sleeps = connection.gatekeeper_sleeps
+    if sleeps:
+        connection.gatekeeper_sleeps = sleeps - 1
+    elif _await_answer(sock, spin):
+        connection.gatekeeper_late = 0
+    else:
+        late = connection.gatekeeper_late + 1
+        if late >= _LATE_STREAK:
+            late = _LATE_STREAK - 1  # one more late look: sleeps again
+            connection.gatekeeper_sleeps = _SLEEPS_AFTER_LATE
+        connection.gatekeeper_late = late
+
+
 #: the connection classes of the request threads' own connections, by the pool's class:
 #: on Linux, where struct timeval is two longs; TLS connections keep Python's timeouts.
 _KERNEL_TIMED: dict[type[Any], type[Any]] = (
@@ -1681,25 +1704,12 @@ class RedisBackend(Backend):
             connection.send_packed_command((command,), check_health=False)
             posted = getattr(connection, "gatekeeper_posted", None)
             if posted:
-                # (No look then: reading those answers may have read this one too.)
                 self._read_posted(connection, posted)
+                # Reading their answers may have read this one too (hiredis keeps it).
+                if spin and not connection.can_read(timeout=0):
+                    _look(connection, spin)
             elif spin:
-                sock = getattr(connection, "gatekeeper_socket", None)
-                # Not a TLS connection's (it has none), nor one a Python timeout came back
-                # to: redis-py's own parser sets one in can_read (_post calls it), and
-                # CPython would wait up to that timeout in each look.
-                if sock is not None and sock.gettimeout() is None:
-                    sleeps = connection.gatekeeper_sleeps
-                    if sleeps:
-                        connection.gatekeeper_sleeps = sleeps - 1
-                    elif _await_answer(sock, spin):
-                        connection.gatekeeper_late = 0
-                    else:
-                        late = connection.gatekeeper_late + 1
-                        if late >= _LATE_STREAK:
-                            late = _LATE_STREAK - 1  # one more late look: sleeps again
-                            connection.gatekeeper_sleeps = _SLEEPS_AFTER_LATE
-                        connection.gatekeeper_late = late
+                _look(connection, spin)
             try:
                 return connection.read_response()
             except redis.exceptions.NoScriptError:
