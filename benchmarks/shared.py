@@ -384,10 +384,10 @@ def tallied_app(framework: str, way: str, backend: str = "memory") -> _common.WS
     tally = _TALLY
     clock, cpu = time.perf_counter, time.thread_time
 
-    def timed_wait(fd: int) -> None:
+    def timed_wait(fd: int, yielding: bool) -> None:
         started = clock()
         try:
-            wait(fd)
+            wait(fd, yielding)
         finally:
             tally["waits"] += 1
             tally["waited"] += clock() - started

@@ -136,6 +136,38 @@ def test_a_waiter_yields_the_cpu_only_to_a_holder_of_another_process(
         gk.close()
 
 
+@pytest.mark.parametrize("raised", [RuntimeError("a bug"), KeyboardInterrupt()])
+def test_anything_raised_while_waiting_for_the_file_lock_lets_the_thread_lock_go(
+    table: Path, monkeypatch: pytest.MonkeyPatch, raised: BaseException
+) -> None:
+    """A wait for the file lock that raises something unforeseen (a bug, an interrupt)
+    lets the process's thread lock go: kept, every later request of the process would
+    wait for it for good. (Found when a benchmark's wrapper of the wait raised a
+    TypeError: a gunicorn worker hung with all its threads there.)"""
+    gk = GateKeeper(config(table, {"shop": {"concurrency": 2}}, on_backend_error="reject"))
+
+    def broken(fd: int, yielding: bool = True) -> None:
+        raise raised
+
+    fd = os.open(table, os.O_RDWR)
+    try:
+        assert try_lock(fd)  # held, as by another process: the admission waits
+        monkeypatch.setattr(table_module, "lock_file", broken)
+        with pytest.raises((Rejected, KeyboardInterrupt)):
+            gk.admit("shop", "a", "c")
+        monkeypatch.undo()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    results: list[object] = []
+    later = threading.Thread(target=lambda: results.append(gk.admit("shop", "a", "c")), daemon=True)
+    later.start()
+    later.join(DEADLINE)
+    assert not later.is_alive() and len(results) == 1
+    assert busy(gk) == {"shop": 1}
+    gk.close()
+
+
 def test_threads_of_two_keepers_never_exceed_concurrency(table: Path) -> None:
     """8 threads on 2 keepers (2 descriptors, each shared by 4 threads) stay within 3."""
     limit = 3

@@ -205,6 +205,8 @@ class Table(Backend):
         #: (device, inode) of the file open as ``_fd``, and when to look next whether the
         #: path still names it (:meth:`_follow_path`)
         self._file: tuple[int, int] | None = None
+        #: another table of this process has (or had) the same file open: see _use
+        self._file_shared_here = False
         self._path_due = 0.0
         #: the path names nothing usable (said once): the open file is kept meanwhile
         self._unusable_path = False
@@ -259,8 +261,15 @@ class Table(Backend):
         """Make ``fd`` (opened by :func:`.files.open_private`) the table's descriptor."""
         self._fd = fd
         info = os.fstat(fd)
-        self._file = (info.st_dev, info.st_ino)
+        file = self._file = (info.st_dev, info.st_ino)
         self._path_due = _monotonic() + PATH_CHECK_EVERY
+        # Two keepers of this process on one path: a thread of the other may hold the
+        # file lock, and needs the GIL to let go, which a waiter's yielding tries keep
+        # (filelock). Both are marked, for good (a mark left after a close only costs
+        # the yields).
+        for other in list(_INSTANCES):
+            if other is not self and other._file == file:
+                other._file_shared_here = self._file_shared_here = True
 
     def _follow_path(self) -> None:
         """Open the file if none is open; if the path no longer names the open one (it was
@@ -353,6 +362,7 @@ class Table(Backend):
         self._plans = None
         self._fd = -1
         self._file = None
+        self._file_shared_here = False  # marked again when the file is opened (_use)
         self._tlock = TurnLock()
         self._pid = os.getpid()
         self._reset_state()
@@ -388,10 +398,15 @@ class Table(Backend):
             # filelock.lock_file's first try inlined (a call less on every update); it
             # waits, or raises why not, when that try fails.
             if C_FLOCK is None or C_FLOCK(fd, LOCK_TRY):
-                lock_file(fd, not self._file_shared_here())
-        except (OSError, ConfigError) as exc:
+                lock_file(fd, not self._file_shared_here)
+        except BaseException as exc:
+            # Whatever it is (a bug, an interrupt in the wait), the file lock is not held
+            # and the thread lock must go: kept, every thread of the process would wait
+            # for it for good.
             turns.release()
-            raise self.backend_error(exc) from exc
+            if isinstance(exc, Exception) and not isinstance(exc, PASSING):
+                raise self.backend_error(exc) from exc
+            raise
         try:
             try:
                 # Touching the map of a file cut shorter than it is SIGBUS: its size is
@@ -418,13 +433,6 @@ class Table(Backend):
             if isinstance(exc, Exception) and not isinstance(exc, PASSING):
                 raise self.backend_error(exc) from exc
             raise
-
-    def _file_shared_here(self) -> bool:
-        """Whether another table of this process has this one's file open (two keepers
-        on one path): its thread may hold the file lock, and needs the GIL to let go.
-        Asked only when the lock was found held."""
-        mine = self._file
-        return any(other is not self and other._file == mine for other in list(_INSTANCES))
 
     def _check(self, mm: mmap.mmap | None, short: bool) -> None:
         """What :meth:`_enter` does when the table is not as it left it: attach the file
