@@ -175,7 +175,7 @@ class _KernelTimed:
 
     socket_timeout: float | None
     gatekeeper_socket: socket.socket | None = None
-    #: answers its thread sleeps on before it looks again (see RedisBackend._exchange)
+    #: answers its thread sleeps on before it looks again (see _look)
     gatekeeper_sleeps = 0
     #: its looks in a row that ran out before the answer came
     gatekeeper_late = 0
