@@ -49,7 +49,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
@@ -67,7 +67,14 @@ from gatekeeper_wsgi.redact import (
 )
 from gatekeeper_wsgi.requestvalues import content_length
 
-__all__ = ["REDACTED", "REJECTED_LOGGER", "flush", "log_rejected", "rejection_record"]
+__all__ = [
+    "REDACTED",
+    "REJECTED_LOGGER",
+    "flush",
+    "log_rejected",
+    "peek_body",
+    "rejection_record",
+]
 
 REJECTED_LOGGER = "gatekeeper.rejected"
 # Characters left as they are in a logged path: RFC 3986 pchar plus "/".
@@ -99,6 +106,11 @@ class _Dispatcher(logging.Handler):
             return
         try:
             logger.callHandlers(record)
+        except Exception:
+            # A handler that raises (most catch their own errors, a custom one may not)
+            # would end the listener thread, and with it the log for good: reported as
+            # logging reports a handler's error, and the next record is delivered.
+            self.handleError(record)
         finally:
             self.pipeline.taken()
 
@@ -214,6 +226,7 @@ def _headers(
 #: seconds, where the server lets it tell (see :func:`_read_arrived`): a client that sent
 #: its headers first (``Expect: 100-continue``) has its body there within a round trip
 BODY_WAIT = 0.005
+_NOT_ARRIVED = f"not sent within {BODY_WAIT * 1000:g} ms: not read"
 
 
 def _read_arrived(environ: Mapping[str, Any], stream: Any, size: int) -> bytes | None:
@@ -264,6 +277,67 @@ def _read(stream: Any, size: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Replay:
+    """A request body stream whose first bytes were read already (:func:`peek_body`): they
+    are handed out again first, then the rest of ``stream``, as PEP 3333's ``wsgi.input``
+    (``read``, ``readline``, ``readlines``, iteration), for whoever reads the body next.
+    ``missing``: the body had not arrived when they were looked for."""
+
+    __slots__ = ("_head", "missing", "stream")
+
+    def __init__(self, head: bytes, stream: Any, missing: bool = False) -> None:
+        self._head = head
+        self.stream = stream
+        self.missing = missing
+
+    def read(self, size: int | None = -1) -> bytes:
+        limit = -1 if size is None else size
+        head = self._head
+        if not head:
+            return bytes(self.stream.read(limit))
+        if limit < 0:
+            self._head = b""
+            return head + bytes(self.stream.read(-1))
+        self._head = head[limit:]
+        if len(head) >= limit:
+            return head[:limit]
+        return head + bytes(self.stream.read(limit - len(head)))  # as many as the body has
+
+    def readline(self, size: int | None = -1) -> bytes:
+        limit = -1 if size is None else size
+        head = self._head
+        if not head:
+            return bytes(self.stream.readline(limit))
+        end = head.find(b"\n") + 1 or len(head)
+        if limit >= 0:
+            end = min(end, limit)
+        line = head[:end]
+        self._head = head[end:]
+        if not self._head and not line.endswith(b"\n") and (limit < 0 or len(line) < limit):
+            line += bytes(self.stream.readline(limit - len(line) if limit >= 0 else -1))
+        return line
+
+    def readlines(self, hint: int = -1) -> list[bytes]:
+        return list(iter(self.readline, b""))
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.readline, b"")
+
+
+def peek_body(environ: MutableMapping[str, Any], size: int) -> bytes:
+    """Up to ``size`` of the request body's first bytes, read as the log reads a body
+    (:func:`_body`: never past its end, never waiting long for a client holding it back),
+    and put back: ``environ["wsgi.input"]`` then hands them out again first (for the log,
+    which reads the body after the fault is rendered). Empty when there is none, or it
+    cannot be read safely."""
+    head, _, omitted = _body(environ, size)
+    if omitted is None and not head:
+        return b""
+    stream = environ.get("wsgi.input")
+    environ["wsgi.input"] = _Replay(head, stream, missing=omitted is not None)
+    return head
+
+
 def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None]:
     """Up to ``cap`` bytes of the request body, whether there was more (or may have been),
     and why it was not read at all (None when it was).
@@ -297,6 +371,8 @@ def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None
     stream = environ.get("wsgi.input")
     if length == 0 or stream is None:
         return b"", bool(length), None
+    if isinstance(stream, _Replay) and stream.missing:  # looked for already, in vain
+        return b"", True, _NOT_ARRIVED
     if length is not None and cap <= 0:
         return b"", True, None
     try:
@@ -306,7 +382,7 @@ def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None
     except Exception:  # a client that went away must not break the fault
         return b"", True, None
     if read is None:
-        return b"", True, f"not sent within {BODY_WAIT * 1000:g} ms: not read"
+        return b"", True, _NOT_ARRIVED
     if length is None:
         return read[:cap], len(read) > cap, None
     return read, len(read) < length, None
@@ -318,7 +394,13 @@ def _request_path(environ: Mapping[str, Any]) -> str:
     try:
         data = raw.encode("latin-1")
     except UnicodeEncodeError:
-        data = raw.encode("utf-8", "surrogateescape")
+        # Not PEP 3333's latin-1 (a server or framework that decoded the path): its text
+        # as UTF-8 and escaped bytes as those bytes; a path with any other lone surrogate,
+        # every surrogate as itself (logged, never raised).
+        try:
+            data = raw.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = raw.encode("utf-8", "surrogatepass")
     return quote(data, safe=_PATH_SAFE) or "/"
 
 

@@ -685,6 +685,17 @@ def test_rejection_is_xml_when_the_client_asks_for_xml(settings: Any, client: Cl
     assert b"<code>GK-CONCURRENCY-LIMIT</code>" in response.content
 
 
+def test_rejection_is_xml_for_an_untyped_xml_body(settings: Any, client: Client) -> None:
+    """An XML body whose Content-Type says nothing of its format gets the XML fault."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    response = client.post(
+        "/work/", data=b"<order><id>1</id></order>", content_type="application/octet-stream"
+    )
+    assert response.status_code == 503
+    assert response["Content-Type"].startswith("application/xml")
+    assert b"<code>GK-CONCURRENCY-LIMIT</code>" in response.content
+
+
 def test_rate_limit_rejection_is_429_with_ratelimit_fields(settings: Any, client: Client) -> None:
     """A rate limit answers 429 with the IETF RateLimit fields."""
     configure_gatekeeper(settings, {"site/work": {"rate": "2/minute"}})

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from werkzeug.test import Client, EnvironBuilder
 
 from gatekeeper_wsgi import GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.config import build_config
-from gatekeeper_wsgi.rejectlog import REDACTED, flush, rejection_record
+from gatekeeper_wsgi.rejectlog import REDACTED, flush, peek_body, rejection_record
 from tests.servers import DEADLINE, Gunicorn, Waitress, wait_until
 
 APPS = str(Path(__file__).parent / "apps")
@@ -167,8 +169,106 @@ def test_a_blocked_handler_does_not_delay_the_response(rejected_logger: logging.
     assert [json.loads(line)["requestId"] for line in written] == ["one", "two"]
 
 
+def test_a_handler_that_raises_does_not_end_the_log(
+    rejected_logger: logging.Logger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A handler raising on one record (a custom one, on a transient failure) is
+    reported as logging reports a handler's error; the listener lives on, and every
+    later record is delivered, none left waiting or dropped."""
+    delivered: list[str] = []
+
+    class FlakyHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not delivered and "first" in record.getMessage():
+                delivered.append("failed")
+                raise ConnectionError("the log server went away for a moment")
+            delivered.append(json.loads(record.getMessage())["requestId"])
+
+    rejected_logger.addHandler(FlakyHandler())
+    app = GateKeeperMiddleware(ok_app, {"project": "shop", "limits": {"shop": {"concurrency": 0}}})
+    client = Client(app)
+    assert client.get("/", headers={"X-Request-Id": "first"}).status_code == 503
+    assert flush()
+    for number in range(5):
+        assert client.get("/", headers={"X-Request-Id": f"later-{number}"}).status_code == 503
+    assert flush()
+    assert delivered == ["failed", *(f"later-{number}" for number in range(5))]
+    assert "ConnectionError: the log server went away" in capsys.readouterr().err
+    assert app.gatekeeper.stats()["counters"]["rejected_log_dropped"] == 0
+
+
+def test_a_path_with_a_lone_surrogate_is_logged_not_raised(
+    rejected_logger: logging.Logger,
+) -> None:
+    """A path that is no PEP 3333 string (a lone surrogate no byte decodes to, from a
+    server or test that built the environ itself) is logged percent-encoded; the client
+    gets its fault."""
+    handler = ListHandler()
+    rejected_logger.addHandler(handler)
+    app = GateKeeperMiddleware(ok_app, {"project": "shop", "limits": {"shop": {"concurrency": 0}}})
+    statuses: list[str] = []
+    for path in ("/\ud800", "/a\udbff/\udc00", "/\udcff\udc7f"):
+        env = environ()
+        env["PATH_INFO"] = path
+        body = app(env, lambda status, headers, exc_info=None: statuses.append(status))
+        assert b"GK-CONCURRENCY-LIMIT" in b"".join(body)
+    assert statuses == ["503 Service Unavailable"] * 3
+    assert flush()
+    assert [json.loads(line)["path"] for line in handler.lines] == [
+        "/%ED%A0%80",
+        "/a%ED%AF%BF/%ED%B0%80",
+        "/%ED%B3%BF%ED%B1%BF",  # with another surrogate, an escaped byte is one too
+    ]
+
+
+def test_an_untyped_xml_body_gets_xml_and_is_logged_whole(
+    rejected_logger: logging.Logger,
+) -> None:
+    """A body posted without a Content-Type that opens as XML gets the XML fault (SPEC
+    §5); the first bytes read to tell are put back, so the log has the body whole."""
+    handler = ListHandler()
+    rejected_logger.addHandler(handler)
+    app = GateKeeperMiddleware(ok_app, {"project": "shop", "limits": {"shop": {"concurrency": 0}}})
+    xml = b'<?xml version="1.0"?>\n<order><item sku="' + b"x" * 200 + b'"/></order>'
+    untyped = Client(app).post("/orders", data=xml)
+    assert "Content-Type" not in untyped.request.headers
+    assert untyped.status_code == 503
+    assert untyped.headers["Content-Type"] == "application/xml; charset=utf-8"
+    assert b"<code>GK-CONCURRENCY-LIMIT</code>" in untyped.data
+    as_json = Client(app).post("/orders", data=b'{"order": 1, "pad": "' + b"y" * 100 + b'"}')
+    assert as_json.headers["Content-Type"] == "application/problem+json"
+    assert flush()
+    bodies = [json.loads(line)["body"] for line in handler.lines]
+    assert bodies == [xml.decode(), '{"order": 1, "pad": "' + "y" * 100 + '"}']
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=300).map(lambda raw: raw.replace(b"\x00", b"\n")),
+    peeked=st.integers(0, 80),
+    calls=st.lists(
+        st.tuples(st.sampled_from(["read", "readline"]), st.one_of(st.none(), st.integers(-1, 90))),
+        max_size=12,
+    ),
+)
+def test_a_peeked_body_reads_as_the_body_did(
+    data: bytes, peeked: int, calls: list[tuple[str, int | None]]
+) -> None:
+    """After its first bytes were read to tell its format, ``wsgi.input`` hands out the
+    body exactly as the untouched stream would, to any mix of PEP 3333's reads."""
+    env = environ(method="POST", data=data)
+    env["wsgi.input"] = io.BytesIO(data)
+    assert peek_body(env, peeked) == data[:peeked]
+    model = io.BytesIO(data)
+    stream = env["wsgi.input"]
+    for method, size in calls:
+        assert getattr(stream, method)(size) == getattr(model, method)(size)
+    assert b"".join(stream) == model.read()
+
+
 def test_nothing_is_read_or_queued_when_the_logger_is_off() -> None:
-    """With gatekeeper.rejected below INFO, a rejection leaves the body unread."""
+    """With gatekeeper.rejected below INFO, a rejection leaves a typed body unread; of an
+    untyped one, only the first bytes that tell whether it is XML are read (SPEC §5)."""
     logger = logging.getLogger("gatekeeper.rejected")
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -176,12 +276,14 @@ def test_nothing_is_read_or_queued_when_the_logger_is_off() -> None:
         app = GateKeeperMiddleware(
             ok_app, {"project": "shop", "limits": {"shop": {"concurrency": 0}}}
         )
-        env = environ(method="POST", data=b"payload")
-        stream = io.BytesIO(b"payload")
-        env["wsgi.input"] = stream
-        chunks = app(env, lambda status, headers, exc_info=None: lambda data: None)
-        assert b"".join(chunks)
-        assert stream.tell() == 0
+        payload = b"<payload>" + b"x" * 1000
+        for content_type, read in (("application/json", 0), (None, 64)):
+            env = environ(method="POST", data=payload, content_type=content_type)
+            stream = io.BytesIO(payload)
+            env["wsgi.input"] = stream
+            chunks = app(env, lambda status, headers, exc_info=None: lambda data: None)
+            assert b"".join(chunks)
+            assert stream.tell() == read
     finally:
         logger.setLevel(level)
 
@@ -288,6 +390,35 @@ def test_a_chunked_body_is_logged_under_a_real_server(kind: str, tmp_path: Path)
     assert second["body_truncated"] is True
     assert second["body"].startswith('{"user": "bob", "password": "[redacted]"')
     assert "s3cret" not in log.read_text("utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gunicorn", "waitress"])
+def test_an_untyped_xml_body_under_a_real_server(kind: str, tmp_path: Path) -> None:
+    """Under a real server, an XML body sent without a Content-Type (as
+    ``requests.post(url, data=...)`` sends it) gets the XML fault, and is logged as any
+    body is (up to the app's cap, its first bytes read to tell put back)."""
+    log = tmp_path / "rejected.jsonl"
+    env = {"GK_TEST_REJECTED_LOG": str(log), "PYTHONPATH": APPS}
+    if kind == "gunicorn":
+        server: Gunicorn = Gunicorn(tmp_path, "--pythonpath", APPS, "rejected_log_app:app", env=env)
+    else:
+        server = Waitress(tmp_path, "rejected_log_app:app", env=env)
+    xml = b'<?xml version="1.0"?><order>' + b"<item/>" * 40 + b"</order>"
+    with server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+        try:
+            connection.request("POST", "/orders", body=xml, headers={"Accept": "*/*"})
+            response = connection.getresponse()
+            body = response.read()
+        finally:
+            connection.close()
+        (record,) = logged(log, 1)
+    assert response.status == 503
+    assert response.getheader("Content-Type") == "application/xml; charset=utf-8"
+    assert b"<code>GK-CONCURRENCY-LIMIT</code>" in body
+    assert record["body"] == xml[:64].decode()  # the app logs 64 bytes of a body
+    assert record["body_truncated"] is True
 
 
 @pytest.mark.slow
