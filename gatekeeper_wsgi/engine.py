@@ -567,8 +567,8 @@ class GateKeeper:
                 # A grant for fewer slots than asked left untrackable shadow slots out.
                 if grant.shadowed or grant.slots is not slots:
                     self._shadow(slots, grant)
-                    if not grant.slots:
-                        grant = None
+                if not grant.slots:  # nothing held (or a waiter a reload left no limit)
+                    grant = None
             except BackendError as exc:
                 self._log_backend_error(exc)
                 if self.config.on_backend_error == "reject":
@@ -948,6 +948,8 @@ class GateKeeper:
                     config = self.config
                     again = self._waited.again = self._resolve_now(request)
                     slots = again[1]
+                    if not slots:  # no limit applies any more: admitted, holding nothing
+                        return Grant(slots)
                 try:
                     result = line.admit(ticket, slots, now)
                 except CapacityError as exc:

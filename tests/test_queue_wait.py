@@ -135,3 +135,51 @@ def test_a_reload_that_lowers_the_limit_applies_to_the_waiters(tmp_path: Path) -
     for thread in threads:
         thread.join(30)
     assert len(admitted) == 2 and not any(gk.inflight().values())
+
+
+def test_a_reload_that_removes_the_limit_admits_the_waiters(
+    backend_url: str, tmp_path: Path
+) -> None:
+    """A request waits in the queue of a limit a reload removes: no limit applies to it
+    any more, so it is admitted holding nothing (on Redis, the backend was asked to
+    admit no slots at all and raised), and everything comes back to zero."""
+    path = tmp_path / "gatekeeper.toml"
+
+    def limits(text: str) -> None:
+        replacement = tmp_path / "next.toml"
+        replacement.write_text(
+            f'[gatekeeper]\nproject = "shop"\nbackend = "{backend_url}"\n{text}',
+            encoding="utf-8",
+        )
+        os.replace(replacement, path)
+
+    other = '[gatekeeper.limits."shop/other"]\nconcurrency = 100\n'
+    queued = '[gatekeeper.limits."shop/slow"]\nconcurrency = 1\nqueue = { size = 5, wait = 30.0 }\n'
+    limits(queued + other)
+    gk = GateKeeper(str(path))
+    try:
+        holder = gk.admit("shop", "slow", "a")
+        admitted: list[Any] = []
+
+        def waiter() -> None:
+            admitted.append(gk.admit("shop", "slow", "w"))
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        wait_until_queued(gk, 1)
+        limits(other)
+        assert gk.reload() is True
+        holder.release(200)
+        # Releases on their way to the backend while the waiter is let in (on Redis,
+        # those the next admission carries along).
+        while thread.is_alive() and not admitted:
+            gk.admit("shop", "other", "b").release(200)
+        thread.join(30)
+        assert not thread.is_alive()
+        (admission,) = admitted
+        assert admission.slots == ()
+        admission.release(200)
+        assert not any(gk.inflight().values())
+        assert gk.stats()["counters"]["backend_errors"] == 0
+    finally:
+        gk.close()
