@@ -36,6 +36,10 @@ def escape_controls(text: str) -> str:
     return _UNSAFE_CHARS.sub(lambda m: repr(m.group())[1:-1], text)
 
 
+#: the longest key a :class:`ConfigError` message quotes whole
+KEY_SHOWN = 200
+
+
 class ConfigError(GateKeeperError, ValueError):
     """Invalid configuration.
 
@@ -63,7 +67,10 @@ class ConfigError(GateKeeperError, ValueError):
         where = ""
         if file is not None:
             where = f"{file}:{line}: " if line is not None else f"{file}: "
-        super().__init__(f"{where}{key}: {problem}" if key else f"{where}{problem}")
+        # A key is quoted in full up to a length no real one reaches: a hostile file's
+        # megabyte key must not make a megabyte message (and log line).
+        shown = key if len(key) <= KEY_SHOWN else f"{key[:KEY_SHOWN]}... ({len(key)} characters)"
+        super().__init__(f"{where}{shown}: {problem}" if key else f"{where}{problem}")
 
 
 class BackendError(GateKeeperError):

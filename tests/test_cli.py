@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import math
+import os
 import shutil
 import socket
 import subprocess
@@ -174,6 +175,37 @@ def test_console_script_check(properties: Path, tmp_path: Path) -> None:
     )
     assert failed.returncode == 1
     assert f"{bad}:3: mode:" in failed.stderr
+
+
+def test_console_script_check_on_an_ascii_terminal(tmp_path: Path) -> None:
+    """Where stdout cannot show the tree's glyphs (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``)
+    `gatekeeper check` prints ASCII ones, and escapes other text it cannot encode; a reader
+    that goes away (``| head``) ends it without a traceback."""
+    config = tmp_path / "gatekeeper.toml"
+    config.write_text(
+        '[gatekeeper]\nproject = "shop"\n[gatekeeper.limits.shop]\nconcurrency = 10\n'
+        'timeout_header = "X-Fault: d\u00e9lai"\n[gatekeeper.limits."shop/login/*"]\n'
+        'rate = "5/minute"\n',
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    shown = subprocess.run(
+        [gatekeeper_script(), "check", str(config)], capture_output=True, env=env, check=False
+    )
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout.decode("ascii")
+    assert "project shop - backend memory - mode enforce" in text
+    assert "`- shop/login" in text and "   `- shop/login/*  rate 5/minute" in text
+    assert "X-Fault: d\\xe9lai" in text
+    with subprocess.Popen(
+        [gatekeeper_script(), "check", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as cut:
+        assert cut.stdout is not None and cut.stderr is not None
+        cut.stdout.close()  # the reader went away before anything was written
+        assert cut.stderr.read() == b""
+        assert cut.wait(60) == 1
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

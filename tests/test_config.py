@@ -1170,3 +1170,30 @@ def test_a_reload_with_a_bad_token_logs_no_token(
         assert "dashboard.token" in caplog.text and "90817263544" not in caplog.text
     finally:
         gk.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "line"),
+    [
+        ("path.properties", "limits." + "a" * 1_000_000 + ".concurrency = 1\n", 1),
+        ("top.properties", "b" * 1_000_000 + " = 1\n", 1),
+        ("top.toml", "[gatekeeper]\n" + "c" * 1_000_000 + " = 1\n", 2),
+        ("limit.toml", '[gatekeeper.limits."' + "d" * 100_000 + '"]\nconcurrency = 1\n', 1),
+    ],
+)
+def test_a_huge_key_makes_a_short_message(name: str, text: str, line: int, tmp_path: Path) -> None:
+    """A hostile file's megabyte key is quoted in part (with its length), as a bad value
+    is: the ConfigError, and so the reload's ERROR line, stays short, and still names the
+    file, the line and what was wrong."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as raised:
+        GateKeeper(str(path))
+    message = str(raised.value)
+    assert len(message) < 2_000
+    assert message.startswith(f"{path}:{line}: ")
+    assert "characters)" in message
+    with pytest.raises(ConfigError) as in_settings:
+        GateKeeper({"limits": {"x" * 10_000: {"concurrency": 1}}})
+    assert len(str(in_settings.value)) < 2_000
+    assert in_settings.value.key == "limits." + "x" * 10_000  # the key itself stays whole

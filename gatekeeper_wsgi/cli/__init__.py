@@ -108,4 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     # Resolvers and renderers named in the config are imported from the project.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return run_command(args, sys.stdout, sys.stderr)
+    try:
+        status = run_command(args, sys.stdout, sys.stderr)
+        sys.stdout.flush()  # here, where a reader gone away is caught
+        return status
+    except BrokenPipeError:
+        # The reader went away (``gatekeeper check FILE | head``): no traceback, and no
+        # second one when Python flushes stdout at exit (the Python docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -139,6 +139,24 @@ def limit_tree(config: Config, paths: Iterable[str] = ()) -> list[str]:
     return lines
 
 
+#: what stands for the tree's and the summary's glyphs where the output cannot show them
+_ASCII_GLYPHS = str.maketrans({"·": "-", "│": "|", "└": "`", "├": "|", "─": "-"})
+
+
+def _say(text: str, stream: TextIO) -> None:
+    """Print ``text`` as ``stream`` can write it: on a terminal or pipe whose encoding
+    lacks the glyphs (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``), ASCII ones instead, and
+    anything else it cannot encode (a non-ASCII marker pattern) escaped."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.translate(_ASCII_GLYPHS).encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:  # an encoding Python does not know: the stream says what it can
+        pass
+    print(text, file=stream)
+
+
 def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) -> int:
     """Validate a config file or settings dict and print its effective limit tree.
 
@@ -164,24 +182,24 @@ def run_check(source: ConfigInput, out: TextIO, *, err: TextIO | None = None) ->
             except ConfigError as exc:
                 raise located(exc, config_file(source)) from exc
     except ConfigError as exc:
-        print(f"error: {mask_text(str(exc))}", file=errors)
+        _say(f"error: {mask_text(str(exc))}", errors)
         return 1
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "settings"
-    print(f"{name}: OK", file=out)
-    print(
+    _say(f"{name}: OK", out)
+    _say(
         f"project {config.project} · backend {public_backend_url(config.backend)} · "
         f"mode {config.mode} · on_backend_error {config.on_backend_error} · "
         f"caller header {config.caller.header}" + (" (required)" if config.caller.required else ""),
-        file=out,
+        out,
     )
     if report is not None:
-        print(report, file=out)
+        _say(report, out)
     if config.reload.file:
-        print(f"limits file: {config.reload.file}", file=out)
+        _say(f"limits file: {config.reload.file}", out)
     if not config.limits:
-        print("no limits: every request is admitted", file=out)
+        _say("no limits: every request is admitted", out)
         return 0
-    print("", file=out)
+    _say("", out)
     for line in limit_tree(config):
-        print(line, file=out)
+        _say(line, out)
     return 0
