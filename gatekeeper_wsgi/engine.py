@@ -1097,7 +1097,9 @@ class GateKeeper:
             logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
         delayed, reported = self._last_read
         snapshot = self.monitor.snapshot(delayed)
-        adaptive = _adaptive_in_force(self.config, reported, adaptive_keys)
+        adaptive = _adaptive_in_force(
+            self.config, reported, adaptive_keys, backend.adaptive_limit
+        )
         return Stats(counters=snapshot["counters"], stages=snapshot["stages"], adaptive=adaptive)
 
     def close(self) -> None:
@@ -1115,34 +1117,50 @@ def _rate_only(limit: Limit) -> Limit:
 
 
 def _adaptive_in_force(
-    config: Config, reported: Mapping[str, AdaptiveReport], keys: Collection[str] | None
+    config: Config,
+    reported: Mapping[str, AdaptiveReport],
+    keys: Collection[str] | None,
+    current: Callable[[str, Limit], int],
 ) -> dict[str, AdaptiveReport]:
     """``stats()["adaptive"]``: what the backend reports of the paths an adaptive limit of
     ``config`` governs (one that a reload made fixed is no longer adaptive, though the
-    backend still holds its controller for a while), and each adaptive limit without
-    ``*`` from the start, at its ``initial`` until it has measured (the value its faults
-    and Prometheus give), each within its bounds in force. ``keys``: of those concrete
-    paths only."""
+    backend still holds its controller for a while), each within its bounds in force.
+    ``keys``: of those concrete paths only.
+
+    A path it does not report (an adaptive limit without ``*`` this process has not
+    admitted on yet, a key of one ``keys`` names that a backend's bounded memo forgot: on
+    Redis, the limit other hosts moved) is reported at its limit in force, ``current(path,
+    limit)``, the value of its faults (``initial`` until one was learned), without
+    latencies."""
     index = config.limit_index
+
+    def within(value: int, limit: Limit) -> int:
+        # A reload that narrowed the bounds is enforced at once, while a controller
+        # learned under the old ones moves on its next sample.
+        assert limit.adaptive is not None
+        return min(max(value, limit.adaptive.min), limit.adaptive.max)
+
     adaptive: dict[str, AdaptiveReport] = {}
     for key, report in reported.items():
         limit = counting_limit(index, key)
         if limit is not None and limit.adaptive is not None:
-            # Within the bounds in force: a reload that narrowed them is enforced at once,
-            # while a controller learned under the old ones moves on its next sample.
-            bounds = limit.adaptive
-            value = min(max(report["limit"], bounds.min), bounds.max)
+            value = within(report["limit"], limit)
             adaptive[key] = report if value == report["limit"] else {**report, "limit": value}
-    for limit in config.limits.values():
-        spec = limit.adaptive
-        if spec is None or limit.wildcard or limit.path in adaptive:
-            continue
-        if keys is None or limit.path in keys:
-            adaptive[limit.path] = {
-                "limit": spec.initial,
-                "latency_ms": 0.0,
-                "min_latency_ms": 0.0,
-            }
+    unreported: list[tuple[str, Limit]] = [
+        (limit.path, limit)
+        for limit in config.limits.values()
+        if limit.adaptive is not None and not limit.wildcard
+    ]
+    if keys is not None:
+        unreported = [(path, limit) for path, limit in unreported if path in keys]
+        for key in keys:
+            limit = counting_limit(index, key)
+            if limit is not None and limit.adaptive is not None and limit.wildcard:
+                unreported.append((key, limit))
+    for path, limit in unreported:
+        if path not in adaptive:
+            value = within(current(path, limit), limit)
+            adaptive[path] = {"limit": value, "latency_ms": 0.0, "min_latency_ms": 0.0}
     return adaptive
 
 

@@ -218,6 +218,37 @@ def test_the_limit_in_force_reaches_stats_and_prometheus(prefixed: str) -> None:
         reader.close()
 
 
+def test_stats_show_the_limit_of_paths_this_host_never_admitted_on(prefixed: str) -> None:
+    """A host that has not admitted on an adaptive path (or whose bounded memo of them
+    was emptied by traffic on 10 000 other routes) reports the limit other hosts moved,
+    read from Redis, not its ``initial``: for a path without ``*``, and for the keys of a
+    wildcard limit a status page asks about."""
+    limits = {
+        "shop/work": AUTO,
+        "shop/api/*": {"concurrency": "auto", "adaptive": {"algorithm": "aimd", "max": 50}},
+    }
+    writer, reader = keeper(prefixed, limits), keeper(prefixed, limits)
+    try:
+        backend = redis_backend(writer)
+        for path, value in (("shop/work", 7), ("shop/api/alice", 4), ("shop/api/bob", 9)):
+            backend.client.hset(backend.adaptive_key(path), mapping={"limit": value, "due": 1e18})
+        assert reader.stats()["adaptive"]["shop/work"]["limit"] == 7
+        asked = reader.stats(adaptive_keys=["shop/api/alice", "shop/api/bob", "shop/work"])
+        assert {path: report["limit"] for path, report in asked["adaptive"].items()} == {
+            "shop/work": 7,
+            "shop/api/alice": 4,
+            "shop/api/bob": 9,
+        }
+        reader.admit("shop", "api", "alice").release(200)
+        redis_backend(reader)._adaptive.clear()  # what 10 000 other routes would do
+        redis_backend(reader)._seen.clear()
+        again = reader.stats(adaptive_keys=["shop/api/alice"])["adaptive"]
+        assert again["shop/api/alice"]["limit"] == 4
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_an_adaptive_limit_on_a_redis_cluster(tmp_path: Any) -> None:
     """On a Redis Cluster the adaptive hash shares its path's hash tag: admissions,
     samples, claims, state writes and the totals read run without CROSSSLOT, and the limit
