@@ -343,6 +343,26 @@ def test_user_key_counts_each_logged_in_user_with_the_middleware_first(
 
 
 @pytest.mark.django_db
+def test_user_key_finds_the_user_of_a_subclass_of_the_authentication_middleware(
+    settings: Any, django_user_model: Any
+) -> None:
+    """A site's own middleware made from AuthenticationMiddleware sets request.user the
+    same way: each logged-in user still counts apart (not all as one anonymous key)."""
+    settings.MIDDLEWARE = [
+        "tests.django_project.middleware.SiteAuthenticationMiddleware"
+        if path.endswith(".AuthenticationMiddleware")
+        else path
+        for path in settings.MIDDLEWARE
+    ]
+    configure_gatekeeper(settings, {"site/whoami/*": {"concurrency": 5, "key": "user"}})
+    alice, bob = Client(), Client()
+    alice.force_login(django_user_model.objects.create_user("alice"))
+    bob.force_login(django_user_model.objects.create_user("bob"))
+    assert live(alice.get("/whoami/")) == {"site/whoami/alice": 1}
+    assert live(bob.get("/whoami/")) == {"site/whoami/bob": 1}
+
+
+@pytest.mark.django_db
 def test_user_key_does_not_flush_a_session_it_cannot_verify(
     settings: Any, django_user_model: Any
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -180,8 +181,21 @@ def _username(request: HttpRequest) -> str | None:
     return str(user.get_username())
 
 
-# Django's AuthenticationMiddleware, whose request.user a per-user limit reads.
-_AUTHENTICATION = "django.contrib.auth.middleware.AuthenticationMiddleware"
+@functools.lru_cache(maxsize=8)
+def _authenticates(middleware: tuple[str, ...]) -> bool:
+    """Whether ``middleware`` (``settings.MIDDLEWARE``) sets ``request.user`` from the
+    session: Django's AuthenticationMiddleware, or a class of a site's own made from it."""
+    from django.contrib.auth.middleware import AuthenticationMiddleware
+    from django.utils.module_loading import import_string
+
+    for path in middleware:
+        try:
+            found = import_string(path)
+        except ImportError:  # Django says so when it loads them; nothing to add here
+            continue
+        if isinstance(found, type) and issubclass(found, AuthenticationMiddleware):
+            return True
+    return False
 
 
 class _SessionCopy(dict[str, Any]):
@@ -206,7 +220,7 @@ def _session_user(request: HttpRequest) -> Any:
     from django.conf import settings
     from django.contrib.auth import get_user
 
-    if _AUTHENTICATION not in settings.MIDDLEWARE:
+    if not _authenticates(tuple(settings.MIDDLEWARE)):
         return None
     session_key = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
     if not session_key:
@@ -287,7 +301,8 @@ class GateKeeperMiddleware:
     middleware below has run, resolves it after all (a ``request.urlconf`` set by
     django-hosts or django-tenants, a translated route in the language LocaleMiddleware
     activated): :meth:`process_view` then counts it under Django's own match instead,
-    before the view runs. Views marked
+    before the view runs (admitted as ``unresolved`` until then: a full ``unresolved``
+    limit refuses it, as it cannot yet be told apart from a 404). Views marked
     ``@gatekeeper_exempt`` are never limited. The ``routes`` setting is for bare WSGI and
     ignored here.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.contrib.auth.middleware import AuthenticationMiddleware
 from django.http import HttpResponse
 
 
@@ -35,3 +36,7 @@ class ApiHostMiddleware:
 
             request.urlconf = ApiURLs
         return self.get_response(request)
+
+
+class SiteAuthenticationMiddleware(AuthenticationMiddleware):
+    """A site's own authentication middleware, made from Django's (as many are)."""
