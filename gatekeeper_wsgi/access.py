@@ -138,8 +138,15 @@ def check_token(
     whatever else lets the request in, so the token never stays in URLs, history or access
     logs; a wrong one is removed by the same redirect (without a cookie) when something
     else lets the request in, else refused (403). No credential (or the cookie of a
-    replaced token): 401 with a Bearer challenge; a wrong token, or none configured: 403.
+    replaced token): 401 with a Bearer challenge; a wrong token, or none configured: 403;
+    a query string too long to look for a token in: 414.
     """
+    query = environ.get("QUERY_STRING", "")
+    if isinstance(query, str) and len(query) > _MAX_CREDENTIAL_INPUT:
+        # Too long to look for a token in (a token is short, a megabyte must cost
+        # nothing), and so too long to serve: it may carry one, which must not stay in
+        # the URL (no status URL needs such a query).
+        return "414 URI Too Long", "the query string is too long", []
     link = token_link(environ)
     if link is not None and token is not None and same_token(link.token, token):
         return _see_without_token(environ, link.rest, cookie=_cookie_header(environ, token))

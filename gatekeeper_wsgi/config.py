@@ -665,6 +665,14 @@ class _Checker:
                 "expected a string of printable ASCII characters (what was given is not "
                 "shown: the token is a secret)",
             )
+        if token != token.strip():
+            # All spaces: a "?token=%20" link would let anyone in. Spaces around it: a
+            # bearer header's value is read without them, so it could never match.
+            raise self.error(
+                "dashboard.token",
+                "expected a token without spaces around it (what was given is not shown: "
+                "the token is a secret)",
+            )
         return DashboardConfig(token=token)
 
     def limit(self, path: str, value: object) -> Limit:

@@ -365,6 +365,14 @@ class GateKeeper:
             time.sleep(_SETTLE_SECONDS)
             return self._reload_file(force=True)
 
+    def reload_if_due(self) -> None:
+        """Check the configuration file if a check is due (``reload.every_seconds`` have
+        passed, or ``every_requests`` requests were handled), as handling a request does:
+        for what reads the configuration outside requests (the status endpoint's token).
+        Never raises or waits; nothing without a file."""
+        if self._file is not None:
+            self._reload_if_due(self._clock())
+
     def _reload_file(self, *, force: bool = False) -> bool:
         """One check of the file: swap it in if it changed, settled, and is valid.
         ``force`` (:meth:`reload`) reads and judges it again even if it did not change:
@@ -1097,9 +1105,7 @@ class GateKeeper:
             logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
         delayed, reported = self._last_read
         snapshot = self.monitor.snapshot(delayed)
-        adaptive = _adaptive_in_force(
-            self.config, reported, adaptive_keys, backend.adaptive_limit
-        )
+        adaptive = _adaptive_in_force(self.config, reported, adaptive_keys, backend.adaptive_limit)
         return Stats(counters=snapshot["counters"], stages=snapshot["stages"], adaptive=adaptive)
 
     def close(self) -> None:

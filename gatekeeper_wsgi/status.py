@@ -345,6 +345,9 @@ class StatusApp:
                 json_=wants_json,
                 extra=[("Allow", "GET, HEAD")],
             )
+        # A token rotated in the file must hold even when no other request came to
+        # check it: a status read checks the file as a request does.
+        self.gatekeeper.reload_if_due()
         denied = self._denied(environ)
         if denied is not None:
             status, message, extra = denied

@@ -1152,6 +1152,16 @@ def test_a_bad_dashboard_token_is_refused_without_showing_it(token: object) -> N
     assert "s3cret" not in str(error) and "90817263544" not in str(error)
 
 
+@pytest.mark.parametrize("token", ["   ", " s3cret", "s3cret "])
+def test_a_dashboard_token_with_spaces_around_it_is_refused(token: str) -> None:
+    """A token of spaces alone would let a ``?token=%20%20%20`` link in; spaces around a
+    token would never match a bearer header (read without them): both refused, the token
+    not quoted."""
+    error = config_error({"dashboard": {"token": token}})
+    assert error.key == "dashboard.token" and "spaces around it" in str(error)
+    assert "s3cret" not in str(error)
+
+
 def test_a_reload_with_a_bad_token_logs_no_token(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

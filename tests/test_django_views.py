@@ -100,6 +100,20 @@ def test_dashboard_token_admits_a_scraper(settings: Any) -> None:
 
 
 @pytest.mark.django_db
+def test_the_mount_without_its_slash_is_never_limited(settings: Any) -> None:
+    """`/gatekeeper` (no slash) is answered by Django's APPEND_SLASH redirect to the
+    dashboard, not refused by the project's limit (which blocks everything here)."""
+    gatekeeper(settings)
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, "django.middleware.common.CommonMiddleware"]
+    url = reverse("gatekeeper:dashboard")
+    assert url.endswith("/")
+    response = Client().get(url.rstrip("/") + "?token=" + TOKEN)
+    assert response.status_code == 301
+    assert response["Location"] == url + "?token=" + TOKEN
+    assert Client().get("/no-such-page").status_code == 503  # other redirects stay limited
+
+
+@pytest.mark.django_db
 def test_token_link_is_exchanged_for_a_cookie(settings: Any) -> None:
     """A ?token= link to the dashboard redirects to it without the token, setting an
     HttpOnly, SameSite=Strict cookie that then opens the page and the JSON."""

@@ -4,6 +4,7 @@ in a URL; one check shared by the core app, Flask's blueprint and Django's views
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -279,6 +280,83 @@ def test_flask_blueprint_uses_the_same_exchange() -> None:
             assert response.status_code == 200
     with flask_app.test_client() as stranger, stranger.get("/gatekeeper/status.json") as response:
         assert response.status_code == 401
+
+
+def test_flask_mount_without_its_slash_is_never_limited() -> None:
+    """`/gatekeeper` (no slash) gets Flask's redirect to the dashboard even while the
+    project's limit is full: the redirect to an exempt view is exempt too."""
+    from flask import Flask
+    from gatekeeper_wsgi.contrib.flask import GateKeeper as FlaskGateKeeper
+
+    flask_app = Flask(__name__)
+    flask_app.config["GATEKEEPER"] = {
+        "project": "shop",
+        "dashboard": {"token": TOKEN},
+        "limits": {"shop": {"concurrency": 0}},
+    }
+    extension = FlaskGateKeeper(flask_app)
+    flask_app.register_blueprint(extension.status_blueprint())
+
+    @flask_app.route("/orders/")
+    def orders() -> str:
+        return "ok"
+
+    client = flask_app.test_client()
+    response = client.get("/gatekeeper?token=" + TOKEN)
+    assert response.status_code == 308
+    assert response.headers["Location"].endswith("/gatekeeper/?token=" + TOKEN)
+    bearer = client.get("/gatekeeper", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bearer.status_code == 308
+    assert client.get("/orders").status_code == 503  # other redirects stay limited
+
+
+def test_a_query_too_long_to_look_for_a_token_in_is_refused(app: StatusApp) -> None:
+    """A query string too long to be parsed for a token is never served (it may carry
+    one, which would stay in the URL), whatever lets the request in."""
+    client = Client(app)
+    query = "x=" + "a" * 9_000 + "&token=" + TOKEN
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    response = client.get("/?" + query, headers=bearer)
+    assert response.status_code == 414
+    assert TOKEN.encode() not in response.data
+    assert client.get("/?x=" + "a" * 100, headers=bearer).status_code == 200
+
+
+def test_a_token_rotated_in_the_file_holds_without_other_traffic(tmp_path: Any) -> None:
+    """A status read checks the configuration file when a check is due, as a request
+    does: the replaced token stops opening the page though no other request came."""
+    path = tmp_path / "gatekeeper.toml"
+
+    def token(value: str) -> None:
+        replacement = tmp_path / "next.toml"
+        replacement.write_text(
+            '[gatekeeper]\nproject = "shop"\n[gatekeeper.reload]\nevery_seconds = 1\n'
+            f'[gatekeeper.dashboard]\ntoken = "{value}"\n',
+            encoding="utf-8",
+        )
+        os.replace(replacement, path)
+
+    token("old-token")
+    now = [1000.0]
+    gk = GateKeeper(str(path), clock=lambda: now[0])
+    try:
+        client = Client(StatusApp(gk))
+        assert (
+            client.get("/status.json", headers={"Authorization": "Bearer old-token"}).status_code
+            == 200
+        )
+        token("new-token")
+        now[0] += 2  # reload.every_seconds passed
+        assert (
+            client.get("/status.json", headers={"Authorization": "Bearer old-token"}).status_code
+            == 403
+        )
+        assert (
+            client.get("/status.json", headers={"Authorization": "Bearer new-token"}).status_code
+            == 200
+        )
+    finally:
+        gk.close()
 
 
 def test_flask_auth_hook_with_a_token_link_still_exchanges_it() -> None:

@@ -91,6 +91,19 @@ def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | N
         with translation.override(language) if language else contextlib.nullcontext():
             match = resolve(path, urlconf)
     except Resolver404:
+        if (
+            settings.APPEND_SLASH
+            and not path.endswith("/")
+            and _installed(tuple(settings.MIDDLEWARE), _COMMON)
+        ):
+            # CommonMiddleware will redirect it to the path with a slash: a redirect to
+            # an exempt view (the dashboard's mount without its slash) is exempt too.
+            try:
+                with translation.override(language) if language else contextlib.nullcontext():
+                    if _is_exempt(resolve(path + "/", urlconf).func):
+                        return None
+            except Resolver404:
+                pass
         return None, UNRESOLVED
     if _is_exempt(match.func):
         return None
@@ -181,21 +194,27 @@ def _username(request: HttpRequest) -> str | None:
     return str(user.get_username())
 
 
-@functools.lru_cache(maxsize=8)
-def _authenticates(middleware: tuple[str, ...]) -> bool:
-    """Whether ``middleware`` (``settings.MIDDLEWARE``) sets ``request.user`` from the
-    session: Django's AuthenticationMiddleware, or a class of a site's own made from it."""
-    from django.contrib.auth.middleware import AuthenticationMiddleware
+@functools.lru_cache(maxsize=16)
+def _installed(middleware: tuple[str, ...], kind: str) -> bool:
+    """Whether ``middleware`` (``settings.MIDDLEWARE``) holds the Django middleware class
+    at dotted path ``kind``, or a class of a site's own made from it."""
     from django.utils.module_loading import import_string
 
+    wanted = import_string(kind)
     for path in middleware:
         try:
             found = import_string(path)
         except ImportError:  # Django says so when it loads them; nothing to add here
             continue
-        if isinstance(found, type) and issubclass(found, AuthenticationMiddleware):
+        if isinstance(found, type) and issubclass(found, wanted):
             return True
     return False
+
+
+#: sets request.user from the session (what a per-user limit reads)
+_AUTHENTICATION = "django.contrib.auth.middleware.AuthenticationMiddleware"
+#: redirects a path without its slash (APPEND_SLASH)
+_COMMON = "django.middleware.common.CommonMiddleware"
 
 
 class _SessionCopy(dict[str, Any]):
@@ -220,7 +239,7 @@ def _session_user(request: HttpRequest) -> Any:
     from django.conf import settings
     from django.contrib.auth import get_user
 
-    if not _authenticates(tuple(settings.MIDDLEWARE)):
+    if not _installed(tuple(settings.MIDDLEWARE), _AUTHENTICATION):
         return None
     session_key = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
     if not session_key:

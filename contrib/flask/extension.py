@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from flask import Blueprint, Flask, current_app, has_app_context
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing import RequestRedirect
 
 from gatekeeper_wsgi.backends import check_backend_url
 from gatekeeper_wsgi.config import Config, Mode, check_limit, load_config
@@ -593,7 +594,14 @@ class AppState:
             adapter = app.create_url_adapter(app.request_class(environ, shallow=True))
             if adapter is None:
                 return None
-            return str(adapter.match()[0])
+            try:
+                return str(adapter.match()[0])
+            except RequestRedirect:
+                # Flask answers a redirect (a missing trailing slash): unresolved, unless
+                # it leads to an exempt view (the dashboard's mount without its slash).
+                path = str(environ.get("PATH_INFO") or "")
+                target = str(adapter.match(path + "/")[0])
+                return target if self._names.get(target, ()) is None else None
         except HTTPException:  # NotFound, MethodNotAllowed, RequestRedirect, SecurityError
             return None
         except Exception:  # a hostile request must never turn into a 500 here
