@@ -70,6 +70,7 @@ from gatekeeper_wsgi.requestvalues import content_length
 __all__ = [
     "REDACTED",
     "REJECTED_LOGGER",
+    "ReplayedBody",
     "flush",
     "log_rejected",
     "peek_body",
@@ -277,37 +278,55 @@ def _read(stream: Any, size: int) -> bytes:
     return b"".join(chunks)
 
 
-class _Replay:
-    """A request body stream whose first bytes were read already (:func:`peek_body`): they
-    are handed out again first, then the rest of ``stream``, as PEP 3333's ``wsgi.input``
-    (``read``, ``readline``, ``readlines``, iteration), for whoever reads the body next.
-    ``missing``: the body had not arrived when they were looked for."""
+class ReplayedBody:
+    """A request body stream that hands out ``head`` (bytes read from it already) first,
+    then the rest of ``stream``: PEP 3333's ``wsgi.input`` (``read``, ``readline``,
+    ``readlines``, iteration, ``close``), for whoever reads the body next. ``missing``: the
+    body had not arrived when ``head`` was looked for. With ``record``, it keeps what it
+    hands out, so :meth:`rewound` can hand it out again (a framework whose request object
+    reads the body after the log did: Django's)."""
 
-    __slots__ = ("_head", "missing", "stream")
+    __slots__ = ("_head", "_taken", "missing", "stream")
 
-    def __init__(self, head: bytes, stream: Any, missing: bool = False) -> None:
+    def __init__(
+        self, stream: Any, head: bytes = b"", *, missing: bool = False, record: bool = False
+    ) -> None:
         self._head = head
         self.stream = stream
         self.missing = missing
+        self._taken = bytearray() if record else None
+
+    def rewound(self) -> ReplayedBody:
+        """A stream that hands out again what this one (made with ``record``) handed
+        out, then what it did not."""
+        if self._taken is None:
+            raise ValueError("a ReplayedBody made without record=True cannot be rewound")
+        return ReplayedBody(self.stream, bytes(self._taken) + self._head, missing=self.missing)
+
+    def _took(self, data: bytes) -> bytes:
+        if self._taken is not None:
+            self._taken += data
+        return data
 
     def read(self, size: int | None = -1) -> bytes:
         limit = -1 if size is None else size
         head = self._head
         if not head:
-            return bytes(self.stream.read(limit))
+            return self._took(bytes(self.stream.read(limit)))
         if limit < 0:
             self._head = b""
-            return head + bytes(self.stream.read(-1))
+            return self._took(head + bytes(self.stream.read(-1)))
         self._head = head[limit:]
         if len(head) >= limit:
-            return head[:limit]
-        return head + bytes(self.stream.read(limit - len(head)))  # as many as the body has
+            return self._took(head[:limit])
+        # as many as the body has
+        return self._took(head + bytes(self.stream.read(limit - len(head))))
 
     def readline(self, size: int | None = -1) -> bytes:
         limit = -1 if size is None else size
         head = self._head
         if not head:
-            return bytes(self.stream.readline(limit))
+            return self._took(bytes(self.stream.readline(limit)))
         end = head.find(b"\n") + 1 or len(head)
         if limit >= 0:
             end = min(end, limit)
@@ -315,13 +334,18 @@ class _Replay:
         self._head = head[end:]
         if not self._head and not line.endswith(b"\n") and (limit < 0 or len(line) < limit):
             line += bytes(self.stream.readline(limit - len(line) if limit >= 0 else -1))
-        return line
+        return self._took(line)
 
     def readlines(self, hint: int = -1) -> list[bytes]:
         return list(iter(self.readline, b""))
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.readline, b"")
+
+    def close(self) -> None:
+        close = getattr(self.stream, "close", None)
+        if close is not None:
+            close()
 
 
 def peek_body(environ: MutableMapping[str, Any], size: int) -> bytes:
@@ -334,7 +358,7 @@ def peek_body(environ: MutableMapping[str, Any], size: int) -> bytes:
     if omitted is None and not head:
         return b""
     stream = environ.get("wsgi.input")
-    environ["wsgi.input"] = _Replay(head, stream, missing=omitted is not None)
+    environ["wsgi.input"] = ReplayedBody(stream, head, missing=omitted is not None)
     return head
 
 
@@ -371,7 +395,7 @@ def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None
     stream = environ.get("wsgi.input")
     if length == 0 or stream is None:
         return b"", bool(length), None
-    if isinstance(stream, _Replay) and stream.missing:  # looked for already, in vain
+    if isinstance(stream, ReplayedBody) and stream.missing:  # looked for already, in vain
         return b"", True, _NOT_ARRIVED
     if length is not None and cap <= 0:
         return b"", True, None

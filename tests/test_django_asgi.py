@@ -109,6 +109,32 @@ def test_rejection_under_asgi_is_a_service_fault(settings: Any) -> None:
     asyncio.run(scenario())
 
 
+def test_a_receiver_reads_the_whole_body_under_asgi(settings: Any) -> None:
+    """Under ASGI too, what the log and the fault read of a rejected request's body is
+    given back: a request_rejected receiver reads it whole."""
+    from gatekeeper_wsgi.contrib.django.signals import request_rejected
+
+    seen: list[bytes] = []
+
+    def receiver(sender: Any, request: Any, **kwargs: Any) -> None:
+        seen.append(request.body)
+
+    body = b"<order>" + b"z" * 3000 + b"</order>"
+
+    async def scenario() -> None:
+        configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+        response = await AsyncClient().post("/work/", data=body, content_type="text/plain")
+        assert response.status_code == 503
+        assert response["Content-Type"].startswith("application/xml")
+
+    request_rejected.connect(receiver)
+    try:
+        asyncio.run(scenario())
+    finally:
+        request_rejected.disconnect(receiver)
+    assert seen == [body]
+
+
 def test_async_stream_is_released_when_sent(settings: Any) -> None:
     """An async StreamingHttpResponse holds its slot until the handler closes it."""
 

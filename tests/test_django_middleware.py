@@ -745,6 +745,45 @@ def test_rejection_sends_the_request_rejected_signal(settings: Any, client: Clie
     assert received[0]["request"].path == "/work/"
 
 
+@pytest.mark.parametrize("log_level", [logging.INFO, logging.WARNING])
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", b"username=alice&note=" + b"x" * 5000),
+        ("text/plain", b"<order>" + b"y" * 300 + b"</order>"),  # its start read to tell XML
+    ],
+)
+def test_a_receiver_reads_the_whole_body_the_log_and_the_fault_read(
+    settings: Any,
+    client: Client,
+    caplog: pytest.LogCaptureFixture,
+    log_level: int,
+    content_type: str,
+    body: bytes,
+) -> None:
+    """What the rejected-request log and the fault's format read of the body is given
+    back to the request: a request_rejected receiver still reads request.body (and a
+    form's request.POST) whole, with the log on or off."""
+    configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
+    caplog.set_level(log_level, logger="gatekeeper.rejected")
+    seen: list[tuple[bytes, str | None]] = []
+
+    def receiver(sender: Any, request: Any, **kwargs: Any) -> None:
+        seen.append((request.body, request.POST.get("username")))
+
+    request_rejected.connect(receiver)
+    try:
+        response = client.post("/work/", data=body, content_type=content_type)
+    finally:
+        request_rejected.disconnect(receiver)
+    assert response.status_code == 503
+    form = content_type.endswith("urlencoded")
+    assert seen == [(body, "alice" if form else None)]
+    assert response["Content-Type"].startswith(
+        "application/problem+json" if form else "application/xml"
+    )
+
+
 def test_failing_signal_receiver_does_not_break_the_fault(
     settings: Any, client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from django.conf import settings
+from django.core.handlers.wsgi import LimitedStream
 from django.core.signals import setting_changed
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -32,6 +33,7 @@ from gatekeeper_wsgi.kernel import (
 from gatekeeper_wsgi.naming import UNRESOLVED
 from gatekeeper_wsgi.naming import name_segment as service_segment
 from gatekeeper_wsgi.redact import failure_without_message
+from gatekeeper_wsgi.rejectlog import ReplayedBody
 from gatekeeper_wsgi.requestvalues import remember, wsgi_string
 
 from .conf import get_gatekeeper
@@ -252,6 +254,23 @@ def _session_user(request: HttpRequest) -> Any:
     except Exception:  # a store down or a session it cannot read: as if anonymous
         logger.debug("gatekeeper: could not read the session's user", exc_info=True)
         return None
+
+
+def _give_back_body(request: HttpRequest, replay: ReplayedBody) -> None:
+    """Let the request read again what the fault and the log read of its body: Django's
+    request reads its ``_stream`` (under WSGI a ``LimitedStream`` of ``wsgi.input`` to
+    its Content-Length, under ASGI the body received)."""
+    if "_stream" not in request.__dict__:
+        return  # a request object of another making: left as it is
+    # What the stubs type as BinaryIO: any object with read() and readline() does.
+    rewound: Any = replay.rewound()
+    if "wsgi.input" in request.META:
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        rewound = LimitedStream(rewound, max(0, length))
+    request._stream = rewound
 
 
 # A byte Django percent-encoded because it was not UTF-8 (repercent_broken_unicode: only
@@ -504,13 +523,20 @@ class GateKeeperMiddleware:
         self, request: HttpRequest, rejected: Rejected, gate: Gate, identifier: Identifier
     ) -> HttpResponse:
         meta = request.META
-        # Under ASGI there is no wsgi.input; the request reads its own body, which Django
-        # has received whole (so it ends where the stream does, chunked or not).
         log_environ = {**meta, "PATH_INFO": _wsgi_path(meta.get("PATH_INFO", ""))}
         log_environ["SCRIPT_NAME"] = _wsgi_path(meta.get("SCRIPT_NAME", ""))
-        if "wsgi.input" not in meta:
-            log_environ.update({"wsgi.input": request, "wsgi.input_terminated": True})
+        # What the fault (its format) and the log read of the body is read through a
+        # stream that keeps it, and given back to the request, so a request_rejected
+        # receiver still reads the whole body (request.body, request.POST).
+        stream = meta.get("wsgi.input")
+        if stream is None:
+            # Under ASGI there is no wsgi.input: the body Django received whole (so it ends
+            # where the stream does, chunked or not).
+            stream = getattr(request, "_stream", request)
+            log_environ["wsgi.input_terminated"] = True
+        replay = log_environ["wsgi.input"] = ReplayedBody(stream, record=True)
         status, headers, body = gate.fault(identifier, meta, rejected, log_environ)
+        _give_back_body(request, replay)
         code, _, reason = status.partition(" ")
         # A HEAD response carries the GET's headers and no content (RFC 9110 9.3.2), as the
         # WSGI middleware sends it: not every server drops what a HEAD response holds.
