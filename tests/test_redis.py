@@ -343,9 +343,23 @@ def test_url_options_are_validated() -> None:
         ("spin=-0.001", "spin"),
         ("spin=0.5", "spin"),
         ("spin=" + "9" * 5000, "spin"),
+        # redis-py's own, which would fail at start-up with a LookupError, or on every
+        # connection (failing open for good)
+        ("encoding=bogus", "encoding"),
+        ("encoding_errors=bogus", "encoding_errors"),
+        ("client_name=web%201", "client_name"),
     ]:
         with pytest.raises(ConfigError, match=name):
             backend_from_url(f"redis://127.0.0.1:1/0?{query}")
+
+
+def test_a_password_with_a_slash_is_not_quoted_as_the_database() -> None:
+    """A '/' in a password not written %2F ends the host part early: the rest reads as the
+    database, and the error says so without quoting it (it is the password's tail)."""
+    with pytest.raises(ConfigError, match="db: expected a database number") as raised:
+        GateKeeper({"backend": "redis://gk:Pa55/woRDsecret@127.0.0.1:1/0"})
+    assert "woRD" not in str(raised.value) and "secret" not in str(raised.value)
+    assert "%2F" in str(raised.value)
 
 
 @pytest.mark.parametrize(

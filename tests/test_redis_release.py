@@ -467,6 +467,30 @@ def test_close_sends_the_releases_still_waiting(prefixed: str) -> None:
     other.close()
 
 
+def test_close_sends_the_releases_waiting_while_the_breaker_is_open(
+    own_redis: ControlledRedis,
+) -> None:
+    """A moment's outage opened the breaker (for a minute here) with a release waiting;
+    Redis is back when the process closes its gatekeeper (a graceful restart): close()
+    tries once anyway, and the release is not left held until max_hold."""
+    url = f"{own_redis.url}?breaker_cooldown=60&socket_timeout=0.2"
+    gk = keeper(url, {"shop/work": {"concurrency": 200}})
+    backend = backend_of(gk)
+    gk.admit("shop", "work", "c").release(200)  # connects
+    held = gk.admit("shop", "work", "c")
+    own_redis.pause()
+    try:
+        held.release(200)  # the sender's send times out: the breaker opens
+        wait_until(lambda: backend._breaker.open, what="the breaker to open")
+    finally:
+        own_redis.resume()
+    assert backend.pending_releases() == 1
+    gk.close()
+    other = RedisBackend.from_url(url)
+    assert other.inflight(0.0) == {}
+    other.close()
+
+
 def test_many_threads_release_exactly_once(prefixed: str) -> None:
     """Sixteen threads admit and release 200 times each against concurrency 4: an observer
     counting inside never sees more than 4, and at the end nothing is held."""

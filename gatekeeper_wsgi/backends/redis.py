@@ -29,6 +29,7 @@ do not matter (nor an injected engine clock); only latencies are measured on the
 from __future__ import annotations
 
 import atexit
+import codecs
 import contextlib
 import heapq
 import itertools
@@ -288,6 +289,7 @@ def _flush_at_exit() -> None:
     for backend in list(_BACKENDS):
         outbox = backend._outbox
         if len(outbox):
+            backend._breaker.probe_now()
             with contextlib.suppress(BackendError):
                 outbox.flush()
 
@@ -478,6 +480,15 @@ class _Breaker:
     def abandon(self) -> None:
         """The call was interrupted (not a Redis failure): let another caller probe."""
         self._probing = False
+
+    def probe_now(self) -> None:
+        """Let the next call probe at once, whatever is left of the cooldown: the last
+        sends of a closing backend or an exiting process cannot wait it out, and Redis
+        may well be back (a hiccup opened it a moment ago)."""
+        with self._lock:
+            if self._open_until:
+                self._open_until = time.monotonic()
+                self._probing = False
 
     @property
     def open(self) -> bool:
@@ -999,9 +1010,16 @@ class RedisBackend(Backend):
         databases += [value for name, value in passed if name == "db"]
         for database in databases:
             if database and not (database.isascii() and database.isdigit() and len(database) < 10):
+                # A path with an "@" holds the rest of the credentials (a "/" in the
+                # password, not written %2F, ends the host part early): not quoted.
+                got = (
+                    "the rest of the credentials (write a '/' in the password as %2F)"
+                    if "@" in database
+                    else repr(database[:40])
+                )
                 raise ConfigError(
                     "backend",
-                    f"db: expected a database number (0, 1, 2, ...), got {database[:40]!r} "
+                    f"db: expected a database number (0, 1, 2, ...), got {got} "
                     f"in {mask_url(url)[:200]!r}",
                 )
         cluster = options.get("cluster", "0").strip().lower()
@@ -1993,6 +2011,7 @@ class RedisBackend(Backend):
             self._repost(connection)  # written, not confirmed: sent again (idempotent)
         try:
             if len(outbox):
+                self._breaker.probe_now()
                 outbox.flush()
         except BackendError:
             logger.warning(
@@ -2025,6 +2044,24 @@ def _check_options(url: str, query: list[tuple[str, str]]) -> None:
         seen.add(name)
         if name in _SECONDS_OPTIONS:
             _seconds(url, name, {name: value}, 0.0)
+        elif name == "encoding" or name == "encoding_errors":
+            # Looked up when the first command is encoded (at start-up, a LookupError).
+            try:
+                (codecs.lookup if name == "encoding" else codecs.lookup_error)(value)
+            except LookupError:
+                raise ConfigError(
+                    "backend",
+                    f"{name}: unknown to Python, got {value[:40]!r} in {mask_url(url)[:200]!r}",
+                ) from None
+        elif name == "client_name" and not (
+            value.isascii() and value.isprintable() and " " not in value
+        ):
+            # Redis refuses it on every connection (CLIENT SETNAME), failing open for good.
+            raise ConfigError(
+                "backend",
+                f"client_name: expected printable ASCII without spaces (Redis refuses any "
+                f"other), got {value[:40]!r} in {mask_url(url)[:200]!r}",
+            )
         elif name in _WHOLE_OPTIONS and not (
             value.isascii() and value.isdigit() and len(value) < 10
         ):
