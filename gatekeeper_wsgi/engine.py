@@ -1105,7 +1105,9 @@ class GateKeeper:
             logger.debug("gatekeeper: stats() read the backend's last figures: %s", exc)
         delayed, reported = self._last_read
         snapshot = self.monitor.snapshot(delayed)
-        adaptive = _adaptive_in_force(self.config, reported, adaptive_keys, backend.adaptive_limit)
+        adaptive = _adaptive_in_force(
+            self.config, reported, adaptive_keys, backend.adaptive_reports
+        )
         return Stats(counters=snapshot["counters"], stages=snapshot["stages"], adaptive=adaptive)
 
     def close(self) -> None:
@@ -1126,7 +1128,7 @@ def _adaptive_in_force(
     config: Config,
     reported: Mapping[str, AdaptiveReport],
     keys: Collection[str] | None,
-    current: Callable[[str, Limit], int],
+    read: Callable[[Mapping[str, Limit]], dict[str, AdaptiveReport]],
 ) -> dict[str, AdaptiveReport]:
     """``stats()["adaptive"]``: what the backend reports of the paths an adaptive limit of
     ``config`` governs (one that a reload made fixed is no longer adaptive, though the
@@ -1135,38 +1137,37 @@ def _adaptive_in_force(
 
     A path it does not report (an adaptive limit without ``*`` this process has not
     admitted on yet, a key of one ``keys`` names that a backend's bounded memo forgot: on
-    Redis, the limit other hosts moved) is reported at its limit in force, ``current(path,
-    limit)``, the value of its faults (``initial`` until one was learned), without
-    latencies."""
+    Redis, the limit other hosts moved) is ``read`` (:meth:`Backend.adaptive_reports`):
+    its limit in force, the value of its faults (``initial`` until one was learned)."""
     index = config.limit_index
 
-    def within(value: int, limit: Limit) -> int:
+    def within(report: AdaptiveReport, limit: Limit) -> AdaptiveReport:
         # A reload that narrowed the bounds is enforced at once, while a controller
         # learned under the old ones moves on its next sample.
         assert limit.adaptive is not None
-        return min(max(value, limit.adaptive.min), limit.adaptive.max)
+        value = min(max(report["limit"], limit.adaptive.min), limit.adaptive.max)
+        return report if value == report["limit"] else {**report, "limit": value}
 
     adaptive: dict[str, AdaptiveReport] = {}
     for key, report in reported.items():
         limit = counting_limit(index, key)
         if limit is not None and limit.adaptive is not None:
-            value = within(report["limit"], limit)
-            adaptive[key] = report if value == report["limit"] else {**report, "limit": value}
-    unreported: list[tuple[str, Limit]] = [
-        (limit.path, limit)
+            adaptive[key] = within(report, limit)
+    unreported: dict[str, Limit] = {
+        limit.path: limit
         for limit in config.limits.values()
-        if limit.adaptive is not None and not limit.wildcard
-    ]
-    if keys is not None:
-        unreported = [(path, limit) for path, limit in unreported if path in keys]
-        for key in keys:
-            limit = counting_limit(index, key)
-            if limit is not None and limit.adaptive is not None and limit.wildcard:
-                unreported.append((key, limit))
-    for path, limit in unreported:
-        if path not in adaptive:
-            value = within(current(path, limit), limit)
-            adaptive[path] = {"limit": value, "latency_ms": 0.0, "min_latency_ms": 0.0}
+        if limit.adaptive is not None
+        and not limit.wildcard
+        and limit.path not in adaptive
+        and (keys is None or limit.path in keys)
+    }
+    for key in keys or ():
+        limit = counting_limit(index, key)
+        if limit is not None and limit.adaptive is not None and key not in adaptive:
+            unreported[key] = limit
+    if unreported:
+        for path, report in read(unreported).items():
+            adaptive[path] = within(report, unreported[path])
     return adaptive
 
 

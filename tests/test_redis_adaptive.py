@@ -15,7 +15,7 @@ redis = pytest.importorskip("redis")
 
 from gatekeeper_wsgi import GateKeeper, Rejected  # noqa: E402
 from gatekeeper_wsgi.adaptive import SAMPLE_CEILING, Controller  # noqa: E402
-from gatekeeper_wsgi.backends.redis import _bulk, _Input, _Release  # noqa: E402
+from gatekeeper_wsgi.backends.redis import _bulk, _Input, _number, _Release  # noqa: E402
 from tests.conftest import redis_binary  # noqa: E402
 from tests.servers import ClusterRedis, gather  # noqa: E402
 from tests.test_redis import keeper  # noqa: E402
@@ -239,6 +239,19 @@ def test_stats_show_the_limit_of_paths_this_host_never_admitted_on(prefixed: str
             "shop/api/alice": 4,
             "shop/api/bob": 9,
         }
+        # With the controller's state another host wrote: its latencies too.
+        spec = reader.config.limits["shop/work"].adaptive
+        assert spec is not None
+        controller = Controller(spec, 0.0, key="shop/work")
+        for step in range(1, 400):
+            controller.sample(0.02 + step % 3 / 100, 5, False, step * 0.05 - 0.02, step * 0.05)
+        state = " ".join(_number(value) for value in controller.state())
+        backend.client.hset(
+            backend.adaptive_key("shop/work"), mapping={"s": state, "limit": controller.limit}
+        )
+        redis_backend(reader)._seen.clear()
+        shown = reader.stats()["adaptive"]["shop/work"]
+        assert shown == controller.report() and shown["latency_ms"] > 0
         reader.admit("shop", "api", "alice").release(200)
         redis_backend(reader)._adaptive.clear()  # what 10 000 other routes would do
         redis_backend(reader)._seen.clear()
@@ -247,6 +260,35 @@ def test_stats_show_the_limit_of_paths_this_host_never_admitted_on(prefixed: str
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_key_refused_lately_is_shown_with_nothing_in_flight(prefixed: str) -> None:
+    """The status page and Prometheus show a wildcard auto limit's key refused lately
+    once its requests ended, as memory and the shared file do (Redis dropped every key
+    with nothing in flight from the keys shown)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gatekeeper_wsgi.prometheus import register
+    from gatekeeper_wsgi.status import status_payload
+
+    spec = {"algorithm": "aimd", "initial": 4, "max": 50}
+    gk = keeper(prefixed, {"shop/api/*": {"concurrency": "auto", "adaptive": spec}})
+    try:
+        registry = CollectorRegistry()
+        collector = register(gk, registry, multiprocess=False)
+        held = [gk.admit("shop", "api", "alice") for _ in range(4)]
+        with pytest.raises(Rejected):
+            gk.admit("shop", "api", "alice")
+        for admission in held:
+            admission.release(200)
+        assert gk.inflight() == {}
+        shown = status_payload(gk)["stats"]["adaptive"]
+        assert set(shown) == {"shop/api/alice"}
+        scrape = generate_latest(registry).decode()
+        assert 'gatekeeper_adaptive_limit{key="shop/api/alice",limit="shop/api/*"}' in scrape
+        collector.close()
+    finally:
+        gk.close()
 
 
 def test_an_adaptive_limit_on_a_redis_cluster(tmp_path: Any) -> None:

@@ -413,6 +413,21 @@ class Backend(ABC):
         assert limit.adaptive is not None
         return limit.adaptive.initial
 
+    def adaptive_reports(self, wanted: Mapping[str, Limit]) -> dict[str, AdaptiveReport]:
+        """Reports of the adaptive limits at the concrete paths of ``wanted`` (each with
+        the limit governing it) that :meth:`adaptive` does not report (a path this process
+        never admitted on, whose limit other hosts may have moved): by default each one's
+        :meth:`adaptive_limit`, without latencies. A backend that stores the controller's
+        state reads the latencies too."""
+        return {
+            path: {
+                "limit": self.adaptive_limit(path, limit),
+                "latency_ms": 0.0,
+                "min_latency_ms": 0.0,
+            }
+            for path, limit in wanted.items()
+        }
+
     def census(self, now: float) -> Census | None:
         """Requests in flight and delayed releases of the whole backend (every process and
         host it spans), for ``gatekeeper status``; None when it cannot tell. Not on the

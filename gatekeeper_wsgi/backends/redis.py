@@ -1428,20 +1428,47 @@ class RedisBackend(Backend):
         except BackendError:
             last = self._reports
             return dict(last) if keys is None else {key: last[key] for key in keys if key in last}
-        reports: dict[str, AdaptiveReport] = {}
-        for (_, (spec, path)), (text, limit) in zip(known, replies, strict=True):
-            controller = _restored(spec, path, _text(text or b""))
-            if controller is not None:
-                report = controller.report()
-            else:
-                report = {"limit": spec.initial, "latency_ms": 0.0, "min_latency_ms": 0.0}
-            if limit is not None and _text(limit).isdigit():
-                report["limit"] = int(_text(limit))
-            self._remember(path, report["limit"])
-            reports[path] = report
+        reports = {
+            path: self._report(spec, path, text, limit)
+            for (_, (spec, path)), (text, limit) in zip(known, replies, strict=True)
+        }
         if keys is None:
             self._reports = reports
         return reports
+
+    def adaptive_reports(self, wanted: Mapping[str, Limit]) -> dict[str, AdaptiveReport]:
+        """The reports of ``wanted`` read from their hashes, latencies included (one
+        pipelined round trip): what another host's controller measured. On a failure,
+        :meth:`adaptive_limit`'s last values, without latencies."""
+        if not wanted:
+            return {}
+        try:
+            with self._reading():
+                pipe = self.client.pipeline(transaction=False)
+                for path in wanted:
+                    pipe.hmget(self.adaptive_key(path), "s", "limit")
+                replies = pipe.execute()
+        except BackendError:
+            return super().adaptive_reports(wanted)
+        reports: dict[str, AdaptiveReport] = {}
+        for (path, limit), (text, value) in zip(wanted.items(), replies, strict=True):
+            assert limit.adaptive is not None
+            reports[path] = self._report(limit.adaptive, path, text, value)
+        return reports
+
+    def _report(
+        self, spec: AdaptiveSpec, path: str, text: bytes | None, limit: bytes | None
+    ) -> AdaptiveReport:
+        """The report of the adaptive limit at ``path`` from its hash's state and limit."""
+        controller = _restored(spec, path, _text(text or b""))
+        if controller is not None:
+            report = controller.report()
+        else:
+            report = {"limit": spec.initial, "latency_ms": 0.0, "min_latency_ms": 0.0}
+        if limit is not None and _text(limit).isdigit():
+            report["limit"] = int(_text(limit))
+        self._remember(path, report["limit"])
+        return report
 
     def adaptive_limit(self, key: str, limit: Limit) -> int:
         """The adaptive limit in force at ``key``: as a refusal or a read reported it
@@ -1869,14 +1896,14 @@ class RedisBackend(Backend):
             keys = _busiest(held, top)
             listed = {key for key, _ in keys}
             wanted = watch.get(limit.path, ()) if limit.wildcard else (limit.path,)
-            keys += [
-                (key, held.get(key, 0))
-                for key in (name.encode("utf-8", "surrogateescape") for name in wanted)
-                if key not in listed
-            ]
+            watched = [name.encode("utf-8", "surrogateescape") for name in wanted]
+            keys += [(key, held.get(key, 0)) for key in watched if key not in listed]
             looks: list[tuple[bool, Counter[bytes]]] = []
             if limit.rate is None:
-                keys = [(key, count) for key, count in keys if count]
+                # A wildcard's key refused lately is shown with nothing in flight too, as
+                # memory and the shared file show it: its adaptive limit, its refusals.
+                kept = set(watched) if limit.wildcard else set()
+                keys = [(key, count) for key, count in keys if count or key in kept]
             else:
                 window_us = round(limit.rate.seconds * 1_000_000)
                 for key, _ in keys:
