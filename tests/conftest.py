@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -21,6 +22,16 @@ settings.load_profile("gatekeeper")
 REDIS_BINARY = shutil.which("redis-server")
 #: CI sets this, so a missing redis-server fails instead of skipping.
 REQUIRE_REDIS = os.environ.get("GATEKEEPER_REQUIRE_REDIS") == "1"
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace a configuration file by an atomic rename, the instant way of
+    docs/configuration.md (swapped in at the next check; a file rewritten in place waits
+    until it has settled, SPEC §4.10). The temporary name is the thread's own, so threads
+    may replace one file at once."""
+    temporary = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def busy(source: Any) -> dict[str, int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from werkzeug.test import Client as WerkzeugClient
 
 from gatekeeper_wsgi import GateKeeperMiddleware as WSGIGateKeeperMiddleware
 from gatekeeper_wsgi import rejectlog
-from tests.conftest import busy
+from tests.conftest import busy, replace_file
 from tests.django_project import configure, views
 from tests.servers import DEADLINE, wait_until
 
@@ -41,14 +40,6 @@ configure()
 def configure_gatekeeper(settings: Any, limits: dict[str, Any], **extra: Any) -> None:
     """Give this test its own GATEKEEPER (the project is "site" unless said otherwise)."""
     settings.GATEKEEPER = {"project": "site", **extra, "limits": limits}
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Replace an operators' file by an atomic rename: swapped in at the next check (a
-    file rewritten in place waits until it has settled, SPEC §4.10)."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 def counted_during(response: Any) -> dict[str, int]:

@@ -24,17 +24,10 @@ from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.config import MAX_SECONDS, build_config
 from gatekeeper_wsgi.errors import ConfigError, Rejected
 from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, MAX_KEY_PARTS, load_file, open_for_writing
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, replace_file
 
 GOOD = "project = shop\nlimits.shop.concurrency = 1\n"
 CHANGED = "project = shop\nlimits.shop.concurrency = 2\n"
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Replace ``path`` by an atomic rename, the instant way of docs/configuration.md."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
 
 
 def replace_with(path: Path, make: Callable[[Path], None]) -> None:

@@ -3,7 +3,6 @@ time only, so a dashboard's ``decide`` mean is not inflated by seconds spent que
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.errors import Rejected
+from tests.conftest import replace_file
 from tests.servers import wait_until
 
 SETTINGS: dict[str, Any] = {
@@ -93,13 +93,11 @@ def test_a_reload_that_lowers_the_limit_applies_to_the_waiters(tmp_path: Path) -
     path = tmp_path / "gatekeeper.toml"
 
     def limit(concurrency: int) -> None:
-        replacement = tmp_path / "next.toml"
-        replacement.write_text(
+        replace_file(
+            path,
             '[gatekeeper]\nproject = "shop"\n[gatekeeper.limits."shop/slow"]\n'
             f"concurrency = {concurrency}\nqueue = {{ size = 5, wait = 30.0 }}\n",
-            encoding="utf-8",
         )
-        os.replace(replacement, path)
 
     limit(2)
     gk = GateKeeper(str(path))
@@ -142,16 +140,11 @@ def test_a_reload_that_removes_the_limit_admits_the_waiters(
 ) -> None:
     """A request waits in the queue of a limit a reload removes: no limit applies to it
     any more, so it is admitted holding nothing (on Redis, the backend was asked to
-    admit no slots at all and raised), and everything comes back to zero."""
+    admit no slots at all and raised out of admit), and everything comes back to zero."""
     path = tmp_path / "gatekeeper.toml"
 
     def limits(text: str) -> None:
-        replacement = tmp_path / "next.toml"
-        replacement.write_text(
-            f'[gatekeeper]\nproject = "shop"\nbackend = "{backend_url}"\n{text}',
-            encoding="utf-8",
-        )
-        os.replace(replacement, path)
+        replace_file(path, f'[gatekeeper]\nproject = "shop"\nbackend = "{backend_url}"\n{text}')
 
     other = '[gatekeeper.limits."shop/other"]\nconcurrency = 100\n'
     queued = '[gatekeeper.limits."shop/slow"]\nconcurrency = 1\nqueue = { size = 5, wait = 30.0 }\n'
@@ -176,8 +169,10 @@ def test_a_reload_that_removes_the_limit_admits_the_waiters(
             gk.admit("shop", "other", "b").release(200)
         thread.join(30)
         assert not thread.is_alive()
-        (admission,) = admitted
-        assert admission.slots == ()
+        (admission,) = admitted  # not an error out of admit (a 500)
+        # Holding nothing; or, had its look at the configuration come just before the
+        # swap and its try just after the holder's release, the old limit's slot.
+        assert [slot.key for slot in admission.slots] in ([], ["shop/slow"])
         admission.release(200)
         assert not any(gk.inflight().values())
         assert gk.stats()["counters"]["backend_errors"] == 0

@@ -353,17 +353,22 @@ def logged(log: Path, count: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
+def rejecting_server(kind: str, tmp_path: Path, log: Path) -> Gunicorn | Waitress:
+    """A real server (``kind``) of the app that rejects every request and writes its
+    rejected-request log to ``log``."""
+    env = {"GK_TEST_REJECTED_LOG": str(log), "PYTHONPATH": APPS}
+    if kind == "gunicorn":
+        return Gunicorn(tmp_path, "--pythonpath", APPS, "rejected_log_app:app", env=env)
+    return Waitress(tmp_path, "rejected_log_app:app", env=env)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gunicorn", "waitress"])
 def test_a_chunked_body_is_logged_under_a_real_server(kind: str, tmp_path: Path) -> None:
     """A real server's chunked request (no Content-Length) is logged with its body,
     redacted, and cut at the cap with body_truncated when longer."""
     log = tmp_path / "rejected.jsonl"
-    env = {"GK_TEST_REJECTED_LOG": str(log), "PYTHONPATH": APPS}
-    if kind == "gunicorn":
-        server: Gunicorn = Gunicorn(tmp_path, "--pythonpath", APPS, "rejected_log_app:app", env=env)
-    else:
-        server = Waitress(tmp_path, "rejected_log_app:app", env=env)
+    server = rejecting_server(kind, tmp_path, log)
     short = [b'{"user": "alice", ', b'"password": "s3cret"}']
     long = [b'{"user": "bob", "password": "s3cret", ', b'"pad": "' + b"x" * 100 + b'"}']
     with server:
@@ -399,11 +404,7 @@ def test_an_untyped_xml_body_under_a_real_server(kind: str, tmp_path: Path) -> N
     ``requests.post(url, data=...)`` sends it) gets the XML fault, and is logged as any
     body is (up to the app's cap, its first bytes read to tell put back)."""
     log = tmp_path / "rejected.jsonl"
-    env = {"GK_TEST_REJECTED_LOG": str(log), "PYTHONPATH": APPS}
-    if kind == "gunicorn":
-        server: Gunicorn = Gunicorn(tmp_path, "--pythonpath", APPS, "rejected_log_app:app", env=env)
-    else:
-        server = Waitress(tmp_path, "rejected_log_app:app", env=env)
+    server = rejecting_server(kind, tmp_path, log)
     xml = b'<?xml version="1.0"?><order>' + b"<item/>" * 40 + b"</order>"
     with server:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)

@@ -4,7 +4,6 @@ in a URL; one check shared by the core app, Flask's blueprint and Django's views
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from werkzeug.test import Client
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.access import COOKIE_NAME
 from gatekeeper_wsgi.status import StatusApp
+from tests.conftest import replace_file
 
 TOKEN = "s3cret-token"
 SETTINGS: dict[str, Any] = {"project": "shop", "limits": {"shop": {"concurrency": 5}}}
@@ -328,13 +328,11 @@ def test_a_token_rotated_in_the_file_holds_without_other_traffic(tmp_path: Any) 
     path = tmp_path / "gatekeeper.toml"
 
     def token(value: str) -> None:
-        replacement = tmp_path / "next.toml"
-        replacement.write_text(
+        replace_file(
+            path,
             '[gatekeeper]\nproject = "shop"\n[gatekeeper.reload]\nevery_seconds = 1\n'
             f'[gatekeeper.dashboard]\ntoken = "{value}"\n',
-            encoding="utf-8",
         )
-        os.replace(replacement, path)
 
     token("old-token")
     now = [1000.0]

@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, replace_file
 
 THREADS = 64
 OPS = 30
@@ -70,13 +70,6 @@ def properties(settings: dict[str, Any]) -> str:
         else:
             lines.append(f"{section} = {values}")
     return "\n".join(lines) + "\n"
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Swap the file atomically, so a concurrent reload never reads half of it."""
-    temporary = path.with_suffix(f".{threading.get_ident()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
 
 
 # ------------------------------------------------------------------- the threaded stress
