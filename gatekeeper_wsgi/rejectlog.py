@@ -247,7 +247,9 @@ def _read_arrived(environ: Mapping[str, Any], stream: Any, size: int) -> bytes |
     """
     sock = environ.get("gunicorn.socket")
     if not isinstance(sock, socket.socket):
-        return _read(stream, size)
+        # A server's own deadline (uWSGI's socket-timeout) or a client gone mid-body: what
+        # had arrived is kept (and logged as cut), not dropped with the error.
+        return _read(stream, size, keep_partial=True)
     try:
         previous = sock.gettimeout()
         sock.settimeout(BODY_WAIT)
@@ -264,17 +266,22 @@ def _read_arrived(environ: Mapping[str, Any], stream: Any, size: int) -> bytes |
             sock.settimeout(previous)
 
 
-def _read(stream: Any, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream`` (fewer only at its end)."""
+def _read(stream: Any, size: int, *, keep_partial: bool = False) -> bytes:
+    """Up to ``size`` bytes of ``stream`` (fewer only at its end; with ``keep_partial``,
+    also those read before an OSError, which is raised only when nothing was)."""
     chunks = []
-    while size > 0:
-        chunk = stream.read(size)
-        if not isinstance(chunk, bytes):
-            raise TypeError(f"wsgi.input.read() returned {type(chunk).__name__}")
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size -= len(chunk)
+    try:
+        while size > 0:
+            chunk = stream.read(size)
+            if not isinstance(chunk, bytes):
+                raise TypeError(f"wsgi.input.read() returned {type(chunk).__name__}")
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+    except OSError:
+        if not (keep_partial and chunks):
+            raise
     return b"".join(chunks)
 
 

@@ -336,6 +336,34 @@ def test_a_request_without_a_body_is_logged_with_an_empty_complete_one() -> None
     assert body_fields(env) == {"body": "", "body_truncated": False}
 
 
+class _CutShortInput:
+    """A server's input that has ``arrived`` and then fails, as uWSGI's does when a client
+    holds the rest of a declared body back past its socket-timeout."""
+
+    def __init__(self, arrived: bytes) -> None:
+        self._arrived = arrived
+
+    def read(self, size: int = -1) -> bytes:
+        if self._arrived:
+            chunk, self._arrived = self._arrived[:size], self._arrived[size:]
+            return chunk
+        raise OSError("error during read(5000) on wsgi.input")
+
+
+def test_what_arrived_before_the_server_gave_up_is_logged_as_cut() -> None:
+    """A body the server stops reading mid-way (its own deadline, a client gone) is
+    logged as far as it arrived, redacted, and marked cut; none at all as before."""
+    env = environ(method="POST", data=b"", content_type="application/x-www-form-urlencoded")
+    env["CONTENT_LENGTH"] = "5000"
+    env["wsgi.input"] = _CutShortInput(b"user=alice&password=hunter2&note=" + b"x" * 66)
+    fields = body_fields(env)
+    assert fields["body_truncated"] is True
+    assert fields["body"].startswith("user=alice&password=[redacted]&note=xxx")
+    assert "hunter2" not in json.dumps(fields)
+    env["wsgi.input"] = _CutShortInput(b"")
+    assert body_fields(env) == {"body": "", "body_truncated": True}
+
+
 def test_an_unparseable_content_length_is_not_read() -> None:
     """A Content-Length that is not a number: the body is not read, and not claimed empty."""
     env = environ(method="POST", data=b"abc")
