@@ -303,6 +303,11 @@ class ReplayedBody:
         self.missing = missing
         self._taken = bytearray() if record else None
 
+    @property
+    def read_any(self) -> bool:
+        """Whether this stream (made with ``record``) handed anything out."""
+        return bool(self._taken)
+
     def rewound(self) -> ReplayedBody:
         """A stream that hands out again what this one (made with ``record``) handed
         out, then what it did not."""

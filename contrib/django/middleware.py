@@ -260,8 +260,8 @@ def _give_back_body(request: HttpRequest, replay: ReplayedBody) -> None:
     """Let the request read again what the fault and the log read of its body: Django's
     request reads its ``_stream`` (under WSGI a ``LimitedStream`` of ``wsgi.input`` to
     its Content-Length, under ASGI the body received)."""
-    if "_stream" not in request.__dict__:
-        return  # a request object of another making: left as it is
+    if not replay.read_any or "_stream" not in request.__dict__:
+        return  # nothing read (or a request object of another making): left as it is
     # What the stubs type as BinaryIO: any object with read() and readline() does.
     rewound: Any = replay.rewound()
     if "wsgi.input" in request.META:
