@@ -228,6 +228,7 @@ def _headers(
 #: its headers first (``Expect: 100-continue``) has its body there within a round trip
 BODY_WAIT = 0.005
 _NOT_ARRIVED = f"not sent within {BODY_WAIT * 1000:g} ms: not read"
+_UNREADABLE = "the server failed to read it: not read"
 
 
 def _read_arrived(environ: Mapping[str, Any], stream: Any, size: int) -> bytes | None:
@@ -288,15 +289,21 @@ def _read(stream: Any, size: int, *, keep_partial: bool = False) -> bytes:
 class ReplayedBody:
     """A request body stream that hands out ``head`` (bytes read from it already) first,
     then the rest of ``stream``: PEP 3333's ``wsgi.input`` (``read``, ``readline``,
-    ``readlines``, iteration, ``close``), for whoever reads the body next. ``missing``: the
-    body had not arrived when ``head`` was looked for. With ``record``, it keeps what it
+    ``readlines``, iteration, ``close``), for whoever reads the body next. ``missing``: why
+    the body could not be read when it was looked for (it had not arrived, the server's
+    read failed), so nobody waits for it again. With ``record``, it keeps what it
     hands out, so :meth:`rewound` can hand it out again (a framework whose request object
     reads the body after the log did: Django's)."""
 
     __slots__ = ("_head", "_taken", "missing", "stream")
 
     def __init__(
-        self, stream: Any, head: bytes = b"", *, missing: bool = False, record: bool = False
+        self,
+        stream: Any,
+        head: bytes = b"",
+        *,
+        missing: str | None = None,
+        record: bool = False,
     ) -> None:
         self._head = head
         self.stream = stream
@@ -363,20 +370,29 @@ class ReplayedBody:
 def peek_body(environ: MutableMapping[str, Any], size: int) -> bytes:
     """Up to ``size`` of the request body's first bytes, read as the log reads a body
     (:func:`_body`: never past its end, never waiting long for a client holding it back),
-    and put back: ``environ["wsgi.input"]`` then hands them out again first (for the log,
-    which reads the body after the fault is rendered). Empty when there is none, or it
+    and put back: ``environ["wsgi.input"]`` then hands out again everything read (for
+    the log, which reads the body after the fault is rendered), or says why nothing could
+    be (so the log does not wait for it a second time). Empty when there is none, or it
     cannot be read safely."""
-    head, _, omitted = _body(environ, size)
-    if omitted is None and not head:
+    head, _, omitted, taken = _read_body(environ, size)
+    if omitted is None and not taken:
         return b""
     stream = environ.get("wsgi.input")
-    environ["wsgi.input"] = ReplayedBody(stream, head, missing=omitted is not None)
+    environ["wsgi.input"] = ReplayedBody(stream, taken, missing=omitted)
     return head
 
 
 def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None]:
     """Up to ``cap`` bytes of the request body, whether there was more (or may have been),
-    and why it was not read at all (None when it was).
+    and why it was not read at all (None when it was): :func:`_read_body`."""
+    body, cut, omitted, _ = _read_body(environ, cap)
+    return body, cut, omitted
+
+
+def _read_body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None, bytes]:
+    """Up to ``cap`` bytes of the request body, whether there was more (or may have been),
+    why it was not read at all (None when it was), and every byte taken from the stream
+    (one past the cap, without a length: what :func:`peek_body` puts back).
 
     With a Content-Length, that many bytes are the body. Without one, the body ends where
     the server says the stream does (``wsgi.input_terminated``: gunicorn, waitress and
@@ -390,7 +406,7 @@ def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None
         # At most 18 digits are read: a hostile one of thousands costs int() nothing.
         length = content_length(raw_length)
         if length is None:
-            return b"", True, "its Content-Length is not a number: not read"
+            return b"", True, "its Content-Length is not a number: not read", b""
     elif environ.get("wsgi.input_terminated"):
         length = None
     elif environ.get("HTTP_TRANSFER_ENCODING"):
@@ -401,27 +417,28 @@ def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None
                 "sent without Content-Length (Transfer-Encoding) to a server that does not "
                 "mark where it ends (wsgi.input_terminated): not read"
             ),
+            b"",
         )
     else:
-        return b"", False, None
+        return b"", False, None, b""
     stream = environ.get("wsgi.input")
     if length == 0 or stream is None:
-        return b"", bool(length), None
-    if isinstance(stream, ReplayedBody) and stream.missing:  # looked for already, in vain
-        return b"", True, _NOT_ARRIVED
+        return b"", bool(length), None, b""
+    if isinstance(stream, ReplayedBody) and stream.missing is not None:
+        return b"", True, stream.missing, b""  # looked for already, in vain
     if length is not None and cap <= 0:
-        return b"", True, None
+        return b"", True, None, b""
     try:
         # Without a length, read to the stream's end, one byte past the cap to know
         # whether it goes on.
         read = _read_arrived(environ, stream, cap + 1 if length is None else min(length, cap))
     except Exception:  # a client that went away must not break the fault
-        return b"", True, None
+        return b"", True, _UNREADABLE, b""
     if read is None:
-        return b"", True, _NOT_ARRIVED
+        return b"", True, _NOT_ARRIVED, b""
     if length is None:
-        return read[:cap], len(read) > cap, None
-    return read, len(read) < length, None
+        return read[:cap], len(read) > cap, None, read
+    return read, len(read) < length, None, read
 
 
 def _request_path(environ: Mapping[str, Any]) -> str:

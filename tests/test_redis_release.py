@@ -491,6 +491,45 @@ def test_close_sends_the_releases_waiting_while_the_breaker_is_open(
     other.close()
 
 
+def test_the_exit_flush_tries_once_per_process_and_skips_closed_backends(
+    own_redis: ControlledRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With Redis down at a process's exit, its waiting releases are tried once (the flush
+    is registered with atexit and multiprocessing both), and a backend closed before
+    (which tried at its close) is not tried again: an exit during an outage is not held
+    up by one socket timeout per hook and backend."""
+    url = f"{own_redis.url}?breaker_cooldown=60&socket_timeout=0.2"
+    gk, closed = keeper(url, {"shop/work": {"concurrency": 200}}), keeper(url, {})
+    backend = backend_of(gk)
+    gk.admit("shop", "work", "c").release(200)  # connects
+    held = gk.admit("shop", "work", "c")
+    closed.close()
+    assert backend_of(closed) not in redis_backend._BACKENDS
+    sends: list[int] = []
+    send = backend._send
+
+    def counted(releases: list[Any]) -> None:
+        sends.append(len(releases))
+        send(releases)
+
+    monkeypatch.setattr(backend, "_send", counted)
+    monkeypatch.setattr(redis_backend, "_exit_flushed_pid", 0)
+    own_redis.pause()
+    try:
+        held.release(200)
+        wait_until(lambda: backend._breaker.open, what="the breaker to open")
+        sends.clear()
+        redis_backend._flush_at_exit()
+        redis_backend._flush_at_exit()  # the second hook
+        assert sends == [1]
+    finally:
+        own_redis.resume()
+    gk.close()
+    other = RedisBackend.from_url(url)
+    assert other.inflight(0.0) == {}
+    other.close()
+
+
 def test_many_threads_release_exactly_once(prefixed: str) -> None:
     """Sixteen threads admit and release 200 times each against concurrency 4: an observer
     counting inside never sees more than 4, and at the end nothing is held."""

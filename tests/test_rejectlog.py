@@ -250,13 +250,19 @@ def test_an_untyped_xml_body_gets_xml_and_is_logged_whole(
         st.tuples(st.sampled_from(["read", "readline"]), st.one_of(st.none(), st.integers(-1, 90))),
         max_size=12,
     ),
+    chunked=st.booleans(),
 )
 def test_a_peeked_body_reads_as_the_body_did(
-    data: bytes, peeked: int, calls: list[tuple[str, int | None]]
+    data: bytes, peeked: int, calls: list[tuple[str, int | None]], chunked: bool
 ) -> None:
     """After its first bytes were read to tell its format, ``wsgi.input`` hands out the
-    body exactly as the untouched stream would, to any mix of PEP 3333's reads."""
+    body exactly as the untouched stream would, to any mix of PEP 3333's reads; with a
+    Content-Length, or without one where the server marks the body's end (chunked: the
+    look reads one byte past what it asked for, to know whether the body goes on)."""
     env = environ(method="POST", data=data)
+    if chunked:
+        env.pop("CONTENT_LENGTH", None)
+        env["wsgi.input_terminated"] = True
     env["wsgi.input"] = io.BytesIO(data)
     assert peek_body(env, peeked) == data[:peeked]
     model = io.BytesIO(data)
@@ -361,7 +367,45 @@ def test_what_arrived_before_the_server_gave_up_is_logged_as_cut() -> None:
     assert fields["body"].startswith("user=alice&password=[redacted]&note=xxx")
     assert "hunter2" not in json.dumps(fields)
     env["wsgi.input"] = _CutShortInput(b"")
-    assert body_fields(env) == {"body": "", "body_truncated": True}
+    assert body_fields(env) == {
+        "body_omitted": "the server failed to read it: not read",
+        "body_truncated": True,
+    }
+
+
+@pytest.mark.parametrize("length", [None, "5000"])
+def test_a_body_the_server_fails_to_read_is_waited_for_once(
+    rejected_logger: logging.Logger, length: str | None
+) -> None:
+    """A body whose read fails (a server's deadline, a client gone) is tried once for a
+    rejected request: by the fault's look at its format, which tells the log, which does
+    not wait a second time; logged as not read."""
+    handler = ListHandler()
+    rejected_logger.addHandler(handler)
+    app = GateKeeperMiddleware(ok_app, {"project": "shop", "limits": {"shop": {"concurrency": 0}}})
+    reads: list[int] = []
+
+    class FailingInput:
+        def read(self, size: int = -1) -> bytes:
+            reads.append(size)
+            raise OSError("error during read on wsgi.input")
+
+    env = environ(method="POST", data=b"")
+    env.pop("CONTENT_TYPE", None)
+    if length is None:
+        env.pop("CONTENT_LENGTH", None)
+        env["wsgi.input_terminated"] = True
+    else:
+        env["CONTENT_LENGTH"] = length
+    env["wsgi.input"] = FailingInput()
+    body = app(env, lambda status, headers, exc_info=None: None)
+    assert b"GK-CONCURRENCY-LIMIT" in b"".join(body)
+    assert flush()
+    assert len(reads) == 1
+    (line,) = handler.lines
+    record = json.loads(line)
+    assert record["body_omitted"] == "the server failed to read it: not read"
+    assert "body" not in record
 
 
 def test_an_unparseable_content_length_is_not_read() -> None:

@@ -283,9 +283,19 @@ def _after_fork_in_child() -> None:
 _FORKS = ForkWatch(_after_fork_in_child)
 
 
+#: the process whose exit flush ran (it is registered twice: atexit and multiprocessing)
+_exit_flushed_pid = 0
+
+
 def _flush_at_exit() -> None:
     # A worker that exits (a graceful restart) may have releases waiting from its last
-    # responses: send them, or their slots would stay held until max_hold.
+    # responses: send them, or their slots would stay held until max_hold. Once per
+    # process, and one try per backend even while its breaker is open (a closed backend
+    # tried at its close and left this set).
+    global _exit_flushed_pid
+    if _exit_flushed_pid == os.getpid():
+        return
+    _exit_flushed_pid = os.getpid()
     for backend in list(_BACKENDS):
         outbox = backend._outbox
         if len(outbox):
@@ -479,6 +489,11 @@ class _Breaker:
 
     def abandon(self) -> None:
         """The call was interrupted (not a Redis failure): let another caller probe."""
+        self._probing = False
+
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread of the parent held is held for good."""
+        self._lock = threading.Lock()
         self._probing = False
 
     def probe_now(self) -> None:
@@ -971,6 +986,7 @@ class RedisBackend(Backend):
     def _after_fork(self) -> None:
         self._outbox.after_fork()
         self._delayed_lock = threading.Lock()
+        self._breaker.after_fork()
         if self._line is not None:
             self._line.after_fork()
 
@@ -1050,9 +1066,16 @@ class RedisBackend(Backend):
                 pool = client.connection_pool
                 pool.connection_class(**pool.connection_kwargs)
         except (ValueError, TypeError, redis.exceptions.RedisError) as exc:
-            raise ConfigError(
-                "backend", f"invalid redis URL {mask_url(url)!r}: {mask_text(str(exc))}"
-            ) from exc
+            # redis-py's message quotes what it could not parse, which in a URL with
+            # credentials may be a piece of the password (one with a '?' or '#' ends the
+            # host part early): then not quoted at all.
+            reason = (
+                "it cannot be parsed (write '/', '?', '#' and '@' in a user name or "
+                "password percent-encoded)"
+                if "@" in url
+                else mask_text(str(exc))
+            )
+            raise ConfigError("backend", f"invalid redis URL {mask_url(url)!r}: {reason}") from exc
         # host and port as written: an IPv6 address keeps its brackets
         location = parts.netloc.rpartition("@")[2]
         if scheme == "unix":
@@ -2048,6 +2071,7 @@ class RedisBackend(Backend):
                 self.location,
             )
         outbox.close()
+        _BACKENDS.discard(self)  # tried once: not again at the process's exit
         for connection in list(self._connections):
             connection.disconnect()
         self.client.close()
