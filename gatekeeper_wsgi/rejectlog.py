@@ -52,7 +52,7 @@ import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import Rejected
@@ -80,6 +80,9 @@ __all__ = [
 REJECTED_LOGGER = "gatekeeper.rejected"
 # Characters left as they are in a logged path: RFC 3986 pchar plus "/".
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"
+#: a request line longer than this is not looked at for the path as sent (the path
+#: logged is cut at 4 KiB anyway)
+_LOGGED_PATH_SCAN = 64 * 1024
 #: a logged header value is cut after this many characters
 HEADER_VALUE_CAP = 1024
 #: a logged path or query string is cut after this many characters
@@ -454,7 +457,30 @@ def _request_path(environ: Mapping[str, Any]) -> str:
             data = raw.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
             data = raw.encode("utf-8", "surrogatepass")
-    return quote(data, safe=_PATH_SAFE) or "/"
+    sent = _sent_path(environ, data)
+    return sent if sent is not None else quote(data, safe=_PATH_SAFE) or "/"
+
+
+def _sent_path(environ: Mapping[str, Any], decoded: bytes) -> str | None:
+    """The path as the client wrote it on the request line, escapes and all, where the
+    server hands that line over (gunicorn's and werkzeug's ``RAW_URI``, uWSGI's and
+    werkzeug's ``REQUEST_URI``) and it decodes to the path the app got: ``%2F`` stays
+    ``%2F``, not a ``/`` that names another resource when the request is replayed. None
+    otherwise (the path is then encoded from PEP 3333's decoded one)."""
+    for name in ("RAW_URI", "REQUEST_URI"):
+        uri = environ.get(name)
+        if not isinstance(uri, str) or not uri or len(uri) > _LOGGED_PATH_SCAN:
+            continue
+        target = uri.split("?", 1)[0].split("#", 1)[0]
+        if not target.startswith("/"):  # absolute form: the path of the URL
+            target = "/" + target.partition("://")[2].partition("/")[2]
+        try:
+            written = target.encode("latin-1")
+        except UnicodeEncodeError:
+            continue
+        if unquote_to_bytes(written) == decoded:
+            return quote(written, safe=_PATH_SAFE + "%") or "/"
+    return None
 
 
 def rejection_record(

@@ -626,6 +626,50 @@ def test_replay_skips_truncated_bodies_unless_asked(tmp_path: Path, recorder: Re
     assert recorder.requests[0]["body"] == b"ab"
 
 
+def test_replay_says_why_a_body_was_not_logged(tmp_path: Path, recorder: Recorder) -> None:
+    """A body the log left out (a gzip one it cannot redact) is skipped with the log's
+    reason; --send-truncated sends the request without it, and without the
+    Content-Encoding that would claim a body that is not there."""
+    log = tmp_path / "omitted.log"
+    record = {
+        "method": "POST",
+        "path": "/x",
+        "query": "",
+        "headers": {"Content-Encoding": "gzip", "X-Note": "n"},
+        "body_omitted": "Content-Encoding 'gzip': its fields cannot be redacted",
+        "body_truncated": True,
+    }
+    log.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out) == 0
+    assert recorder.requests == []
+    assert "body not logged (Content-Encoding 'gzip'" in out.getvalue()
+    assert run_replay(log, recorder.url, out=io.StringIO(), send_truncated=True) == 0
+    (sent,) = recorder.requests
+    assert sent["body"] == b"" and "Content-Encoding" not in sent["headers"]
+    assert sent["headers"]["X-Note"] == "n"
+
+
+def test_replay_notes_redacted_fields_in_a_referer_and_survives_odd_lines(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A Referer whose query the log redacted is sent with the note the dry run gives for
+    any redacted field; a hand-edited line with a lone surrogate in its path is sent (as
+    the bytes Python gives it), not a traceback that ends the replay."""
+    log = tmp_path / "odd.log"
+    lines = [
+        {"method": "GET", "path": "/a", "headers": {"Referer": "http://x/y?token=[redacted]&a=1"}},
+        {"method": "GET", "path": "/x\ud800", "headers": {}},
+        {"method": "GET", "path": "/b", "headers": {}},
+    ]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    out = io.StringIO()
+    assert run_replay(log, recorder.url, out=out, dry_run=True) == 0
+    assert "Referer holds redacted fields" in out.getvalue()
+    assert run_replay(log, recorder.url, out=io.StringIO()) == 0
+    assert [request["uri"] for request in recorder.requests] == ["/a", "/x%ED%A0%80", "/b"]
+
+
 @pytest.mark.parametrize(
     ("cut", "named"),
     [

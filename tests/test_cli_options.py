@@ -111,6 +111,7 @@ def test_the_framework_commands_let_the_settings_stand_in_for_file(argv: list[st
     [
         (["replay", "x.log", "--to", "http://h", "--rate", "fast"], "expected a rate like"),
         (["replay", "x.log", "--to", "http://h", "-H", "no colon"], "expected 'Name: value'"),
+        (["replay", "x.log", "--to", "http://h", "-H", "Bad Name: 1"], "is no header name"),
         (["replay", "x.log", "--to", "http://h", "--rate", "0/s"], "the rate must be above 0"),
         *(
             (["replay", "x.log", "--to", "http://h", "--timeout", bad], message)

@@ -116,6 +116,27 @@ def test_record_keeps_binary_bodies_and_odd_paths_exact() -> None:
     assert record["method"] == "PUT"
 
 
+@pytest.mark.parametrize(
+    ("uri", "logged"),
+    [
+        ("/a%2Fb/%41", "/a%2Fb/%41"),  # as sent: %2F is no "/" (another resource)
+        ("/a%2Fb/%41?x=1", "/a%2Fb/%41"),
+        ("http://example.com/a%2Fb/%41", "/a%2Fb/%41"),  # the absolute form
+        ("/somewhere/else", "/a/b/A"),  # not this path (a proxy rewrote it): the decoded one
+    ],
+)
+def test_the_path_is_logged_as_the_client_wrote_it(uri: str, logged: str) -> None:
+    """Where the server hands over the request line (RAW_URI, REQUEST_URI), the logged
+    path is the one sent, escapes and all, so a replay reaches the same resource; where
+    it does not decode to the app's path, the app's path, percent-encoded."""
+    config = build_config({})
+    for name in ("RAW_URI", "REQUEST_URI"):
+        env = environ()
+        env["PATH_INFO"] = "/a/b/A"
+        env[name] = uri
+        assert rejection_record(env, Rejected("GK-RATE-LIMIT"), "r", config)["path"] == logged
+
+
 def test_each_rejection_is_one_json_line_from_the_listener_thread(
     rejected_logger: logging.Logger,
 ) -> None:

@@ -181,6 +181,8 @@ def _prepare(
             if value == REDACTED:
                 notes.append(f"{name} was redacted: not sent (use --header to supply it)")
                 continue
+            if REDACTED in str(value):  # a secret field in a URL header (Referer, Origin)
+                notes.append(f"{name} holds redacted fields: sent with {REDACTED!r} in them")
             headers.append((str(name), str(value)))
     headers.extend(overrides)
     body = b""
@@ -200,16 +202,26 @@ def _prepare(
         )
     # What the log cut (the body at rejected_log.body_bytes; a header value at 1 KiB, the
     # path and the query at 4 KiB) is not the original request: skipped unless asked for.
-    cut = ["body"] if record.get("body_truncated") else []
+    omitted = record.get("body_omitted")
+    cut = ["body"] if record.get("body_truncated") and not omitted else []
     cut += [part for part in ("path", "query") if record.get(f"{part}_truncated")]
     headers_cut = record.get("headers_truncated")
     if isinstance(headers_cut, list) and headers_cut:
         cut.append("header " + ", ".join(map(str, headers_cut)))
+    if omitted:
+        # Not logged at all (why: the log says): an empty body in its place, framed as
+        # one (its Content-Encoding would claim a gzip body that is not there).
+        what = f"body not logged ({str(omitted)[:200]})"
+        headers = [item for item in headers if item[0].lower() != "content-encoding"]
+        if send_truncated:
+            notes.append(f"{what}: sending no body")
+        else:
+            skip = f"{what}; --send-truncated sends the request without it"
     if cut:
         what = " and ".join(cut) + " truncated in the log"
         if send_truncated:
             notes.append(f"{what}: sending what was logged ({len(body)} bytes of body)")
-        else:
+        elif skip is None:
             skip = f"{what} (its caps: see rejected_log); --send-truncated sends it"
     return ReplayRequest(number, method, target, headers, body, record, notes, skip)
 
@@ -333,8 +345,14 @@ def _ascii(target: str) -> str:
     beyond latin-1, as its UTF-8 bytes)."""
     if target.isascii():
         return target
+    # (A lone surrogate, which no log of ours holds but a hand-edited one may, as the
+    # bytes Python would give it: never an error that ends the replay.)
     return "".join(
-        char if char.isascii() else quote(char.encode("latin-1" if ord(char) < 256 else "utf-8"))
+        char
+        if char.isascii()
+        else quote(
+            char.encode("latin-1") if ord(char) < 256 else char.encode("utf-8", "surrogatepass")
+        )
         for char in target
     )
 
@@ -344,4 +362,12 @@ def parse_header(text: str) -> tuple[str, str]:
     name, sep, value = text.partition(":")
     if not sep or not name.strip():
         raise ValueError(f"expected 'Name: value', got {text!r}")
+    if not _TOKEN.fullmatch(name.strip()):
+        raise ValueError(
+            f"{name.strip()[:100]!r} is no header name (letters, digits, !#$%&'*+-.^_`|~)"
+        )
     return name.strip(), value.strip()
+
+
+#: an HTTP field name (RFC 9110 5.1: a token)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
