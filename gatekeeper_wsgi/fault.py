@@ -31,12 +31,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCEPT_CAP",
-    "BODY_START_BYTES",
     "FAULT_FORMATS",
     "FAULT_NAMESPACE",
     "Renderer",
     "accept_prefers_xml",
-    "body_start_wanted",
     "json_limit_value",
     "render_fault",
     "xml_text",
@@ -298,41 +296,13 @@ ACCEPT_SCAN = 8 * 1024
 _KEYWORD = re.compile(r"xml|json|\*")
 
 
-#: request Content-Types that say nothing of the body's format: what clients send for a
-#: body they did not type (none; ``curl -d``'s form; bytes; text), whose first bytes tell
-_UNTYPED = frozenset(
-    ("", "application/octet-stream", "application/x-www-form-urlencoded", "text/plain")
-)
-#: how many of a body's first bytes :func:`body_start_wanted` asks for
-BODY_START_BYTES = 64
-#: what may come before an XML body's first ``<``: a UTF-8 byte order mark, white space
-_XML_LEAD = b"\xef\xbb\xbf \t\r\n"
-
-
-def _accept_preference(environ: WSGIEnvironment) -> bool | None:
+def _wants_xml(environ: WSGIEnvironment, mimetype: str) -> bool:
     accept = environ.get("HTTP_ACCEPT")
     if isinstance(accept, str) and accept.strip():
-        return accept_prefers_xml(accept)
-    return None
-
-
-def _wants_xml(environ: WSGIEnvironment, mimetype: str, body_start: bytes) -> bool:
-    prefers_xml = _accept_preference(environ)
-    if prefers_xml is not None:
-        return prefers_xml
-    if mimetype in _UNTYPED:
-        return body_start.lstrip(_XML_LEAD).startswith(b"<")
+        prefers_xml = accept_prefers_xml(accept)
+        if prefers_xml is not None:
+            return prefers_xml
     return _is_xml_mimetype(mimetype)
-
-
-def body_start_wanted(environ: WSGIEnvironment, fault_format: FaultFormat = "auto") -> bool:
-    """Whether :func:`render_fault` decides by the request body's first bytes (its
-    ``body_start``): the format is "auto", ``Accept`` prefers neither XML nor JSON and the
-    body's Content-Type says nothing of its format (none, a form, bytes, text), so only
-    the body can say it is XML."""
-    if fault_format != "auto" or _accept_preference(environ) is not None:
-        return False
-    return _mimetype(environ.get("CONTENT_TYPE") or "") in _UNTYPED
 
 
 def _call_renderer(
@@ -371,7 +341,6 @@ def render_fault(
     fault_format: FaultFormat = "auto",
     request_id_header: str = Config.request_id_header,
     renderer: Renderer | None = None,
-    body_start: bytes = b"",
 ) -> tuple[str, list[tuple[str, str]], bytes]:
     """Render ``rejected`` as a ServiceFault response: ``(status line, headers, body)``.
 
@@ -380,9 +349,9 @@ def render_fault(
     HTTP 500 and the ServiceFault as its detail. Otherwise ``renderer`` (a site's own body) is
     used if given, then ``fault_format`` ``"xml"``/``"json"`` forces a format, and ``"auto"``
     picks XML when ``Accept`` prefers ``application/xml``/``text/xml`` over JSON, or when
-    ``Accept`` expresses no preference and the request body is XML: typed so, or, untyped
-    (see :func:`body_start_wanted`), opening with ``<`` in ``body_start``, its first bytes;
-    JSON otherwise.
+    ``Accept`` expresses no preference and the request body is XML by its Content-Type;
+    JSON otherwise. (The body itself is not read to tell: a refused request's body may be
+    slow to come, and waiting for it would hold the worker, or cost the connection.)
 
     Example::
 
@@ -408,9 +377,7 @@ def render_fault(
         custom := _call_renderer(renderer, rejected, request_id, environ)
     ):
         content_type, body = custom
-    elif fault_format == "xml" or (
-        fault_format != "json" and _wants_xml(environ, mimetype, body_start)
-    ):
+    elif fault_format == "xml" or (fault_format != "json" and _wants_xml(environ, mimetype)):
         content_type, body = XML_CONTENT_TYPE, _render_xml(rejected, request_id)
     else:
         content_type, body = JSON_CONTENT_TYPE, _render_json(rejected, request_id)

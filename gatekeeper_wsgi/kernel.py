@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gatekeeper_wsgi.engine import Admission, GateKeeper
 from gatekeeper_wsgi.errors import Rejected
-from gatekeeper_wsgi.fault import BODY_START_BYTES, body_start_wanted, render_fault
+from gatekeeper_wsgi.fault import render_fault
 from gatekeeper_wsgi.identify import Identifier, request_id_from
-from gatekeeper_wsgi.rejectlog import log_rejected, peek_body
+from gatekeeper_wsgi.rejectlog import log_rejected
 from gatekeeper_wsgi.requestvalues import content_length, remember
 from gatekeeper_wsgi.resolve import Route
 
@@ -320,7 +320,7 @@ class Gate:
         identifier: Identifier,
         environ: WSGIEnvironment,
         rejected: Rejected,
-        log_environ: MutableMapping[str, Any] | None = None,
+        log_environ: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[tuple[str, str]], bytes]:
         """The ServiceFault of a rejection (status line, headers, body), logged on
         ``gatekeeper.rejected``; the request id used is left in ``environ``."""
@@ -328,12 +328,6 @@ class Gate:
         config = identifier.config
         request_id = request_id_from(environ, identifier.request_id_key)
         environ[REQUEST_ID_KEY] = request_id
-        logged = environ if log_environ is None else log_environ
-        # A body whose type says nothing of its format is XML if it looks like it (SPEC
-        # §5): its first bytes are read here, and put back for the log.
-        body_start = b""
-        if body_start_wanted(environ, config.fault.format):
-            body_start = peek_body(logged, BODY_START_BYTES)
         response = render_fault(
             rejected,
             environ,
@@ -341,8 +335,8 @@ class Gate:
             fault_format=config.fault.format,
             request_id_header=config.request_id_header,
             renderer=config.fault.renderer,
-            body_start=body_start,
         )
+        logged = environ if log_environ is None else log_environ
         # The status the client gets: a SOAP fault's is 500 whatever the rejection's.
         status = int(response[0][:3])
         if not log_rejected(logged, rejected, request_id, config, status):

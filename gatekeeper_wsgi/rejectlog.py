@@ -49,7 +49,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, unquote_to_bytes
@@ -73,7 +73,6 @@ __all__ = [
     "ReplayedBody",
     "flush",
     "log_rejected",
-    "peek_body",
     "rejection_record",
 ]
 
@@ -292,25 +291,15 @@ def _read(stream: Any, size: int, *, keep_partial: bool = False) -> bytes:
 class ReplayedBody:
     """A request body stream that hands out ``head`` (bytes read from it already) first,
     then the rest of ``stream``: PEP 3333's ``wsgi.input`` (``read``, ``readline``,
-    ``readlines``, iteration, ``close``), for whoever reads the body next. ``missing``: why
-    the body could not be read when it was looked for (it had not arrived, the server's
-    read failed), so nobody waits for it again. With ``record``, it keeps what it
-    hands out, so :meth:`rewound` can hand it out again (a framework whose request object
-    reads the body after the log did: Django's)."""
+    ``readlines``, iteration, ``close``), for whoever reads the body next. With
+    ``record``, it keeps what it hands out, so :meth:`rewound` can hand it out again (a
+    framework whose request object reads the body after the log did: Django's)."""
 
-    __slots__ = ("_head", "_taken", "missing", "stream")
+    __slots__ = ("_head", "_taken", "stream")
 
-    def __init__(
-        self,
-        stream: Any,
-        head: bytes = b"",
-        *,
-        missing: str | None = None,
-        record: bool = False,
-    ) -> None:
+    def __init__(self, stream: Any, head: bytes = b"", *, record: bool = False) -> None:
         self._head = head
         self.stream = stream
-        self.missing = missing
         self._taken = bytearray() if record else None
 
     @property
@@ -323,7 +312,7 @@ class ReplayedBody:
         out, then what it did not."""
         if self._taken is None:
             raise ValueError("a ReplayedBody made without record=True cannot be rewound")
-        return ReplayedBody(self.stream, bytes(self._taken) + self._head, missing=self.missing)
+        return ReplayedBody(self.stream, bytes(self._taken) + self._head)
 
     def _took(self, data: bytes) -> bytes:
         if self._taken is not None:
@@ -335,14 +324,19 @@ class ReplayedBody:
         head = self._head
         if not head:
             return self._took(bytes(self.stream.read(limit)))
-        if limit < 0:
-            self._head = b""
-            return self._took(head + bytes(self.stream.read(-1)))
-        self._head = head[limit:]
-        if len(head) >= limit:
+        if 0 <= limit <= len(head):
+            self._head = head[limit:]
             return self._took(head[:limit])
-        # as many as the body has
-        return self._took(head + bytes(self.stream.read(limit - len(head))))
+        self._head = b""
+        # As many as the body has; the bytes at hand even when the stream fails (its error
+        # comes with the next read).
+        return self._took(head + self._more(limit - len(head) if limit >= 0 else -1, "read"))
+
+    def _more(self, size: int, how: str) -> bytes:
+        try:
+            return bytes(getattr(self.stream, how)(size))
+        except OSError:
+            return b""
 
     def readline(self, size: int | None = -1) -> bytes:
         limit = -1 if size is None else size
@@ -355,7 +349,7 @@ class ReplayedBody:
         line = head[:end]
         self._head = head[end:]
         if not self._head and not line.endswith(b"\n") and (limit < 0 or len(line) < limit):
-            line += bytes(self.stream.readline(limit - len(line) if limit >= 0 else -1))
+            line += self._more(limit - len(line) if limit >= 0 else -1, "readline")
         return self._took(line)
 
     def readlines(self, hint: int = -1) -> list[bytes]:
@@ -370,32 +364,9 @@ class ReplayedBody:
             close()
 
 
-def peek_body(environ: MutableMapping[str, Any], size: int) -> bytes:
-    """Up to ``size`` of the request body's first bytes, read as the log reads a body
-    (:func:`_body`: never past its end, never waiting long for a client holding it back),
-    and put back: ``environ["wsgi.input"]`` then hands out again everything read (for
-    the log, which reads the body after the fault is rendered), or says why nothing could
-    be (so the log does not wait for it a second time). Empty when there is none, or it
-    cannot be read safely."""
-    head, _, omitted, taken = _read_body(environ, size)
-    if omitted is None and not taken:
-        return b""
-    stream = environ.get("wsgi.input")
-    environ["wsgi.input"] = ReplayedBody(stream, taken, missing=omitted)
-    return head
-
-
 def _body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None]:
     """Up to ``cap`` bytes of the request body, whether there was more (or may have been),
-    and why it was not read at all (None when it was): :func:`_read_body`."""
-    body, cut, omitted, _ = _read_body(environ, cap)
-    return body, cut, omitted
-
-
-def _read_body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str | None, bytes]:
-    """Up to ``cap`` bytes of the request body, whether there was more (or may have been),
-    why it was not read at all (None when it was), and every byte taken from the stream
-    (one past the cap, without a length: what :func:`peek_body` puts back).
+    and why it was not read at all (None when it was).
 
     With a Content-Length, that many bytes are the body. Without one, the body ends where
     the server says the stream does (``wsgi.input_terminated``: gunicorn, waitress and
@@ -409,7 +380,7 @@ def _read_body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str |
         # At most 18 digits are read: a hostile one of thousands costs int() nothing.
         length = content_length(raw_length)
         if length is None:
-            return b"", True, "its Content-Length is not a number: not read", b""
+            return b"", True, "its Content-Length is not a number: not read"
     elif environ.get("wsgi.input_terminated"):
         length = None
     elif environ.get("HTTP_TRANSFER_ENCODING"):
@@ -420,28 +391,25 @@ def _read_body(environ: Mapping[str, Any], cap: int) -> tuple[bytes, bool, str |
                 "sent without Content-Length (Transfer-Encoding) to a server that does not "
                 "mark where it ends (wsgi.input_terminated): not read"
             ),
-            b"",
         )
     else:
-        return b"", False, None, b""
+        return b"", False, None
     stream = environ.get("wsgi.input")
     if length == 0 or stream is None:
-        return b"", bool(length), None, b""
-    if isinstance(stream, ReplayedBody) and stream.missing is not None:
-        return b"", True, stream.missing, b""  # looked for already, in vain
+        return b"", bool(length), None
     if length is not None and cap <= 0:
-        return b"", True, None, b""
+        return b"", True, None
     try:
         # Without a length, read to the stream's end, one byte past the cap to know
         # whether it goes on.
         read = _read_arrived(environ, stream, cap + 1 if length is None else min(length, cap))
     except Exception:  # a client that went away must not break the fault
-        return b"", True, _UNREADABLE, b""
+        return b"", True, _UNREADABLE
     if read is None:
-        return b"", True, _NOT_ARRIVED, b""
+        return b"", True, _NOT_ARRIVED
     if length is None:
-        return read[:cap], len(read) > cap, None, read
-    return read, len(read) < length, None, read
+        return read[:cap], len(read) > cap, None
+    return read, len(read) < length, None
 
 
 def _request_path(environ: Mapping[str, Any]) -> str:

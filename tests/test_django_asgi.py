@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import time
 from typing import Any
 
@@ -110,8 +111,8 @@ def test_rejection_under_asgi_is_a_service_fault(settings: Any) -> None:
 
 
 def test_a_receiver_reads_the_whole_body_under_asgi(settings: Any) -> None:
-    """Under ASGI too, what the log and the fault read of a rejected request's body is
-    given back: a request_rejected receiver reads it whole."""
+    """Under ASGI too, what the log read of a rejected request's body is given back: a
+    request_rejected receiver reads it whole."""
     from gatekeeper_wsgi.contrib.django.signals import request_rejected
 
     seen: list[bytes] = []
@@ -125,13 +126,16 @@ def test_a_receiver_reads_the_whole_body_under_asgi(settings: Any) -> None:
         configure_gatekeeper(settings, {"site/work": {"concurrency": 0}})
         response = await AsyncClient().post("/work/", data=body, content_type="text/plain")
         assert response.status_code == 503
-        assert response["Content-Type"].startswith("application/xml")
 
+    logger = logging.getLogger("gatekeeper.rejected")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the log reads the body's start
     request_rejected.connect(receiver)
     try:
         asyncio.run(scenario())
     finally:
         request_rejected.disconnect(receiver)
+        logger.setLevel(level)
     assert seen == [body]
 
 

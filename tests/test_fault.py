@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.errors import FAULT_CODES, ConfigError, RateInfo, Rejected
-from gatekeeper_wsgi.fault import body_start_wanted, render_fault
+from gatekeeper_wsgi.fault import render_fault
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
@@ -473,49 +473,6 @@ def test_xml_request_body_gets_xml() -> None:
     )
     assert header(headers, "Content-Type") == "application/xml; charset=utf-8"
     assert fromstring(body).findtext(f"{NS}code") == "GK-CONCURRENCY-LIMIT"
-
-
-XML_BODY = b'<?xml version="1.0"?><order><id>1</id></order>'
-
-
-@pytest.mark.parametrize(
-    ("content_type", "accept", "body_start", "expected"),
-    [
-        # untyped (none, a form, bytes, text): the body's first bytes tell
-        (None, None, XML_BODY, "xml"),
-        ("application/x-www-form-urlencoded", "*/*", XML_BODY, "xml"),  # curl -d
-        ("application/octet-stream", None, b"\xef\xbb\xbf \r\n\t<order/>", "xml"),
-        ("text/plain; charset=utf-8", None, b"<order/>", "xml"),
-        (None, None, b'{"order": 1}', "json"),
-        (None, None, b"", "json"),
-        ("application/x-www-form-urlencoded", None, b"a=%3Cb", "json"),
-        # a type that says the format, or an Accept with a preference, wins over the body
-        ("application/json", None, XML_BODY, "json"),
-        (None, "application/json", XML_BODY, "json"),
-        ("text/plain", "application/xml", b"{}", "xml"),
-    ],
-)
-def test_an_untyped_xml_body_gets_xml(
-    content_type: str | None, accept: str | None, body_start: bytes, expected: str
-) -> None:
-    """SPEC §5: XML when the request body is XML. A body whose Content-Type says nothing
-    of its format (what ``requests.post(url, data=...)``, a test client's ``post(data=...)``
-    or ``curl -d`` send) is XML when it opens with ``<``."""
-    environ: WSGIEnvironment = {}
-    if content_type is not None:
-        environ["CONTENT_TYPE"] = content_type
-    if accept is not None:
-        environ["HTTP_ACCEPT"] = accept
-    # the body is looked at only when neither Accept nor the type says a format
-    assert body_start_wanted(environ) == (
-        accept in (None, "*/*") and not (content_type or "").startswith("application/json")
-    )
-    _, headers, body = render_fault(checkout_full(), environ, "r", body_start=body_start)
-    expected_type = {"xml": "application/xml; charset=utf-8", "json": "application/problem+json"}
-    assert header(headers, "Content-Type") == expected_type[expected]
-    parse_body(expected_type[expected], body)
-    # a forced format never needs the body
-    assert not body_start_wanted(environ, "json") and not body_start_wanted(environ, "xml")
 
 
 # -- user renderer --------------------------------------------------------------------------

@@ -257,7 +257,7 @@ def _session_user(request: HttpRequest) -> Any:
 
 
 def _give_back_body(request: HttpRequest, replay: ReplayedBody) -> None:
-    """Let the request read again what the fault and the log read of its body: Django's
+    """Let the request read again what the log read of its body: Django's
     request reads its ``_stream`` (under WSGI a ``LimitedStream`` of ``wsgi.input`` to
     its Content-Length, under ASGI the body received)."""
     if not replay.read_any or "_stream" not in request.__dict__:
@@ -525,9 +525,9 @@ class GateKeeperMiddleware:
         meta = request.META
         log_environ = {**meta, "PATH_INFO": _wsgi_path(meta.get("PATH_INFO", ""))}
         log_environ["SCRIPT_NAME"] = _wsgi_path(meta.get("SCRIPT_NAME", ""))
-        # What the fault (its format) and the log read of the body is read through a
-        # stream that keeps it, and given back to the request, so a request_rejected
-        # receiver still reads the whole body (request.body, request.POST).
+        # What the log reads of the body is read through a stream that keeps it, and given
+        # back to the request, so a request_rejected receiver still reads the whole body
+        # (request.body, request.POST).
         stream = meta.get("wsgi.input")
         if stream is None:
             # Under ASGI there is no wsgi.input: the body Django received whole (so it ends
