@@ -651,8 +651,7 @@ class GateKeeper:
     def route(self, project: str, service: str) -> Route:
         """The limits that apply to ``(project, service)`` under the current configuration,
         reloading the configuration file first when a check is due."""
-        if self._file is not None:
-            self._reload_if_due(self._clock())
+        self.reload_if_due()
         route = self._routes.get((project, service))
         return route if route is not None else self._route(project, service)
 

@@ -327,16 +327,10 @@ class ReplayedBody:
         if 0 <= limit <= len(head):
             self._head = head[limit:]
             return self._took(head[:limit])
+        # The rest first: a stream that fails raises with the head still held, not lost.
+        rest = bytes(self.stream.read(limit - len(head) if limit >= 0 else -1))
         self._head = b""
-        # As many as the body has; the bytes at hand even when the stream fails (its error
-        # comes with the next read).
-        return self._took(head + self._more(limit - len(head) if limit >= 0 else -1, "read"))
-
-    def _more(self, size: int, how: str) -> bytes:
-        try:
-            return bytes(getattr(self.stream, how)(size))
-        except OSError:
-            return b""
+        return self._took(head + rest)
 
     def readline(self, size: int | None = -1) -> bytes:
         limit = -1 if size is None else size
@@ -346,10 +340,11 @@ class ReplayedBody:
         end = head.find(b"\n") + 1 or len(head)
         if limit >= 0:
             end = min(end, limit)
-        line = head[:end]
-        self._head = head[end:]
-        if not self._head and not line.endswith(b"\n") and (limit < 0 or len(line) < limit):
-            line += self._more(limit - len(line) if limit >= 0 else -1, "readline")
+        line, left = head[:end], head[end:]
+        if not left and not line.endswith(b"\n") and (limit < 0 or len(line) < limit):
+            # As in read(): the rest first, so a failing stream loses nothing.
+            line += bytes(self.stream.readline(limit - len(line) if limit >= 0 else -1))
+        self._head = left
         return self._took(line)
 
     def readlines(self, hint: int = -1) -> list[bytes]:

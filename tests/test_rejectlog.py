@@ -269,6 +269,20 @@ def test_a_replayed_body_reads_as_the_body_did(
     assert recording.rewound().read() == data
 
 
+def test_a_replayed_body_whose_stream_fails_keeps_what_it_holds() -> None:
+    """The stream's error reaches the reader (as it would without the replay), and the
+    bytes the replay held are not lost with it."""
+    replayed = ReplayedBody(_CutShortInput(b""), b"abc\ndef")
+    with pytest.raises(OSError):
+        replayed.read(100)
+    assert replayed.readline() == b"abc\n"  # a whole line held: the stream is not asked
+    with pytest.raises(OSError):
+        replayed.readline()  # "def" has no end held: the stream is asked, and fails
+    assert replayed.read(3) == b"def"
+    with pytest.raises(OSError):
+        replayed.read()
+
+
 def test_nothing_is_read_or_queued_when_the_logger_is_off() -> None:
     """With gatekeeper.rejected below INFO, a rejection leaves the body unread, whatever
     its type (its format is told by its Content-Type, not by reading it)."""
@@ -351,6 +365,8 @@ class _CutShortInput:
             chunk, self._arrived = self._arrived[:size], self._arrived[size:]
             return chunk
         raise OSError("error during read(5000) on wsgi.input")
+
+    readline = read
 
 
 def test_what_arrived_before_the_server_gave_up_is_logged_as_cut() -> None:

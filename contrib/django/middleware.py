@@ -18,7 +18,7 @@ from django.core.handlers.wsgi import LimitedStream
 from django.core.signals import setting_changed
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
-from django.urls import Resolver404, get_urlconf, resolve
+from django.urls import Resolver404, ResolverMatch, get_urlconf, resolve
 from django.utils import translation
 
 from gatekeeper_wsgi.errors import Rejected
@@ -89,9 +89,13 @@ def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | N
     language = None
     if settings.USE_I18N:
         language = translation.get_language_from_path(path) or settings.LANGUAGE_CODE
-    try:
+
+    def resolved(candidate: str) -> ResolverMatch:
         with translation.override(language) if language else contextlib.nullcontext():
-            match = resolve(path, urlconf)
+            return resolve(candidate, urlconf)
+
+    try:
+        match = resolved(path)
     except Resolver404:
         if (
             settings.APPEND_SLASH
@@ -100,12 +104,9 @@ def _resolve_names(path: str, urlconf: str | None) -> tuple[str | None, str] | N
         ):
             # CommonMiddleware will redirect it to the path with a slash: a redirect to
             # an exempt view (the dashboard's mount without its slash) is exempt too.
-            try:
-                with translation.override(language) if language else contextlib.nullcontext():
-                    if _is_exempt(resolve(path + "/", urlconf).func):
-                        return None
-            except Resolver404:
-                pass
+            with contextlib.suppress(Resolver404):
+                if _is_exempt(resolved(path + "/").func):
+                    return None
         return None, UNRESOLVED
     if _is_exempt(match.func):
         return None
