@@ -317,14 +317,18 @@ class Gate:
 
     def fault(
         self,
-        identifier: Identifier,
         environ: WSGIEnvironment,
         rejected: Rejected,
         log_environ: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[tuple[str, str]], bytes]:
         """The ServiceFault of a rejection (status line, headers, body), logged on
-        ``gatekeeper.rejected``; the request id used is left in ``environ``."""
+        ``gatekeeper.rejected``; the request id used is left in ``environ``.
+
+        Rendered and logged by the configuration in force now, not the one the request
+        was named by: the admission that refused it may have swapped in a reloaded file
+        (SPEC 3), whose fault format and redacted fields the refusal must follow."""
         started = time.perf_counter()
+        identifier = self.keeper.identifier
         config = identifier.config
         request_id = request_id_from(environ, identifier.request_id_key)
         environ[REQUEST_ID_KEY] = request_id

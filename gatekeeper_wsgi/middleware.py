@@ -277,7 +277,7 @@ class GateKeeperMiddleware:
         try:
             admission = gate.admit(identifier, environ, project, service, None, started)
         except Rejected as rejected:
-            status, headers, body = gate.fault(identifier, environ, rejected)
+            status, headers, body = gate.fault(environ, rejected)
             start_response(status, headers)
             # A HEAD response carries the headers of the GET and no content (RFC 9110
             # 9.3.2): some servers send whatever the app returns, which would be read as

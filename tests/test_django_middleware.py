@@ -865,13 +865,16 @@ def test_wsgi_middleware_around_django_is_not_counted_twice(settings: Any) -> No
 def test_operators_file_hot_reloads_under_django(
     settings: Any, client: Client, tmp_path: Path
 ) -> None:
-    """Limits in `reload.file` take effect on the requests after the file changes."""
+    """Limits in `reload.file` take effect on the requests after the file changes; the
+    first request the new file refuses is answered by its fault format too."""
     path = tmp_path / "gatekeeper.properties"
-    path.write_text("limits.site/work.concurrency = 5\n")
+    path.write_text("fault.format = json\nlimits.site/work.concurrency = 5\n")
     settings.GATEKEEPER = {"project": "site", "reload": {"file": str(path), "every_requests": 1}}
     assert client.get("/work/").status_code == 200
-    replace_file(path, "limits.site/work.concurrency = 0\n# now blocked\n")
-    assert client.get("/work/").status_code == 503
+    replace_file(path, "fault.format = xml\nlimits.site/work.concurrency = 0\n# now blocked\n")
+    response = client.get("/work/")
+    assert response.status_code == 503
+    assert response["Content-Type"].startswith("application/xml")
 
 
 def test_reloaded_unimportable_resolver_keeps_serving(

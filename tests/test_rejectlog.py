@@ -23,6 +23,7 @@ from werkzeug.test import Client, EnvironBuilder
 from gatekeeper_wsgi import GateKeeperMiddleware, Rejected
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.rejectlog import REDACTED, ReplayedBody, flush, rejection_record
+from tests.conftest import replace_file
 from tests.servers import DEADLINE, Gunicorn, Waitress, wait_until
 
 APPS = str(Path(__file__).parent / "apps")
@@ -161,6 +162,34 @@ def test_each_rejection_is_one_json_line_from_the_listener_thread(
     assert record["body"] == "é\r\nnext"
     assert record["headers"]["X-Note"] == "\x1b[31m"
     assert handler.threads[0] != threading.current_thread().name
+
+
+def test_the_request_that_reloads_is_answered_and_logged_by_the_new_file(
+    rejected_logger: logging.Logger, tmp_path: Path
+) -> None:
+    """The request whose admission swaps in a changed file is refused by the new limits,
+    so its fault and its log line follow the new file as well: its fault format, and the
+    fields it redacts (a secret an operator adds to redact_fields is never logged once)."""
+    handler = ListHandler()
+    rejected_logger.addHandler(handler)
+    path = tmp_path / "gatekeeper.properties"
+    path.write_text("fault.format = xml\nlimits.shop.concurrency = 5\n")
+    settings = {"project": "shop", "reload": {"file": str(path), "every_requests": 1}}
+    client = Client(GateKeeperMiddleware(ok_app, settings))
+    assert client.get("/orders?ssn=123-45-6789").status_code == 200
+    replace_file(
+        path,
+        "fault.format = json\nrejected_log.redact_fields = ssn\n"
+        "limits.shop.concurrency = 5\nlimits.shop/orders.concurrency = 0\n",
+    )
+    response = client.get("/orders?ssn=123-45-6789")
+    assert response.status_code == 503
+    assert response.mimetype == "application/problem+json"
+    assert response.json["limit"] == {"path": "shop/orders", "value": 0}
+    assert flush()
+    (line,) = handler.lines
+    assert "123-45-6789" not in line
+    assert json.loads(line)["query"] == f"ssn={REDACTED}"
 
 
 def test_a_blocked_handler_does_not_delay_the_response(rejected_logger: logging.Logger) -> None:

@@ -406,7 +406,7 @@ class GateKeeperMiddleware:
         try:
             admission = gate.admit(identifier, meta, project, service, user, started)
         except Rejected as rejected:
-            return self._reject(request, rejected, gate, identifier)
+            return self._reject(request, rejected, gate)
         watch = ResponseWatch(admission)
         if service == UNRESOLVED:
             # Named again once Django resolved it (process_view): see _Unresolved.
@@ -459,7 +459,7 @@ class GateKeeperMiddleware:
                 time.perf_counter(),
             )
         except Rejected as rejected:
-            return self._reject(request, rejected, gate, identifier)
+            return self._reject(request, rejected, gate)
         return None
 
     @staticmethod
@@ -520,9 +520,7 @@ class GateKeeperMiddleware:
         # when collected (ResponseWatch's safety net).
         response._resource_closers.append(watch.finish)  # type: ignore[attr-defined]
 
-    def _reject(
-        self, request: HttpRequest, rejected: Rejected, gate: Gate, identifier: Identifier
-    ) -> HttpResponse:
+    def _reject(self, request: HttpRequest, rejected: Rejected, gate: Gate) -> HttpResponse:
         meta = request.META
         log_environ = {**meta, "PATH_INFO": _wsgi_path(meta.get("PATH_INFO", ""))}
         log_environ["SCRIPT_NAME"] = _wsgi_path(meta.get("SCRIPT_NAME", ""))
@@ -536,7 +534,7 @@ class GateKeeperMiddleware:
             stream = getattr(request, "_stream", request)
             log_environ["wsgi.input_terminated"] = True
         replay = log_environ["wsgi.input"] = ReplayedBody(stream, record=True)
-        status, headers, body = gate.fault(identifier, meta, rejected, log_environ)
+        status, headers, body = gate.fault(meta, rejected, log_environ)
         _give_back_body(request, replay)
         code, _, reason = status.partition(" ")
         # A HEAD response carries the GET's headers and no content (RFC 9110 9.3.2), as the
