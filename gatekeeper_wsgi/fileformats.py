@@ -21,6 +21,7 @@ import signal
 import stat
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,12 @@ def _segments(key: str, file: str, line: int) -> tuple[str, ...]:
     if head == "routes" and rest:
         # A werkzeug rule may itself contain dots (/feed.xml), so it is taken whole.
         return ("routes", rest)
+    if key.count(".") >= MAX_KEY_PARTS:
+        # Each part's prefix is kept to find conflicts: quadratic in the parts (a 40 KB key
+        # took seconds and gigabytes). No setting is more than a few parts deep.
+        raise ConfigError(
+            key, f"a key of more than {MAX_KEY_PARTS} dotted parts", file=file, line=line
+        )
     segments = tuple(key.split("."))
     if "" in segments:
         raise ConfigError(key, "empty part in dotted key", file=file, line=line)
@@ -388,10 +395,23 @@ _SETTINGS_TABLE = "gatekeeper"
 #: hours, all of it in the request that checks for a reload), and no key of the
 #: configuration has more than a few.
 MAX_KEY_PARTS = 32
+#: The most tables, arrays and dotted key parts a TOML file may hold. tomllib builds a
+#: table, with its own bookkeeping, for every part of a key or table name it has not seen
+#: (about 1 KB each: a few MiB of ``[t1.b.b.b…]`` headers took gigabytes, in the request
+#: that checks for a reload); a configuration has a few per limit (a 5 000-limit file of
+#: inline tables: 5 000), so this bounds the parse to about 100 MB and a second.
+MAX_TOML_NODES = 100_000
 # Strings and comments, whose dots are no key's: replaced before the search below, each
 # by a bare word (a quoted key part stays a part) and its newlines (lines stay in place).
+# A multi-line string ends at the last three quotes of the first run of three to five
+# that no backslash escapes (a basic one's escapes are read, a literal one has none), so
+# an escaped quote inside it cannot end it early and let the rest of the file pass for
+# strings, keys hidden in between.
 _TOML_OPAQUE = re.compile(
-    r'"""[\s\S]*?"""' r"|'''[\s\S]*?'''" r'|"(?:[^"\\\n]|\\.)*"' r"|'[^'\n]*'|#[^\n]*"
+    r'"""(?:[^"\\]|\\[\s\S]|""?(?!"))*"{3,5}'
+    r"|'''(?:[^']|''?(?!'))*'{3,5}"
+    r'|"(?:[^"\\\n]|\\.)*"'
+    r"|'[^'\n]*'|#[^\n]*"
 )
 # Blanks around a dot (a key may have them), dropped before the search below.
 _TOML_BLANKS_BEFORE_DOT = re.compile(r"(?<![ \t])[ \t]++(?=\.)")
@@ -407,11 +427,17 @@ _TOML_LONG_KEY = re.compile(
 _TOML_LONG_NUMBER = re.compile(r"[0-9][0-9_]{999,}")
 
 
-def _refuse_long_keys(text: str, file: str) -> None:
+# What tomllib makes a table or an array of: a dot between key parts, a brace, a bracket.
+_TOML_NODE = re.compile(r"[.{\[]")
+
+
+def _refuse_costly_toml(text: str, file: str) -> None:
     """A ConfigError for the first key of more than MAX_KEY_PARTS parts, before tomllib
-    spends quadratic time on it."""
-    if text.count(".") < MAX_KEY_PARTS:
-        return  # too few dots for one (most files)
+    spends quadratic time on it, or for the part of the file past MAX_TOML_NODES tables,
+    arrays and key parts, before it spends gigabytes on them."""
+    dots = text.count(".")
+    if dots < MAX_KEY_PARTS and dots + text.count("{") + text.count("[") <= MAX_TOML_NODES:
+        return  # most files
     bare = _TOML_OPAQUE.sub(lambda found: "q" + "\n" * found.group().count("\n"), text)
     bare = _TOML_BLANKS_AFTER_DOT.sub(".", _TOML_BLANKS_BEFORE_DOT.sub("", bare))
     if (long_key := _TOML_LONG_KEY.search(bare)) is not None:
@@ -421,12 +447,21 @@ def _refuse_long_keys(text: str, file: str) -> None:
             file=file,
             line=bare.count("\n", 0, long_key.start()) + 1,
         )
+    if bare.count(".") + bare.count("{") + bare.count("[") > MAX_TOML_NODES:
+        past = next(islice(_TOML_NODE.finditer(bare), MAX_TOML_NODES, None))
+        raise ConfigError(
+            "",
+            f"invalid TOML: more than {MAX_TOML_NODES} tables, arrays and dotted key parts"
+            " (a configuration has a few per limit)",
+            file=file,
+            line=bare.count("\n", 0, past.start()) + 1,
+        )
 
 
 def _load_toml(
     text: str, file: str, settings_keys: Collection[str]
 ) -> tuple[dict[str, Any], Mapping[str, int]]:
-    _refuse_long_keys(text, file)
+    _refuse_costly_toml(text, file)
     try:
         document: dict[str, Any] = tomllib.loads(text)
     except RecursionError as exc:

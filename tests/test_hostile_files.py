@@ -23,7 +23,13 @@ import pytest
 from gatekeeper_wsgi import GateKeeper
 from gatekeeper_wsgi.config import MAX_SECONDS, build_config
 from gatekeeper_wsgi.errors import ConfigError, Rejected
-from gatekeeper_wsgi.fileformats import MAX_FILE_BYTES, MAX_KEY_PARTS, load_file, open_for_writing
+from gatekeeper_wsgi.fileformats import (
+    MAX_FILE_BYTES,
+    MAX_KEY_PARTS,
+    MAX_TOML_NODES,
+    load_file,
+    open_for_writing,
+)
 from tests.conftest import FakeClock, replace_file
 
 GOOD = "project = shop\nlimits.shop.concurrency = 1\n"
@@ -342,6 +348,70 @@ def test_a_toml_key_of_thousands_of_parts_is_a_config_error(tmp_path: Path, text
         load_file(path)
     assert info.value.file == str(path)
     assert info.value.line == 5
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    ['x = """a\\"""\n"""\n', "x = '''a''''\n", 'x = """a""""\n'],
+    ids=["escaped quote", "literal, four quotes", "basic, four quotes"],
+)
+def test_a_long_key_after_a_multiline_string_is_found(tmp_path: Path, hidden: str) -> None:
+    """A multi-line string ends where TOML ends it: not at an escaped quote, and at the
+    last three of a run of four or five quotes. Ended early, the rest of the file would
+    pass for strings and a key of thousands of parts would reach tomllib unseen."""
+    path = tmp_path / "long.toml"
+    text = (
+        '[gatekeeper]\nproject = "shop"\n[other]\n'
+        + hidden
+        + dotted(20_000)
+        + ' = 1\nz = """q"""\n'
+    )
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="more than 32 dotted parts") as info:
+        load_file(path)
+    assert info.value.line == 4 + hidden.count("\n")
+
+
+@pytest.mark.parametrize(
+    "line", ["[t{n}.b.b.b.b.b.b.b]", "t{n} = {{a = {{a = [{{}}]}}}}"], ids=["tables", "inline"]
+)
+def test_a_toml_file_of_too_many_tables_is_a_config_error(tmp_path: Path, line: str) -> None:
+    """A few MiB of short, deep table headers (or nested inline tables), each part a table
+    tomllib builds with its bookkeeping, took gigabytes in the request that checks for a
+    reload: past MAX_TOML_NODES tables, arrays and key parts the file is a ConfigError
+    naming the line where it went past, found before tomllib reads it."""
+    path = tmp_path / "many.toml"
+    per_line = line.format(n=0).count(".") + line.count("{{") + line.count("[")
+    lines = ['[gatekeeper]\nproject = "shop"'] + [
+        line.format(n=n) for n in range(MAX_TOML_NODES // per_line + 10)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=f"more than {MAX_TOML_NODES} tables") as info:
+        load_file(path)
+    # [gatekeeper] is the first; line 3 on, per_line each
+    assert info.value.line == 2 + -(-MAX_TOML_NODES // per_line)
+
+
+def test_a_properties_key_of_thousands_of_parts_is_a_config_error(tmp_path: Path) -> None:
+    """A .properties key of 20 000 dotted parts (each part's prefix was kept to find
+    conflicts: seconds and gigabytes) is a ConfigError naming its line at once; a limit's
+    path is one part however many dots its caller name has."""
+    path = tmp_path / "long.properties"
+    path.write_text(
+        "project = shop\nlimits.shop/x/"
+        + dotted(40)
+        + ".concurrency = 1\n"
+        + dotted(20_000)
+        + " = 1\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError, match="more than 32 dotted parts") as info:
+        load_file(path)
+    assert info.value.line == 3
+    path.write_text(
+        "project = shop\nlimits.shop/x/" + dotted(40) + ".concurrency = 1\n", encoding="utf-8"
+    )
+    assert load_file(path)[0]["limits"] == {"shop/x/" + dotted(40): {"concurrency": "1"}}
 
 
 def test_a_toml_key_of_the_most_parts_is_read(tmp_path: Path) -> None:
