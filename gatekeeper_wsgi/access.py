@@ -15,7 +15,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 from typing import Any, NamedTuple
-from urllib.parse import quote, unquote_plus
+from urllib.parse import quote, unquote, unquote_plus
 
 from werkzeug.http import parse_cookie
 
@@ -78,8 +78,16 @@ def _cookie(environ: Mapping[str, Any]) -> str | None:
 class TokenLink(NamedTuple):
     """The ``token`` parameter of a query string and the query string without it."""
 
+    #: the value as a form decodes it (``+`` is a space)
     token: str
     rest: str
+    #: the value with ``+`` kept: a base64 token (``openssl rand -base64``) pasted into a
+    #: link as it is, which a browser sends as it is
+    literal: str
+
+    def names(self, token: str) -> bool:
+        """Whether the link carries ``token``, read either way (in constant time each)."""
+        return same_token(self.token, token) or same_token(self.literal, token)
 
 
 # Bytes a request target cannot carry raw (controls, space, '#', non-ASCII): written
@@ -99,13 +107,13 @@ def token_link(environ: Mapping[str, Any]) -> TokenLink | None:
     for index in range(0, len(pieces), 2):
         name, _, value = pieces[index].partition("=")
         if unquote_plus(name) == "token":  # decoded as parse_qsl decodes
-            linked = unquote_plus(value)
+            linked = value
         else:
             # A kept parameter keeps the separator sent before it (the first none).
             kept.append(pieces[index - 1] + pieces[index] if index and kept else pieces[index])
     if linked is None:
         return None
-    return TokenLink(linked, "".join(kept))
+    return TokenLink(unquote_plus(linked), "".join(kept), unquote(linked))
 
 
 def same_token(presented: str, expected: str) -> bool:
@@ -148,7 +156,7 @@ def check_token(
         # the URL (no status URL needs such a query).
         return "414 URI Too Long", "the query string is too long", []
     link = token_link(environ)
-    if link is not None and token is not None and same_token(link.token, token):
+    if link is not None and token is not None and link.names(token):
         return _see_without_token(environ, link.rest, cookie=_cookie_header(environ, token))
     denied = None if allowed else _check_credentials(environ, token)
     if link is None:

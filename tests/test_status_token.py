@@ -42,6 +42,31 @@ def cookie_attributes(set_cookie: str) -> dict[str, str]:
     return attributes
 
 
+@pytest.mark.parametrize(
+    ("token", "linked"),
+    [
+        ("q3+Zk/8vUa1m+Xw2PfR9sT0bYcLd", "q3+Zk/8vUa1m+Xw2PfR9sT0bYcLd"),
+        ("q3+Zk/8vUa1m+Xw2PfR9sT0bYcLd", "q3%2BZk%2F8vUa1m%2BXw2PfR9sT0bYcLd"),
+        ("two words", "two+words"),
+        ("two words", "two%20words"),
+    ],
+    ids=["base64 pasted", "base64 encoded", "space as +", "space as %20"],
+)
+def test_a_token_link_is_read_as_pasted_and_as_encoded(
+    gatekeeper: GateKeeper, token: str, linked: str
+) -> None:
+    """A base64 token (``openssl rand -base64``) pasted into a link keeps its ``+``, which
+    a browser sends as it is; the link is exchanged whether ``+`` is read as itself or, as
+    forms write a space, as a space."""
+    app = StatusApp(gatekeeper, token=token)
+    response = Client(app).get("/dashboard?token=" + linked)
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/dashboard"
+    assert "Set-Cookie" in response.headers
+    wrong = Client(app).get("/dashboard?token=" + linked.replace("q3", "q4").replace("two", "to"))
+    assert wrong.status_code == 403
+
+
 def test_token_link_is_exchanged_for_a_strict_httponly_cookie(app: StatusApp) -> None:
     """A right ?token= gets a 303 to the same URL without it and a cookie that is HttpOnly,
     SameSite=Strict, scoped to the mount point and not the token itself."""
