@@ -47,6 +47,20 @@ def test_e002_invalid_configuration_names_key_and_expectation(settings: Any) -> 
     assert "limits.shop.concurrency" in message.msg
 
 
+@pytest.mark.parametrize("project", ["shop", 5], ids=["valid project", "invalid project"])
+def test_e002_reports_every_invalid_setting(settings: Any, project: object) -> None:
+    """Every invalid setting is reported at once, an invalid project among them: it does
+    not hide the others (each is checked without it)."""
+    settings.GATEKEEPER = {
+        "project": project,
+        "mode": "nope",
+        "limits": {"shop": {"concurrency": -1}},
+    }
+    keys = sorted(message.msg.split(": ")[1] for message in check_settings())
+    expected = ["limits.shop.concurrency", "mode"] + (["project"] if project == 5 else [])
+    assert keys == sorted(expected)
+
+
 def test_e002_invalid_operators_file_names_file_and_line(settings: Any, tmp_path: Path) -> None:
     """E002 also covers the file laid over the settings, with its name and line."""
     path = tmp_path / "gatekeeper.properties"

@@ -90,7 +90,7 @@ def _config_error(exc: ConfigError) -> Error:
 def _config_errors(value: Mapping[str, Any]) -> list[ConfigError]:
     """Every invalid setting of ``value``: the configuration as the engine builds it stops
     at its first error, so each top-level setting and each limit is also tried alone
-    (with the project), and each distinct error kept."""
+    (with the project, when that is valid), and each distinct error kept."""
     try:
         effective_config()
     except ConfigError as exc:
@@ -99,6 +99,14 @@ def _config_errors(value: Mapping[str, Any]) -> list[ConfigError]:
         return []
     base = {"project": value["project"]} if "project" in value else {}
     pieces: list[dict[str, Any]] = []
+    if base:
+        try:
+            load_config(base)
+        except ConfigError:
+            # Tried with each piece, an invalid project would be every piece's error and
+            # hide the rest: the pieces go without it, and it is reported on its own.
+            pieces.append(base)
+            base = {}
     for key, item in value.items():
         if key == "limits" and isinstance(item, Mapping):
             pieces.extend({**base, "limits": {path: limit}} for path, limit in item.items())
