@@ -23,7 +23,7 @@ from werkzeug.http import parse_accept_header
 
 from gatekeeper_wsgi.config import FAULT_FORMATS, Config, FaultFormat
 from gatekeeper_wsgi.errors import Rejected
-from gatekeeper_wsgi.redact import failure_without_message
+from gatekeeper_wsgi.redact import Throttle, failure_without_message
 from gatekeeper_wsgi.values import FAULT_CODES
 
 if TYPE_CHECKING:
@@ -305,30 +305,44 @@ def _wants_xml(environ: WSGIEnvironment, mimetype: str) -> bool:
     return _is_xml_mimetype(mimetype)
 
 
+#: seconds between two ERRORs of a failing fault renderer (it fails on every rejection
+#: of a kind, and rejections come by the thousand during overload)
+RENDERER_LOG_INTERVAL = 10.0
+_renderer_failures = Throttle(RENDERER_LOG_INTERVAL)
+
+
 def _call_renderer(
     renderer: Renderer, rejected: Rejected, request_id: str, environ: WSGIEnvironment
 ) -> tuple[str, bytes] | None:
-    """The user renderer's (content type, body), or None when it failed (logged)."""
+    """The user renderer's (content type, body), or None when it failed (logged once per
+    ``RENDERER_LOG_INTERVAL``, with the failures since)."""
     # A broken renderer must not turn every rejection into a 500 during overload.
     try:
         content_type, body = renderer(rejected, request_id, environ)
         if isinstance(body, str):
             body = body.encode("utf-8")
     except Exception as exc:
-        logger.error(
-            "fault renderer %r failed; sending the standard ServiceFault: %s",
-            renderer,
-            failure_without_message(exc),
-        )
+        failures = _renderer_failures.due()
+        if failures:
+            logger.error(
+                "fault renderer %r failed (%d times since the last report); sending the"
+                " standard ServiceFault: %s",
+                renderer,
+                failures,
+                failure_without_message(exc),
+            )
         return None
     if not isinstance(content_type, str) or not isinstance(body, bytes):
-        logger.error(
-            "fault renderer %r returned (%s, %s), expected (str, bytes | str); sending the"
-            " standard ServiceFault",
-            renderer,
-            type(content_type).__name__,
-            type(body).__name__,
-        )
+        failures = _renderer_failures.due()
+        if failures:
+            logger.error(
+                "fault renderer %r returned (%s, %s), expected (str, bytes | str) (%d"
+                " failures since the last report); sending the standard ServiceFault",
+                renderer,
+                type(content_type).__name__,
+                type(body).__name__,
+                failures,
+            )
         return None
     return _header_value(content_type) or "application/octet-stream", body
 

@@ -10,7 +10,6 @@ import itertools
 import logging
 import os
 import re
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from werkzeug.routing import Map, RequestRedirect, Rule
 
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.forks import ForkWatch
-from gatekeeper_wsgi.redact import failure_without_message
+from gatekeeper_wsgi.redact import Throttle, failure_without_message
 from gatekeeper_wsgi.requestvalues import key_segment, remember
 from gatekeeper_wsgi.values import CALLER_RE
 
@@ -81,9 +80,7 @@ class Identifier:
         self.caller_key = environ_key(config.caller.header)
         self.request_id_key = environ_key(config.request_id_header)
         self.resolver: CallerResolver | None = config.caller.resolver
-        # when the resolver's failure was last logged, and how often it failed since
-        self._resolver_logged = -RESOLVER_LOG_INTERVAL
-        self._resolver_failures = 0
+        self._resolver_failures = Throttle(RESOLVER_LOG_INTERVAL)
         #: whether a limit counts by user (Django reads request.user only then)
         self.needs_user = any(limit.key == "user" for limit in config.limits.values())
         # Memos of the per-request regular-expression work: path -> service (without a
@@ -130,19 +127,14 @@ class Identifier:
             try:
                 value = self.resolver(environ)
             except Exception as exc:
-                # A resolver that fails on some input fails on every such request: one
-                # ERROR (with where it raised) per interval, the rest counted in the next.
-                now = time.monotonic()
-                self._resolver_failures += 1
-                if now - self._resolver_logged >= RESOLVER_LOG_INTERVAL:
+                failures = self._resolver_failures.due()
+                if failures:
                     logger.error(
                         "gatekeeper: caller.resolver raised (%d times since the last report);"
                         " caller treated as missing: %s",
-                        self._resolver_failures,
+                        failures,
                         failure_without_message(exc),
                     )
-                    self._resolver_logged = now
-                    self._resolver_failures = 0
                 return None
         else:
             value = environ.get(self.caller_key)

@@ -1,4 +1,5 @@
-"""What is a secret, and how it is kept out of logs, status pages and the CLI (SPEC §4.8).
+"""What is a secret, and how it is kept out of logs, status pages and the CLI (SPEC §4.8);
+and how a failure of the user's code reaches the log: without its message, once a while.
 
 A leaf module (it imports nothing from the package), so the rejected-request log, the
 engine's ERROR lines, the status JSON and ``gatekeeper check``/``status`` all use the same
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import re
+import time
 import traceback
+from collections.abc import Callable
 from email.message import Message
 from email.utils import collapse_rfc2231_value
 from typing import NamedTuple
@@ -28,6 +32,7 @@ __all__ = [
     "SECRET_FIELDS",
     "SECRET_HEADERS",
     "BodyUnreadable",
+    "Throttle",
     "failure_without_message",
     "is_secret_header",
     "mask_text",
@@ -157,6 +162,33 @@ def failure_without_message(exc: BaseException) -> str:
     if kind.__module__ != "builtins":
         name = f"{kind.__module__}.{name}"
     return f"{name} (message not logged: it may quote the request)\n{frames}".rstrip()
+
+
+class Throttle:
+    """How often a repeating failure is logged: code of the user's (a resolver, a renderer)
+    that fails on some input fails on every such request, during overload at that, and
+    an ERROR line per request would flood the log and slow every answer. :meth:`due`
+    counts each failure and says when one may be logged: at most once per ``interval``
+    seconds of ``clock``, with the failures since the last one. Races between threads can
+    only miscount, never log more often than one line per thread."""
+
+    __slots__ = ("_clock", "_failures", "_logged", "interval")
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._logged = -math.inf
+        self._failures = 0
+
+    def due(self) -> int:
+        """Count a failure: the failures to report in an ERROR now (this one included), or
+        0 when the last ERROR is too recent (the next one reports this one too)."""
+        self._failures += 1
+        now = self._clock()
+        if now - self._logged < self.interval:
+            return 0
+        failures, self._failures, self._logged = self._failures, 0, now
+        return failures
 
 
 # --- request bodies --------------------------------------------------------------------------

@@ -14,9 +14,12 @@ from defusedxml.ElementTree import fromstring
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gatekeeper_wsgi import fault
 from gatekeeper_wsgi.config import build_config
 from gatekeeper_wsgi.errors import FAULT_CODES, ConfigError, RateInfo, Rejected
 from gatekeeper_wsgi.fault import render_fault
+from gatekeeper_wsgi.redact import Throttle
+from tests.conftest import FakeClock
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIEnvironment
@@ -527,7 +530,18 @@ def failing_renderer(
     raise RuntimeError(f"template missing for {environ.get('HTTP_AUTHORIZATION')}")
 
 
-def test_broken_user_renderer_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def renderer_log(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The renderer's failures logged through a throttle of their own, on a clock the
+    test moves: each test sees its own first failure logged."""
+    clock = FakeClock()
+    monkeypatch.setattr(fault, "_renderer_failures", Throttle(fault.RENDERER_LOG_INTERVAL, clock))
+    return clock
+
+
+def test_broken_user_renderer_falls_back(
+    caplog: pytest.LogCaptureFixture, renderer_log: FakeClock
+) -> None:
     """A renderer that raises still lets the client get the standard fault; the error is
     logged with its type and where it was raised, not its message, which may quote the
     request's secrets (SPEC 4.8)."""
@@ -540,7 +554,27 @@ def test_broken_user_renderer_falls_back(caplog: pytest.LogCaptureFixture) -> No
     assert "s3cret-token" not in caplog.text
 
 
-def test_user_renderer_wrong_return_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_renderer_failing_on_every_rejection_is_logged_once_an_interval(
+    caplog: pytest.LogCaptureFixture, renderer_log: FakeClock
+) -> None:
+    """During overload a broken renderer fails on every rejection: one ERROR per interval,
+    the failures in between counted in the next one, not a line per rejection (which
+    would flood the log and slow every refusal when refusals must be cheapest)."""
+    with caplog.at_level(logging.ERROR, logger="gatekeeper"):
+        for _ in range(50):
+            status, _, _ = render_fault(checkout_full(), {}, "r", renderer=failing_renderer)
+            assert status == "503 Service Unavailable"
+        renderer_log.advance(fault.RENDERER_LOG_INTERVAL)
+        render_fault(checkout_full(), {}, "r", renderer=failing_renderer)
+    errors = [r.getMessage() for r in caplog.records if "fault renderer" in r.getMessage()]
+    assert len(errors) == 2
+    assert "(1 times since the last report)" in errors[0]
+    assert "(50 times since the last report)" in errors[1]
+
+
+def test_user_renderer_wrong_return_falls_back(
+    caplog: pytest.LogCaptureFixture, renderer_log: FakeClock
+) -> None:
     """A renderer returning the wrong types is logged and replaced by the standard fault."""
     with caplog.at_level(logging.ERROR, logger="gatekeeper"):
         _, headers, body = render_fault(
