@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
@@ -50,9 +51,9 @@ from gatekeeper_wsgi.fileformats import open_for_writing, read_file
 from gatekeeper_wsgi.identify import Identifier
 from gatekeeper_wsgi.limitindex import counting_limit, counts
 from gatekeeper_wsgi.monitor import Monitor, Stats
-from gatekeeper_wsgi.redact import mask_text, mask_url
+from gatekeeper_wsgi.redact import Throttle, mask_text, mask_url
 from gatekeeper_wsgi.resolve import Route
-from gatekeeper_wsgi.values import Limit, RateInfo, Slot
+from gatekeeper_wsgi.values import Limit, QueueSpec, RateInfo, Slot
 
 __all__ = ["Admission", "ConfigSource", "GateKeeper"]
 
@@ -77,12 +78,33 @@ _ERROR_LOG_INTERVAL = 10.0
 # A limit whose keys, leases or window entries ran out is named in a WARNING at most this
 # often (engine clock), however many requests it refuses meanwhile.
 _CAPACITY_LOG_INTERVAL = 60.0
+# A shadow limit's admissions over it are logged at most this often (engine clock), with
+# how many there were: in the request's thread, and they come by the thousand when the
+# limit is being sized on live traffic.
+_SHADOW_LOG_INTERVAL = 10.0
+
+
+class _Retired:
+    """The backend of an engine the garbage collector took (an engine a framework dropped:
+    Django's rebuilt on ``override_settings``, a Flask app of a test's factory). Its file
+    descriptor, connections and sender thread are let go by :meth:`release`, made with
+    the collected releases: not in the collector, which may run inside a lock, on any
+    thread, where a Redis flush could wait for a socket timeout."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def release(self, status: int | None = None, faulty: bool = False) -> None:
+        self.backend.close()
 
 
 #: Releases the garbage collector asked for (see :meth:`Admission.release_collected`),
-#: made by the next call into an engine that is sure to hold no lock: (admission, status,
-#: faulty). A deque: appending and popping are atomic, from any thread, under any lock.
-_collected: deque[tuple[Admission, int | None, bool]] = deque()
+#: and backends of collected engines to close (:class:`_Retired`), made by the next call
+#: into an engine that is sure to hold no lock: (admission, status, faulty). A deque:
+#: appending and popping are atomic, from any thread, under any lock.
+_collected: deque[tuple[Admission | _Retired, int | None, bool]] = deque()
 
 
 #: how often a nudge of the local line tries its lock (see _LocalLine.nudge)
@@ -236,11 +258,18 @@ class GateKeeper:
         self._seen_inode: int | None = None if self._file_stamp is None else self._file_stamp[2]
         #: the request helpers (service, caller, request id) of the configuration in force
         self.identifier = Identifier(self.config)
+        #: closes the backend this engine made once the engine is collected unclosed
+        #: (one passed in is its owner's to close)
+        self._retire: weakref.finalize[Any, Any] | None = None
         if backend is None:
             try:
                 backend = backend_from_url(self.config.backend, self.config)
             except ConfigError as exc:
                 raise located(exc, self._file) from exc
+            self._retire = weakref.finalize(
+                self, _collected.append, (_Retired(backend), None, False)
+            )
+            self._retire.atexit = False  # the process's exit lets everything go
         self.backend = backend
         #: what stats() last read from the backend (delayed releases pending, adaptive
         #: limits), reported again while it fails
@@ -278,6 +307,8 @@ class GateKeeper:
         # limit path -> engine time of its last capacity WARNING (paths come from the
         # configuration, not from requests, so this stays small)
         self._capacity_logged: dict[str, float] = {}
+        # limit path -> the throttle of its shadow-mode INFO lines (paths as above)
+        self._shadow_logged: dict[str, Throttle] = {}
 
     # --- configuration --------------------------------------------------------------------
 
@@ -798,9 +829,18 @@ class GateKeeper:
         if not over and not untracked:
             return
         self.monitor.shadow_rejected += 1
-        if over:
-            paths = ", ".join(over)
-            logger.info("gatekeeper: shadow mode admitted a request over the limit of %s", paths)
+        for path in over:
+            throttle = self._shadow_logged.get(path)
+            if throttle is None:
+                throttle = self._shadow_logged[path] = Throttle(_SHADOW_LOG_INTERVAL, self._clock)
+            admitted = throttle.due()
+            if admitted:
+                logger.info(
+                    "gatekeeper: shadow mode admitted %d request(s) over the limit of %s since"
+                    " the last report",
+                    admitted,
+                    path,
+                )
 
     # --- the product's own capacity -------------------------------------------------------
 
@@ -927,7 +967,7 @@ class GateKeeper:
         line = self._line
         ticket = line.join(queued.key, spec.size)
         if ticket is None:
-            raise self._queue_fault("GK-QUEUE-FULL", queued, spec.wait)
+            raise self._queue_fault("GK-QUEUE-FULL", queued, self._queue_retry(slots, now, spec))
 
         def take(asked: Sequence[Slot], at: float) -> Grant | Denial:
             # What is left to acquire once a shadow slot could not be tracked: still first.
@@ -978,7 +1018,9 @@ class GateKeeper:
                         wait, seen = rate_wait
                         rate_left = max(0.0, wait - (now - seen))
                         raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, rate_left, rated=True)
-                    raise self._queue_fault("GK-QUEUE-TIMEOUT", queued, spec.wait)
+                    raise self._queue_fault(
+                        "GK-QUEUE-TIMEOUT", queued, self._queue_retry(slots, now, spec)
+                    )
                 # Maturing delays free slots without any release to wake us: wake then.
                 due = backend.next_due()
                 if due is not None:
@@ -998,6 +1040,19 @@ class GateKeeper:
             waited = time.perf_counter() - entered
             self.monitor.stages["queue_wait"].record(waited)
             self._waited.seconds = waited
+
+    def _queue_retry(self, slots: tuple[Slot, ...], now: float, spec: QueueSpec) -> float:
+        """The Retry-After of a queue fault: the queue's wait, or the longest wait the
+        request's limits state when that is longer (slots held by delayed releases, a
+        window full for a while), as a refusal without a queue would say it. Looked at
+        by a peek (records nothing); a backend failing it leaves the queue's wait."""
+        try:
+            denial = self.backend.peek(slots, now)
+        except Exception:
+            return spec.wait
+        if denial is None:  # a slot is free, for the waiters ahead
+            return spec.wait
+        return max(spec.wait, self._longest_wait(slots, denial, now)[1].retry_after)
 
     def _take_wait(self) -> float:
         """Seconds this thread's last queue wait took (0 if none since the last call)."""
@@ -1111,6 +1166,8 @@ class GateKeeper:
 
     def close(self) -> None:
         """Release backend resources (after the releases still waiting)."""
+        if self._retire is not None:
+            self._retire.detach()
         _release_collected()
         self.backend.close()
 

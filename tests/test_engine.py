@@ -9,6 +9,7 @@ timing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import math
@@ -906,6 +907,37 @@ def test_queue_timeout_after_a_short_real_wait(make: Make) -> None:
     assert busy(gk) == {"shop/checkout": 1}
 
 
+def test_queue_faults_say_how_long_a_delay_still_holds_the_slot(
+    make_clocked: Make, clock: FakeClock
+) -> None:
+    """A full queue, and a wait that timed out, answer the Retry-After a refusal without a
+    queue gives (SPEC 5): the time the delayed release still holds the slot, not the
+    queue's wait of one second (clients would come back three times during the delay
+    meant to let the backend recover)."""
+    gk = make_clocked(
+        {"shop/checkout": {"concurrency": 1, "delay": 4, "queue": {"size": 1, "wait": 1}}}
+    )
+    gk.admit("shop", "checkout", "a").release(504, True)
+    got: list[Rejected] = []
+
+    def wait_in_line() -> None:
+        with pytest.raises(Rejected) as info:
+            gk.admit("shop", "checkout", "b")
+        got.append(info.value)
+
+    thread = start(wait_in_line)
+    wait_until(lambda: waiters(gk) == 1)
+    full = refused(gk, "shop", "checkout", "c")
+    assert (full.code, full.limit_path, full.retry_after) == ("GK-QUEUE-FULL", "shop/checkout", 4)
+    clock.advance(1.5)  # the waiter's second is up; 2.5 s of the delay are left
+    thread.join(30)
+    (timed_out,) = got
+    assert (timed_out.code, timed_out.retry_after) == ("GK-QUEUE-TIMEOUT", 3)
+    clock.advance(3)
+    gk.admit("shop", "checkout", "d").release(200)
+    assert busy(gk) == {}
+
+
 def test_a_rate_limits_queue_timeout_says_when_the_window_admits(make: Make) -> None:
     """A waiter in a rate limit's queue that times out (the window freed a place within
     its wait, and the waiter ahead took it) hears when that window admits again (not the
@@ -1095,6 +1127,37 @@ def test_queue_not_used_when_another_limit_refuses(make: Make) -> None:
     assert waiters(gk) == 0
 
 
+def test_an_engine_dropped_unclosed_lets_its_backend_go(backend_url: str) -> None:
+    """Frameworks drop engines (Django builds another on ``override_settings``, a Flask test
+    builds an app per test): once one is collected, the backend it made is closed by the
+    next call into an engine (its shared file's descriptor, its Redis connections and
+    release thread let go), not kept to the process's end, where 250 settings changes
+    ran out of descriptors."""
+
+    def resources() -> tuple[int, int]:
+        threads = sum(t.name == "gatekeeper-redis-release" for t in threading.enumerate())
+        return len(os.listdir("/proc/self/fd")), threads
+
+    settings = {"project": "shop", "backend": backend_url, "limits": {"shop": {"concurrency": 5}}}
+    kept = GateKeeper(settings)
+
+    def drop_one() -> None:
+        dropped = GateKeeper(settings)
+        dropped.admit("shop", "x", "a").release(200)
+        del dropped
+        gc.collect()
+        kept.admit("shop", "x", "a").release(200)  # the next call into an engine
+
+    for _ in range(3):  # and the kept engine's own connections are all open
+        drop_one()
+    before = resources()
+    for _ in range(20):
+        drop_one()
+    assert resources() == before
+    assert busy(kept) == {}
+    kept.close()
+
+
 # -------------------------------------------------------------------------------- shadow mode
 
 
@@ -1108,6 +1171,28 @@ def test_global_shadow_mode_never_rejects(make: Make) -> None:
     assert counters["rejected"] == {}
     assert counters["admitted"] == 4
     assert busy(gk) == {"shop": 4}
+
+
+def test_shadow_admissions_are_logged_once_an_interval_per_limit(
+    make: Make, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sizing a limit in shadow mode on live traffic, its admissions over the limit come by
+    the thousand, in the requests' threads: one INFO per limit and interval, with how many
+    there were since the last, not one per request (a slow handler would hold up each)."""
+    gk = make({"shop/report": {"concurrency": 0, "mode": "shadow"}})
+    with caplog.at_level(logging.INFO, logger="gatekeeper"):
+        for _ in range(50):
+            gk.admit("shop", "report", "a").release(200)
+        clock.advance(10)
+        gk.admit("shop", "report", "a").release(200)
+    lines = [r.getMessage() for r in caplog.records if "shadow mode" in r.getMessage()]
+    assert lines == [
+        "gatekeeper: shadow mode admitted 1 request(s) over the limit of shop/report since the"
+        " last report",
+        "gatekeeper: shadow mode admitted 50 request(s) over the limit of shop/report since the"
+        " last report",
+    ]
+    assert gk.stats()["counters"]["shadow_rejected"] == 51
 
 
 def test_per_limit_shadow_mode(make: Make) -> None:

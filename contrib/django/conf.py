@@ -55,8 +55,9 @@ def _rebuild(source: object) -> GateKeeper:
         current = _current
         if current is not None and current[0] is source:
             return current[1]
-        # The previous GateKeeper is not closed: requests admitted by it release through
-        # their own Admission, possibly after this swap.
+        # The previous GateKeeper is not closed here: requests admitted by it release
+        # through their own Admission, possibly after this swap. Its backend is closed
+        # once the last of them is gone and the engine collected (GateKeeper's finalizer).
         keeper = GateKeeper(gatekeeper_settings())
         _current = (source, keeper)
         return keeper
