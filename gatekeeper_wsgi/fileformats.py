@@ -413,13 +413,16 @@ _TOML_OPAQUE = re.compile(
     r'|"(?:[^"\\\n]|\\.)*"'
     r"|'[^'\n]*'|#[^\n]*"
 )
-# Blanks around a dot (a key may have them), dropped before the search below.
-_TOML_BLANKS_BEFORE_DOT = re.compile(r"(?<![ \t])[ \t]++(?=\.)")
-_TOML_BLANKS_AFTER_DOT = re.compile(r"\.[ \t]++")
+# Blanks around a dot (a key may have them), dropped before the search below (a run is
+# tried from its start only, so giving back costs the run once).
+_TOML_BLANKS_BEFORE_DOT = re.compile(r"(?<![ \t])[ \t]+(?=\.)")
+_TOML_BLANKS_AFTER_DOT = re.compile(r"\.[ \t]+")
 # A key of more than MAX_KEY_PARTS parts, starting where a key starts (not after a part's
-# letter or dot): each run is looked at once, so the search is linear in the text.
+# letter or dot): each run is looked at once, and a part given back fails at once (a dot
+# must follow it, and a part holds none), so the search is linear in the text. (Not
+# possessive quantifiers: Python's re reads those from 3.11 on.)
 _TOML_LONG_KEY = re.compile(
-    rf"(?<![A-Za-z0-9_.-])(?:[A-Za-z0-9_-]++\.){{{MAX_KEY_PARTS}}}[A-Za-z0-9_-]"
+    rf"(?<![A-Za-z0-9_.-])(?:[A-Za-z0-9_-]+\.){{{MAX_KEY_PARTS}}}[A-Za-z0-9_-]"
 )
 
 

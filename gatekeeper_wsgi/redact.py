@@ -202,11 +202,13 @@ class BodyUnreadable(ValueError):
 # A JSON member whose name is a secret field, in text that may be cut short (a logged
 # body is capped) and so not parse: the value is a string, possibly unterminated, or a
 # bare token. Linear in the text: a name begins at a quote no backslash escapes (so a run
-# of \" is not thousands of starts, each scanning to the end), and no part gives back
-# what it took (possessive: the alternatives cannot overlap, so nothing is lost).
+# of \" is not thousands of starts, each scanning to the end), and a part that gives back
+# what it took fails at each step at once (its alternatives cannot overlap, and what
+# follows a name is a quote, which neither takes). Plain quantifiers, not possessive
+# ones: Python's re reads those from 3.11 on, and the package supports 3.10.
 _JSON_MEMBER = re.compile(
-    r'(?P<head>(?<!\\)"(?P<name>(?:[^"\\]|\\.)*+)"\s*:\s*)'
-    r'(?P<value>"(?:[^"\\]|\\.)*+"?|[^,{}\[\]\s]*+)'
+    r'(?P<head>(?<!\\)"(?P<name>(?:[^"\\]|\\.)*)"\s*:\s*)'
+    r'(?P<value>"(?:[^"\\]|\\.)*"?|[^,{}\[\]\s]*)'
 )
 _JSON = json.JSONDecoder()
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
