@@ -27,9 +27,12 @@ closes, the algorithm moves the limit:
     busy window; ``x 0.9`` when a window saw a faulty response or a mean latency above 1.2 x the
     minimum. Loss-driven: simple, a sawtooth up to 20 % over capacity, slower to recover.
 
-Gradient and vegas multiply their next limit by ``1 - share of faulty responses``, so a
-backend that starts failing sheds load in proportion, while a steady trickle of errors does
-not walk the limit down to ``min``.
+Faulty responses lower the limit only by what exceeds the share a probe (below) measured
+at no load, and beyond the noise of a window of that size: errors the backend gives
+whatever its load (a dependency failing for some keys, input that makes 500s) are not a
+sign of overload, and a steady 20 % of them walked the limit down to a handful, window
+after window. Gradient and vegas multiply their next limit by ``1 - that excess``, so a
+backend that starts failing sheds load in proportion; aimd backs off when there is any.
 
 The minimum latency is the no-load baseline. It falls whenever a window is faster, and it
 is measured again, up or down, by a *probe* (as Envoy does): at the start and then about
@@ -116,7 +119,19 @@ SAMPLE_CEILING = 2.0
 # One window of faulty responses never cuts the limit by more than half.
 _DROP_FLOOR = 0.5
 # The attributes of Controller.STATE that are counts.
-_INTEGERS = frozenset({"limit", "_count", "_drops", "_peak", "_probe_count"})
+_INTEGERS = frozenset({"limit", "_count", "_drops", "_peak", "_probe_count", "_probe_drops"})
+
+
+def _excess(share: float, baseline: float, count: int) -> float:
+    """How much of a window's ``share`` of faulty responses (of ``count``) says the
+    backend is overloaded: what exceeds the no-load ``baseline`` by more than twice the
+    noise a window of that size has at that share (binomial: ``sqrt(p(1 - p) / n)``), so
+    random windows of a steady error rate do not read as a rise. With no errors at no load
+    the noise is 0: any error counts, as before a baseline was kept."""
+    if share <= baseline:
+        return 0.0
+    noise = 2.0 * math.sqrt(baseline * (1.0 - baseline) / count) if count else 0.0
+    return max(0.0, share - baseline - noise)
 
 
 class AdaptiveReport(TypedDict):
@@ -155,11 +170,13 @@ class Controller:
         "_next_probe",
         "_peak",
         "_probe_count",
+        "_probe_drops",
         "_probe_total",
         "_probing",
         "_seed",
         "_slow_start",
         "_total",
+        "drop_baseline",
         "estimate",
         "latency",
         "limit",
@@ -183,6 +200,9 @@ class Controller:
         self.latency = 0.0
         #: the no-load baseline (seconds; 0 before the first probe)
         self.min_latency = 0.0
+        #: the share of faulty responses at no load (the probes'): errors the backend
+        #: gives whatever its load, which do not lower the limit
+        self.drop_baseline = 0.0
         # The most one sample counts for in a window's mean (derived from min_latency,
         # so not part of STATE).
         self._ceiling = math.inf
@@ -195,6 +215,7 @@ class Controller:
         self._slow_start = True
         self._probe_count = 0
         self._probe_total = 0.0
+        self._probe_drops = 0
 
     #: The attributes :meth:`state` lists, in order: everything a controller has learned
     #: and is gathering (its window, its probe), as numbers. A backend that shares one
@@ -215,6 +236,8 @@ class Controller:
         "_slow_start",
         "_probe_count",
         "_probe_total",
+        "drop_baseline",
+        "_probe_drops",
     )
 
     def window(self) -> tuple[float, int, float, int, int]:
@@ -292,11 +315,11 @@ class Controller:
         if inflight > self._peak:
             self._peak = inflight
         if now >= self._due:
-            self._due_now(latency, admitted, now)
+            self._due_now(latency, faulty, admitted, now)
 
-    def _due_now(self, latency: float, admitted: float, now: float) -> None:
+    def _due_now(self, latency: float, faulty: bool, admitted: float, now: float) -> None:
         if self._probing is not None:
-            self._probe_sample(latency, admitted, now)
+            self._probe_sample(latency, faulty, admitted, now)
         elif now >= self._next_probe:
             self._start_probe(now)
         elif self._count >= WINDOW_SAMPLES:
@@ -327,7 +350,8 @@ class Controller:
         elif latency < self.min_latency or not self.min_latency:
             self._set_baseline(latency)
         spec = self.spec
-        estimate = self._next(self.estimate, latency, self.min_latency, peak, drop_share)
+        excess = _excess(drop_share, self.drop_baseline, count)
+        estimate = self._next(self.estimate, latency, self.min_latency, peak, excess)
         self.estimate = min(max(estimate, float(spec.min)), float(spec.max))
         self.limit = self._rounded()
 
@@ -340,16 +364,17 @@ class Controller:
         self._ceiling = SAMPLE_CEILING * latency if latency > 0.0 else math.inf
 
     def _next(
-        self, estimate: float, latency: float, baseline: float, peak: int, drop_share: float
+        self, estimate: float, latency: float, baseline: float, peak: int, excess: float
     ) -> float:
         """The algorithm's next estimate after a window (mean ``latency``, the ``baseline``
-        no-load latency, ``peak`` requests in flight, ``drop_share`` of faulty responses)."""
+        no-load latency, ``peak`` requests in flight, ``excess`` share of faulty responses
+        over the no-load share, see :func:`_excess`)."""
         algorithm = self.spec.algorithm
         busy = 2 * peak >= estimate
         # How much faster the backend was unloaded; 1 when a latency of 0 says nothing.
         ratio = baseline / latency if latency > 0.0 else 1.0
         if algorithm == "aimd":
-            if drop_share or latency > _AIMD_TOLERANCE * baseline:
+            if excess or latency > _AIMD_TOLERANCE * baseline:
                 self._slow_start = False
                 return estimate * _AIMD_BACKOFF
             if latency > _SLOW_START_EXIT * baseline:
@@ -370,7 +395,7 @@ class Controller:
                 target = estimate - max(step, (queue - _VEGAS_BETA * step) / 2.0)
             else:
                 target = estimate
-            return target * max(_DROP_FLOOR, 1.0 - drop_share)
+            return target * max(_DROP_FLOOR, 1.0 - excess)
         gradient = min(max(_GRADIENT_TOLERANCE * ratio, _GRADIENT_FLOOR), 1.0)
         # The headroom (requests allowed to queue) is √limit while no queue shows, so the
         # limit climbs fast to where one forms; each request seen waiting takes one off it,
@@ -380,7 +405,7 @@ class Controller:
         wanted = estimate * gradient + max(1.0, math.sqrt(estimate) - queue)
         if not busy:
             wanted = min(wanted, estimate)
-        wanted *= max(_DROP_FLOOR, 1.0 - drop_share)
+        wanted *= max(_DROP_FLOOR, 1.0 - excess)
         return estimate + (wanted - estimate) * _GRADIENT_SMOOTHING
 
     def _rounded(self) -> int:
@@ -398,18 +423,24 @@ class Controller:
         self._due = -math.inf  # every sample of a probe is looked at
         self._probe_count = 0
         self._probe_total = 0.0
+        self._probe_drops = 0
         self.limit = min(self._probe_limit(), self._rounded())
 
-    def _probe_sample(self, latency: float, admitted: float, now: float) -> None:
+    def _probe_sample(self, latency: float, faulty: bool, admitted: float, now: float) -> None:
         # Requests admitted before the probe began ran under the old, higher limit.
         assert self._probing is not None
         if admitted < self._probing:
             return
         self._probe_count += 1
         self._probe_total += latency
+        self._probe_drops += faulty
         if self._probe_count < PROBE_SAMPLES and now - self._probing < PROBE_SECONDS:
             return
         self._set_baseline(max(self._probe_total / self._probe_count, 0.0))
+        # The errors of no load, averaged with the last probe's (ten samples are few).
+        share = self._probe_drops / self._probe_count
+        previous = self.drop_baseline
+        self.drop_baseline = share if previous <= 0.0 else (previous + share) / 2.0
         self._probing = None
         self._next_probe = now + PROBE_EVERY * (0.85 + 0.3 * self._seed)
         self.limit = self._rounded()

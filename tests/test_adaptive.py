@@ -34,6 +34,9 @@ class ModelledBackend:
     base: float = BASE
     faulty_share: float = 0.0
     faulty_latency: float | None = None  # None: as slow as a good response
+    #: overload fails instead of queueing: latency stays ``base``, and of ``in_flight``
+    #: requests all but ``capacity`` fail (a backend shedding load with quick 503s)
+    sheds: bool = False
     noise: float = 0.1  # ± share of each latency, uniformly
     #: mean seconds between stalls of the host (0: none); a request finishing during one
     #: took up to 3 x ``stall`` seconds longer (a GC pause, a starved CPU)
@@ -53,12 +56,14 @@ class ModelledBackend:
             if self.stall_every and self.rng.random() < step / self.stall_every:
                 stalled_until = self.now + self.stall
             inflight = min(controller.limit, self.clients)
-            latency = self.base * max(1.0, inflight / self.capacity)
+            overload = max(1.0, inflight / self.capacity)
+            latency = self.base if self.sheds else self.base * overload
+            failing = 1.0 - 1.0 / overload if self.sheds else self.faulty_share
             self._owed += inflight * step / latency
             while self._owed >= 1.0:
                 self._owed -= 1.0
                 sampled = latency * (1.0 + self.noise * (2.0 * self.rng.random() - 1.0))
-                faulty = self.rng.random() < self.faulty_share
+                faulty = self.rng.random() < failing
                 if faulty and self.faulty_latency is not None:
                     sampled = self.faulty_latency
                 if self.now < stalled_until:
@@ -177,6 +182,32 @@ def test_a_trickle_of_errors_does_not_walk_the_limit_down(algorithm: str) -> Non
     backend.faulty_share = 0.01
     backend.run(controller, 60.0)
     assert controller.limit >= 0.8 * 40
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("share", [0.1, 0.2, 0.3])
+def test_a_steady_share_of_errors_does_not_walk_the_limit_down(
+    algorithm: str, share: float
+) -> None:
+    """Errors the backend gives whatever its load (a dependency failing for some keys,
+    input that makes 500s), from the start, for a minute: the probes see them at no load
+    too, so they are no sign of overload, and the limit stays near the capacity (a steady
+    20 % walked gradient down to 16 and aimd to its minimum, window after window)."""
+    controller = Controller(AdaptiveSpec(algorithm), 0.0, key="shop")  # type: ignore[arg-type]
+    backend = ModelledBackend(40, faulty_share=share)
+    backend.run(controller, 60.0)
+    assert min(backend.trace[-1000:]) >= 0.8 * 40
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_errors_that_come_with_load_keep_the_limit_near_capacity(algorithm: str) -> None:
+    """A backend that sheds its overload with quick errors (latency flat: only the errors
+    say it is full): the probes see none at no load, so the errors above capacity lower
+    the limit, which stays near the capacity for a minute, probes included."""
+    controller = Controller(AdaptiveSpec(algorithm), 0.0, key="shop")  # type: ignore[arg-type]
+    backend = ModelledBackend(40, sheds=True)
+    backend.run(controller, 60.0)
+    assert 0.8 * 40 <= min(backend.trace[-4000:]) <= max(backend.trace[-4000:]) <= 1.3 * 40
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -50,7 +50,7 @@ def test_redis_enforces_adaptive_limits_without_warning(
         stored = settled(gk)
         # The first sample starts a probe of the no-load latency: the limit is pinned low.
         assert stored["limit"] == "3"
-        assert len(stored["s"].split()) == 14
+        assert len(stored["s"].split()) == len(Controller.STATE)
         assert "claim" not in stored
         report = gk.stats()["adaptive"]["shop/work"]
         assert report["limit"] == 3
@@ -338,7 +338,7 @@ def test_a_tampered_state_starts_over(prefixed: str) -> None:
         for _ in range(5):
             gk.admit("shop", "work", "c").release(200)
         stored = settled(gk)
-        assert len(stored["s"].split()) == 14
+        assert len(stored["s"].split()) == len(Controller.STATE)
         assert stored["limit"].isdigit()
         assert gk.stats()["counters"]["backend_errors"] == 0
     finally:

@@ -183,9 +183,11 @@ def test_a_sample_in_one_process_moves_the_limit_another_enforces(
     the limit drops below what B holds - nothing of B's is cut off, and nobody (not
     even a third process) is admitted until in-flight is below the new limit."""
     driver, holder = workers
-    # A's first sample starts a probe of the no-load latency; the probe's samples end it
-    # (the limit back at its initial 20) and a window opens, which A fills but one.
-    driver.cycle(1 + PROBE_SAMPLES + WINDOW_SAMPLES - 1, faulty=True)
+    # A's first sample starts a probe of the no-load latency; the probe's samples (good:
+    # no errors at no load) end it (the limit back at its initial 20) and a window opens,
+    # which A fills but one, with faulty responses.
+    driver.cycle(1 + PROBE_SAMPLES, faulty=False)
+    driver.cycle(WINDOW_SAMPLES - 1, faulty=True)
     assert driver("limit") == holder("limit") == 20
     assert holder("admit", 21) == ["admitted"] * 20 + ["GK-CONCURRENCY-LIMIT shop=20"]
     now.value += 1.0  # the window is due
@@ -261,7 +263,7 @@ def test_observer_never_sees_more_in_flight_than_the_limit_in_force(
     threads (24 clients) hammer it: the app never has more requests in flight than the
     limit in force, and refusals show the limit was really reached."""
     driver = workers[0]
-    driver.cycle(1 + PROBE_SAMPLES, faulty=True)  # the first probe, then the limit is 20
+    driver.cycle(1 + PROBE_SAMPLES, faulty=False)  # the first probe, then the limit is 20
     for _ in range(3):  # three windows of faulty samples: 20 -> 18 -> 16 -> 14 (AIMD x0.9)
         now.value += 1.0
         driver.cycle(WINDOW_SAMPLES, faulty=True)

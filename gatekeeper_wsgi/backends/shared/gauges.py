@@ -1,6 +1,6 @@
 """The adaptive gauges of a shared table: the ``adaptive.Controller`` of each key of a
 ``concurrency = "auto"`` limit, kept next to the key's counters (gauge i belongs to node
-i, ``m x 8 x 128`` bytes), so every process of the host feeds one window and enforces one
+i, ``m x 8 x 144`` bytes), so every process of the host feeds one window and enforces one
 limit. A gauge is read only when its node's ``F_GAUGE`` flag says it holds a controller
 (a new node's flags are 0), so a gauge page is touched only for keys of adaptive limits.
 

@@ -66,13 +66,13 @@ from the sizes in the header, each region aligned to 64 bytes, the window chunks
     registry, R x 24 bytes, one per wildcard limit path: u64 blake2b of the path
       (0: free), u32 keys, u32 least recently used node, u32 most recently used node,
       4 pad
-    gauges, m x 8 x 128 bytes, gauge i belongs to node i (read only when its node's
+    gauges, m x 8 x 144 bytes, gauge i belongs to node i (read only when its node's
       flag says so, so a gauge is touched only for keys of adaptive limits):
       0 4 x u32 the adaptive table its state was made under: algorithm (1 gradient,
         2 aimd, 3 vegas), min, max, initial (a reloaded table: respec'd at next use)
-      16 14 x f64 adaptive.Controller.STATE: estimate, limit, latency, min_latency,
+      16 16 x f64 adaptive.Controller.STATE: estimate, limit, latency, min_latency,
         next probe, window due, count, total, drops, peak, probing (NaN: no),
-        slow start, probe count, probe total
+        slow start, probe count, probe total, drop baseline, probe drops
     journal, J bytes: entries of u64 offset, u32 length, the old bytes; a commit or a
       rollback zeroes the first entry's offset (0 is never journaled: an invalid entry)
     window chunks, W x 64 bytes: u32 next chunk of the same window (0xFFFFFFFF:
@@ -112,8 +112,9 @@ MAGIC = b"GKSHARED"
 MAGIC_INIT = b"GKSHINIT"
 #: 2: the epoch's copy at 64; 3: the checksums at 52 and 72; 4: the adaptive gauges;
 #: 5: the queues' lines (waiters, lines); 6: the key generation at 104; 7: the same bytes,
-#: locked by ``flock`` instead of an OFD ``fcntl`` lock (which does not exclude it)
-VERSION = 7
+#: locked by ``flock`` instead of an OFD ``fcntl`` lock (which does not exclude it); 8:
+#: gauges of 144 bytes (the controller's no-load share of faulty responses)
+VERSION = 8
 HEADER = 4096
 CHAIN = 8  #: nodes per hash bucket
 NIL = 0xFFFFFFFF
@@ -224,7 +225,7 @@ CHUNK_SIZE = CHUNK_FMT.size  # 64
 JENTRY_SIZE = JENTRY.size  # 12
 
 # gauges: the controller of an adaptive limit's key, one per node (same index)
-GAUGE_SIZE = 128
+GAUGE_SIZE = 144
 #: at 0: algorithm (index in ALGORITHMS + 1; 0: no controller yet), min, max, initial of
 #: the ``adaptive`` table the state was last made under (a reload changes them)
 GAUGE_SPEC = struct.Struct("<4I")
