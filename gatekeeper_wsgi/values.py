@@ -190,12 +190,12 @@ class Limit:
         # Compiled patterns compare by identity; compare their sources instead.
         return isinstance(other, Limit) and self._identity() == other._identity()
 
-    def __setstate__(self, state: list[Any]) -> None:
-        # Unpickled (maybe in another process, whose string hashes differ): every field but
-        # the hash, which is made again on first use.
-        for each, value in zip(fields(self), state, strict=True):
-            object.__setattr__(self, each.name, value)
-        object.__setattr__(self, "_hash", None)
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as every field but the hash, made again on first use where it is
+        # unpickled (maybe in another process, whose string hashes differ). Not by
+        # __getstate__ / __setstate__: Python 3.10's dataclass puts its own on a frozen
+        # slotted class, which would carry the hash along.
+        return (_unpickled_limit, (tuple(getattr(self, name) for name in _PICKLED),))
 
     def __hash__(self) -> int:
         known = self._hash
@@ -203,6 +203,19 @@ class Limit:
             known = hash(self._identity())
             object.__setattr__(self, "_hash", known)
         return known
+
+
+#: the fields a pickled Limit carries (all but the hash)
+_PICKLED = tuple(each.name for each in fields(Limit) if each.name != "_hash")
+
+
+def _unpickled_limit(values: tuple[Any, ...]) -> Limit:
+    """The limit :meth:`Limit.__reduce__` pickled, its hash made again on first use."""
+    limit = object.__new__(Limit)
+    for name, value in zip(_PICKLED, values, strict=True):
+        object.__setattr__(limit, name, value)
+    object.__setattr__(limit, "_hash", None)
+    return limit
 
 
 class Slot(NamedTuple):

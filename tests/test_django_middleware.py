@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -411,6 +412,12 @@ async def _pieces() -> Any:
     yield "b"
 
 
+@pytest.mark.skipif(
+    sys.version_info < (3, 11),
+    reason="on 3.10 a finished frame keeps its callers' frames: asgiref's Local, read for"
+    " the urlconf (unset outside Django's handler), leaves a traceback cycle holding the"
+    " middleware's frame, so the response goes with the cycle collector",
+)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_streamed_response_dropped_without_close_releases_at_once(
     settings: Any, kind: str
