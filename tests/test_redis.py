@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import re
 import threading
@@ -46,6 +47,15 @@ pytestmark = pytest.mark.redis
 
 def keeper(url: str, limits: dict[str, Any], **settings: Any) -> GateKeeper:
     return GateKeeper({"project": "shop", "backend": url, "limits": limits, **settings})
+
+
+def answers(gk: GateKeeper) -> bool:
+    """Whether Redis answers a read (False while it fails, or the breaker fails fast)."""
+    try:
+        gk.inflight()
+    except BackendError:
+        return False
+    return True
 
 
 def outcome(gk: GateKeeper, service: str = "work", caller: str = "c") -> str:
@@ -353,16 +363,28 @@ def test_url_options_are_validated() -> None:
             backend_from_url(f"redis://127.0.0.1:1/0?{query}")
 
 
-@pytest.mark.parametrize("separator", ["/", "?", "#"])
-def test_a_password_that_breaks_the_url_is_never_quoted(separator: str) -> None:
+@pytest.mark.parametrize(
+    "password",
+    ["Pa55/woRDsecret", "Pa55?woRDsecret", "Pa55#woRDsecret", "Pa55/woRD?secret", "Pa55/woRD#sec"],
+)
+def test_a_password_that_breaks_the_url_is_never_quoted(password: str) -> None:
     """A '/', '?' or '#' in a password not percent-encoded ends the host part early: what
-    redis-py or the database check would quote is a piece of the password. The error
-    says how to write it instead, and quotes none of it."""
+    redis-py or the database check would quote is a piece of the password (a '/' then a
+    '?' put a piece in the database's place, and the '@' in the query). The error says
+    how to write it instead, and quotes none of it."""
     with pytest.raises(ConfigError) as raised:
-        GateKeeper({"backend": f"redis://gk:Pa55{separator}woRDsecret@127.0.0.1:1/0"})
+        GateKeeper({"backend": f"redis://gk:{password}@127.0.0.1:1/0"})
     message = str(raised.value)
-    assert "Pa55" not in message and "woRD" not in message and "secret" not in message
+    assert "Pa55" not in message and "woRD" not in message and "sec" not in message
     assert "%2F" in message or "percent-encoded" in message
+
+
+def test_a_mistyped_option_is_named_in_a_url_with_credentials() -> None:
+    """Production URLs hold a password: a mistyped option is still named (it was "write
+    the password percent-encoded", which was not the trouble), the password masked."""
+    with pytest.raises(ConfigError, match="socket_timout") as raised:
+        GateKeeper({"backend": "redis://gk:s3cret@127.0.0.1:1/0?socket_timout=1"})
+    assert "s3cret" not in str(raised.value)
 
 
 @pytest.mark.parametrize(
@@ -444,6 +466,32 @@ def test_redis_down_applies_on_backend_error(policy: str, status: int) -> None:
         if status == 503:
             assert json.loads(response.data)["code"] == "GK-BACKEND-UNAVAILABLE"
     assert app.gatekeeper.stats()["counters"]["backend_errors"] == 5
+
+
+def test_a_redis_that_stalls_now_and_then_is_one_error_an_interval(
+    own_redis: ControlledRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis that stalls again and again (slow commands, fork pauses) opens and closes
+    the breaker each time: one ERROR that it failed (and one WARNING that it is back) per
+    10 s, not one per stall in every worker, which paged for a Redis that was serving."""
+    url = f"{own_redis.url}?socket_timeout=0.1&breaker_cooldown=0.01"
+    gk = keeper(url, {"shop": {"concurrency": 5}}, on_backend_error="allow")
+    assert outcome(gk) == "admitted"
+    with caplog.at_level(logging.WARNING, logger="gatekeeper"):
+        for _ in range(3):
+            own_redis.pause()
+            try:
+                outcome(gk)  # times out: the breaker opens (allowed, uncounted)
+            finally:
+                own_redis.resume()
+            # Until the probe after the cooldown gets through: the breaker closes.
+            wait_until(lambda: answers(gk), what="Redis to answer again")
+    opened = [r for r in caplog.records if "failing fast for" in r.getMessage()]
+    closed = [r for r in caplog.records if "is back" in r.getMessage()]
+    assert [r.levelname for r in opened] == ["ERROR"]
+    assert "(1 failures since the last report)" in opened[0].getMessage()
+    assert [r.levelname for r in closed] == ["WARNING"]
+    gk.close()
 
 
 def test_breaker_spares_requests_the_connect_timeout() -> None:

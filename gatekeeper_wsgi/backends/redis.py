@@ -75,7 +75,7 @@ from gatekeeper_wsgi.backends.base import (
 from gatekeeper_wsgi.config import Config, Limit
 from gatekeeper_wsgi.errors import BackendError, CapacityError, ConfigError, LimitKind
 from gatekeeper_wsgi.forks import ForkWatch
-from gatekeeper_wsgi.redact import mask_text, mask_url
+from gatekeeper_wsgi.redact import Throttle, mask_text, mask_url
 
 __all__ = ["RedisBackend", "check_report"]
 
@@ -124,6 +124,8 @@ _LINGER_FROM = 0.001
 _PENDING_RELEASES = 10_000
 # A dropped release (see RedisBackend._apply_alone) is named in a WARNING at most this often.
 _DROPPED_LOG_INTERVAL = 10.0
+#: seconds between two ERRORs of the breaker opening (and WARNINGs of it closing)
+_BREAKER_LOG_INTERVAL = 10.0
 _KEY_CACHE_SIZE = 10_000
 #: Tombstones and marks score above this (lua/gate.lua): counts read below it.
 _BELOW_BAND = "(4503599627370496"
@@ -464,6 +466,12 @@ class _Breaker:
         self._open_until = 0.0  # 0: closed
         self._probing = False
         self._last_error = ""
+        # A Redis that stalls now and then (slow commands, fork pauses) opens and closes
+        # the breaker every few seconds: its ERROR (and the WARNING that it is back) at
+        # most every _BREAKER_LOG_INTERVAL, with how often it opened meanwhile, as the
+        # engine's own outage ERROR (one per worker, many workers: a page per second).
+        self._opened = Throttle(_BREAKER_LOG_INTERVAL)
+        self._closed = Throttle(_BREAKER_LOG_INTERVAL)
 
     def before(self) -> None:
         if not self._open_until:
@@ -485,7 +493,8 @@ class _Breaker:
                 if self._open_until:
                     self._open_until = 0.0
                     self._probing = False
-                    logger.warning("gatekeeper: redis at %s is back", self._location)
+                    if self._closed.due():
+                        logger.warning("gatekeeper: redis at %s is back", self._location)
 
     def abandon(self) -> None:
         """The call was interrupted (not a Redis failure): let another caller probe."""
@@ -516,12 +525,14 @@ class _Breaker:
             self._open_until = time.monotonic() + self.cooldown
             self._probing = False
             self._last_error = str(exc) or type(exc).__name__
-        if was_closed:
+        if was_closed and (opened := self._opened.due()):
             logger.error(
-                "gatekeeper: redis at %s failed (%s); failing fast for %.2g s, then probing",
+                "gatekeeper: redis at %s failed (%s); failing fast for %.2g s, then probing"
+                " (%d failures since the last report)",
                 self._location,
                 self._last_error,
                 self.cooldown,
+                opened,
             )
 
 
@@ -1011,6 +1022,10 @@ class RedisBackend(Backend):
         scheme = parts.scheme.lower()
         if scheme == "valkey":
             scheme = "redis"
+        # Credentials that a '/', '?' or '#' of a password not percent-encoded cut short:
+        # the rest of them went into the path, the query or the fragment, which error
+        # messages must then not quote.
+        misplaced = "@" in f"{parts.path}?{parts.query}#{parts.fragment}"
         query = parse_qsl(parts.query, keep_blank_values=True)
         _check_options(url, query)
         ours = {"prefix", "max_hold", "breaker_cooldown", "flush_interval", "spin", "cluster"}
@@ -1027,10 +1042,12 @@ class RedisBackend(Backend):
         for database in databases:
             if database and not (database.isascii() and database.isdigit() and len(database) < 10):
                 # A path with an "@" holds the rest of the credentials (a "/" in the
-                # password, not written %2F, ends the host part early): not quoted.
+                # password, not written %2F, ends the host part early), and so may a path
+                # before a query or fragment that holds the "@": not quoted.
                 got = (
-                    "the rest of the credentials (write a '/' in the password as %2F)"
-                    if "@" in database
+                    "the rest of the credentials (write '/', '?' and '#' in a password"
+                    " percent-encoded: %2F, %3F, %23)"
+                    if "@" in database or misplaced
                     else repr(database[:40])
                 )
                 raise ConfigError(
@@ -1066,13 +1083,13 @@ class RedisBackend(Backend):
                 pool = client.connection_pool
                 pool.connection_class(**pool.connection_kwargs)
         except (ValueError, TypeError, redis.exceptions.RedisError) as exc:
-            # redis-py's message quotes what it could not parse, which in a URL with
-            # credentials may be a piece of the password (one with a '?' or '#' ends the
-            # host part early): then not quoted at all.
+            # redis-py's message quotes what it could not parse, which may be a piece of
+            # a password a '/', '?' or '#' cut short: then not quoted at all. Otherwise
+            # (an unknown option, a bad port) it names the culprit, credentials masked.
             reason = (
                 "it cannot be parsed (write '/', '?', '#' and '@' in a user name or "
                 "password percent-encoded)"
-                if "@" in url
+                if misplaced
                 else mask_text(str(exc))
             )
             raise ConfigError("backend", f"invalid redis URL {mask_url(url)!r}: {reason}") from exc
