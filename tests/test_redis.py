@@ -254,6 +254,38 @@ def test_runs_on_redis_cluster(tmp_path: Path) -> None:
         node.stop()
 
 
+@pytest.mark.parametrize("on_backend_error", ["allow", "reject"])
+def test_a_worker_starts_while_its_cluster_is_down(tmp_path: Path, on_backend_error: str) -> None:
+    """A worker that starts during a Cluster outage (a restart, a deploy) comes up and
+    answers by on_backend_error, as on a plain Redis; once the Cluster answers, it counts
+    (the client asks for the slot map then, not at start, where it failed the boot)."""
+    node = ClusterRedis(redis_binary(), tmp_path)  # not started yet: nothing answers
+    gk = keeper(
+        f"{node.url}&socket_connect_timeout=0.2&breaker_cooldown=0.01",
+        {"shop": {"concurrency": 1}},
+        on_backend_error=on_backend_error,
+    )
+    assert outcome(gk) == ("admitted" if on_backend_error == "allow" else "GK-BACKEND-UNAVAILABLE")
+    assert gk.stats()["counters"]["backend_errors"] >= 1
+    node.start()
+    try:
+        wait_until(lambda: answers(gk), what="the Cluster to answer")
+        held = gk.admit("shop", "work", "c")
+        assert outcome(gk) == "GK-CONCURRENCY-LIMIT"  # counted now
+        held.release(200)
+        assert wait_until(lambda: outcome(gk) == "admitted")
+        gk.close()
+    finally:
+        node.stop()
+
+
+def test_cluster_on_a_node_that_is_no_cluster_is_a_config_error(own_redis: ControlledRedis) -> None:
+    """cluster=1 against a plain Redis that answers is a mistake in the URL, said at start
+    (it was redis-py's own exception, no ConfigError)."""
+    with pytest.raises(ConfigError, match="no Cluster node"):
+        backend_from_url(f"{own_redis.url}?cluster=1")
+
+
 def test_windows_run_on_redis_time_not_host_clocks(prefixed: str) -> None:
     """Hosts whose clocks are hours apart share one exact window, timed by Redis TIME."""
     clocks = [1000.0, 1000.0 + 7 * 3600]

@@ -450,6 +450,52 @@ class _Release(NamedTuple):
         return f"{mark}{self.lease} {round(delay * 1_000_000)} {self.codes}"
 
 
+class _ClusterOnDemand:
+    """A Redis Cluster client made at its first use when the Cluster did not answer at
+    start. ``RedisCluster`` asks a node for the slot map as it is built: a worker starting
+    during an outage (a restart after max_requests, a deploy, an OOM respawn) must come up
+    and answer by ``on_backend_error``, as on a plain Redis, which connects lazily - not
+    fail to boot (SPEC 4.6). Until a node answers, every use raises redis's
+    ``ConnectionError``, which the backend takes as an outage (the breaker spares the
+    requests the wait); then it is the client."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self._url = url
+        self._options = options
+        self._client: RedisCluster | None = None
+        self._lock = threading.Lock()
+
+    def _made(self) -> RedisCluster:
+        client = self._client
+        if client is None:
+            with self._lock:
+                client = self._client
+                if client is None:
+                    try:
+                        client = self._client = RedisCluster.from_url(self._url, **self._options)
+                    except redis.exceptions.RedisClusterException as exc:
+                        raise redis.exceptions.ConnectionError(str(exc)) from exc
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "connection_pool":  # a Cluster has none: Script asks for its encoder
+            raise AttributeError(name)
+        return getattr(self._made(), name)
+
+    def register_script(self, script: str) -> Script:
+        return Script(self, script)  # type: ignore[arg-type]
+
+    def get_encoder(self) -> Any:
+        # Scripts are ASCII: their SHA is the same whatever the URL's encoding.
+        from redis._parsers.encoders import Encoder  # what Script asks a client for
+
+        return Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
 class CircuitOpen(BackendError):
     """Redis failed moments ago: failing fast, without touching the network."""
 
@@ -926,7 +972,7 @@ class RedisBackend(Backend):
 
     def __init__(
         self,
-        client: redis.Redis | RedisCluster,
+        client: redis.Redis | RedisCluster | _ClusterOnDemand,
         *,
         prefix: str = DEFAULT_PREFIX,
         max_hold: float = DEFAULT_MAX_HOLD,
@@ -959,8 +1005,10 @@ class RedisBackend(Backend):
         self.prefix = prefix
         self.max_hold = max_hold
         self._hold_us = round(max_hold * 1_000_000)
-        self._cluster = isinstance(client, RedisCluster)
-        self._pool = None if isinstance(client, RedisCluster) else client.connection_pool
+        self._cluster = isinstance(client, (RedisCluster, _ClusterOnDemand))
+        self._pool = (
+            None if isinstance(client, (RedisCluster, _ClusterOnDemand)) else client.connection_pool
+        )
         self._source = _load_script("gate.lua")
         self._script: Script = client.register_script(self._source)
         self._read_totals: Script = client.register_script(_load_script("totals.lua"))
@@ -1070,10 +1118,20 @@ class RedisBackend(Backend):
             # pool's stale-connection check.
             "maint_notifications_config": MaintNotificationsConfig(enabled=False),
         }
-        client: redis.Redis | RedisCluster
+        client: redis.Redis | RedisCluster | _ClusterOnDemand
         try:
             if cluster in _TRUE:
-                client = RedisCluster.from_url(redis_url, **kwargs)
+                try:
+                    client = RedisCluster.from_url(redis_url, **kwargs)
+                except redis.exceptions.RedisClusterException as exc:
+                    if "cluster mode is not enabled" in str(exc).lower():
+                        raise ConfigError(
+                            "backend",
+                            f"cluster=1, but the Redis at {mask_url(url)!r} is no Cluster"
+                            " node (cluster mode is not enabled): leave cluster out",
+                        ) from exc
+                    # Not answering now: made at first use (see _ClusterOnDemand).
+                    client = _ClusterOnDemand(redis_url, kwargs)
             else:
                 client = redis.Redis.from_url(redis_url, **kwargs)
                 # redis-py hands options it does not know (a typo) to the connection,
