@@ -123,6 +123,54 @@ def test_table_replaced_under_a_process_is_followed(
     a.close()
 
 
+@pytest.mark.parametrize("how", ["deleted", "cut short"])
+def test_a_status_read_is_the_first_look_at_a_table_recreated_elsewhere(
+    table: Path, path_clock: FakeClock, workers: list[Worker], how: str
+) -> None:
+    """B re-created the table (A's file deleted, or cut short) and holds its slot; A's
+    first look at it is a status read (``gk.stats()``: a health check, a status view).
+    It reads B's table: it once read the leases of A's old map, closed by then, took
+    that for damage and re-created the table under B's counts, giving B's slot away."""
+    a = GateKeeper(settings_for(table))
+    a.admit("shop", "api", "a").release(200)
+    if how == "deleted":
+        os.unlink(table)
+    else:
+        os.truncate(table, 0)
+    b = Worker(table, settings_for(table))
+    workers.append(b)
+    assert b("admit", "api", "b") == "admitted"
+    path_clock.advance(table_module.PATH_CHECK_EVERY)
+    assert a.stats()["counters"]["delayed_pending"] == 0
+    assert refusal(a) == "GK-CONCURRENCY-LIMIT"
+    assert busy(table) == {"shop": 1}
+    assert b("release") == "released"
+    a.admit("shop", "api", "a").release(200)
+    a.close()
+
+
+def test_a_table_damaged_again_and_again_is_one_error_an_interval(
+    table: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whoever can write the file can cut it short again and again: each time it is
+    re-created (nothing counted is lost that was not lost already), with one ERROR per
+    interval and the count of incidents since, not one per incident in every process."""
+    caplog.set_level(logging.ERROR, "gatekeeper")
+    gk = GateKeeper(settings_for(table))
+    for _ in range(20):
+        os.truncate(table, 100)
+        # The admission that finds it damaged is a backend failure (re-created meanwhile);
+        # the next ones count in the new table.
+        assert refusal(gk) == "GK-BACKEND-UNAVAILABLE"
+        held = gk.admit("shop", "api", "a")
+        assert refusal(gk) == "GK-CONCURRENCY-LIMIT"
+        held.release(200)
+    errors = path_errors(caplog, table)
+    assert len(errors) == 1, errors
+    assert "is damaged" in errors[0] and "(requests in flight" in errors[0]
+    gk.close()
+
+
 def test_table_renamed_over_is_followed(
     table: Path, path_clock: FakeClock, workers: list[Worker], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -419,7 +419,11 @@ class SharedBackend(Table):
 
     def delayed_pending(self, now: float) -> int:
         try:
-            return self._observed(now, self._leases.pending)
+            # A lambda, not the bound method: the transaction may map the table again
+            # (another process re-created it), and the read must be of the new map's
+            # leases - the old ones' map is closed, which read as damage and re-created
+            # the table under every process's counts.
+            return self._observed(now, lambda: self._leases.pending())
         except BackendError:
             return 0
 

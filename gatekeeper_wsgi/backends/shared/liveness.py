@@ -231,15 +231,20 @@ def mapped_elsewhere(device: int, inode: int) -> bool:
     """Whether a process other than this one has the file (``device``, ``inode``) mapped,
     by /proc/<pid>/maps (True when /proc cannot be read). A process of another layout
     version that uses the table has it mapped; one of this version facing that table has
-    it open but not mapped (it unmapped it to attach), and a killed one has neither."""
+    it open but not mapped (it unmapped it to attach), and a killed one has neither.
+    This process's parent does not count: one that built the engine before it forked
+    its workers (gunicorn ``--preload``, uWSGI) keeps the map it made for good, and runs
+    this very version (counted, a table whose layout field was overwritten was refused
+    for as long as the master lived)."""
     me = str(os.getpid())
+    parent = str(os.getppid())
     wanted = (f"{os.major(device):02x}:{os.minor(device):02x}", str(inode))
     try:
         processes = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
     except OSError:
         return True
     for pid in processes:
-        if pid == me:
+        if pid in (me, parent):
             continue
         try:
             with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:

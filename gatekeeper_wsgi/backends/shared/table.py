@@ -76,6 +76,7 @@ from gatekeeper_wsgi.backends.shared.tickets import Bell, Lines
 from gatekeeper_wsgi.backends.shared.windows import Windows
 from gatekeeper_wsgi.config import Config
 from gatekeeper_wsgi.errors import BackendError, ConfigError
+from gatekeeper_wsgi.redact import Throttle
 from gatekeeper_wsgi.turns import TurnLock
 
 __all__ = ["LayoutMismatch", "Recreated", "Table"]
@@ -97,6 +98,9 @@ _INSTANCES: weakref.WeakSet[Table] = weakref.WeakSet()
 _STATE_END = STATE.size
 #: serialises noticing a fork that bypassed the at-fork hook (threads race to notice)
 _FORK_LOCK = threading.Lock()
+#: Seconds between two ERRORs of a table found damaged, deleted or replaced: whoever can
+#: write the file can do it again and again, and every process logs each time.
+INCIDENT_LOG_INTERVAL = 10.0
 #: Seconds between two looks at whether the path still names the file a process has open
 #: (deleted, or replaced by another file). A look is a ``stat`` (~1 µs) and every request
 #: enters the table twice: at most one per interval keeps it off the hot path (a clock read
@@ -210,6 +214,8 @@ class Table(Backend):
         self._path_due = 0.0
         #: the path names nothing usable (said once): the open file is kept meanwhile
         self._unusable_path = False
+        # The ERRORs of incidents (damaged, deleted, replaced): see INCIDENT_LOG_INTERVAL.
+        self._incidents_logged = Throttle(INCIDENT_LOG_INTERVAL)
         #: the open file was made unfit to trust where it is (said once, see
         #: _check_loosened)
         self._loosened = False
@@ -312,12 +318,15 @@ class Table(Backend):
                 )
             return
         self._unusable_path = False
-        logger.error(
-            "gatekeeper: shared table %s %s; opening the file now at the path (requests in "
-            "flight in the old file are not counted in it)",
-            self.path,
-            what,
-        )
+        if incidents := self._incidents_logged.due():
+            logger.error(
+                "gatekeeper: shared table %s %s; opening the file now at the path (requests"
+                " in flight in the old file are not counted in it; %d incidents since the"
+                " last report)",
+                self.path,
+                what,
+                incidents,
+            )
         self.incidents += 1
         old = self._fd
         self._unmap()
@@ -585,12 +594,15 @@ class Table(Backend):
         """Initialise a damaged table afresh, with one ERROR. Under the file lock. Requests
         in flight in the old table are not counted in the new one (their releases are
         ignored); every request from now on is."""
-        logger.error(
-            "gatekeeper: shared table %s is damaged: %s; re-creating it (requests in flight "
-            "now are not counted in the new table)",
-            self.path,
-            reason,
-        )
+        if incidents := self._incidents_logged.due():
+            logger.error(
+                "gatekeeper: shared table %s is damaged: %s; re-creating it (requests in"
+                " flight now are not counted in the new table; %d incidents since the last"
+                " report)",
+                self.path,
+                reason,
+                incidents,
+            )
         self.incidents += 1
         last = self._last_layout
         self._unmap()
