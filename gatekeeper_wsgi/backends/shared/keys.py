@@ -442,7 +442,7 @@ class KeyTable(Structure):
         count = self._nodes
         tags = array.array("I")
         tags.frombytes(mm[self._tags_off : self._tags_off + count * 4])
-        if sum(map(bool, tags)) * _SPARSE < count:
+        if (count - tags.count(0)) * _SPARSE < count:
             # Few keys: only their nodes are read, whose pages their writes made. Every
             # node's column would read the holes of a sparse file too, and on tmpfs a
             # read of a hole through a shared map is a page taken (a status read of a
