@@ -413,7 +413,15 @@ class GateKeeperMiddleware:
             request.__dict__[_UNRESOLVED_KEY] = _Unresolved(watch, gate, identifier, user)
         try:
             response = self.get_response(request)
-            self._watch(response, watch, request.method == "HEAD")
+            head = request.method == "HEAD"
+            self._watch(response, watch, head)
+            if head and "wsgi.input" not in meta:
+                # Under ASGI the server writes the headers, a HEAD's whole answer, as
+                # Django sends them - before Django reads the body (a sync stream in a
+                # thread, the event loop free to take the client's next request, which
+                # its own HEAD would refuse: SPEC 4.2). Released now; under WSGI the
+                # first piece of the body is taken before the headers go out.
+                watch.finish()
         except asyncio.CancelledError:  # under ASGI: the client went away, not a fault
             watch.finish()
             raise
