@@ -298,16 +298,15 @@ class GateKeeper:
         self._line: WaitingLine[Any] = self.backend.waiting_line() or _LocalLine(self)
         # Per thread: how long its request's queue wait took (see _take_wait).
         self._waited = threading.local()
-        self._last_error_log = -_ERROR_LOG_INTERVAL
+        self._errors_logged = Throttle(_ERROR_LOG_INTERVAL)
         #: the backend's incidents this engine has answered (see Backend.incidents), and
         #: whether it can have any: looked up once here, a class attribute read through
         #: an instance costs ~300 instructions on every admission
         self._incidents = 0
         self._recovers = self.backend.recovers
-        # limit path -> engine time of its last capacity WARNING (paths come from the
-        # configuration, not from requests, so this stays small)
-        self._capacity_logged: dict[str, float] = {}
-        # limit path -> the throttle of its shadow-mode INFO lines (paths as above)
+        # limit path -> the throttle of its capacity WARNINGs, of its shadow-mode INFO
+        # lines (paths come from the configuration, not from requests: these stay small)
+        self._capacity_logged: dict[str, Throttle] = {}
         self._shadow_logged: dict[str, Throttle] = {}
 
     # --- configuration --------------------------------------------------------------------
@@ -830,11 +829,7 @@ class GateKeeper:
             return
         self.monitor.shadow_rejected += 1
         for path in over:
-            throttle = self._shadow_logged.get(path)
-            if throttle is None:
-                throttle = self._shadow_logged[path] = Throttle(_SHADOW_LOG_INTERVAL, self._clock)
-            admitted = throttle.due()
-            if admitted:
+            if admitted := self._throttle(self._shadow_logged, path, _SHADOW_LOG_INTERVAL).due():
                 logger.info(
                     "gatekeeper: shadow mode admitted %d request(s) over the limit of %s since"
                     " the last report",
@@ -866,7 +861,7 @@ class GateKeeper:
         asked = slots
         while True:
             slot = asked[exc.at]
-            self._log_capacity(slot, exc, now)
+            self._log_capacity(slot, exc)
             if slot.enforce:
                 self.monitor.capacity_refused += 1
                 raise self._rejection(slot, self._capacity_denial(slot, exc))
@@ -895,12 +890,17 @@ class GateKeeper:
             kind = "rate"
         return Denial(exc.at, kind, exc.retry_after)
 
-    def _log_capacity(self, slot: Slot, exc: CapacityError, now: float) -> None:
+    def _throttle(self, throttles: dict[str, Throttle], path: str, interval: float) -> Throttle:
+        """The throttle of limit ``path``'s log lines in ``throttles`` (engine clock)."""
+        throttle = throttles.get(path)
+        if throttle is None:
+            throttle = throttles[path] = Throttle(interval, self._clock)
+        return throttle
+
+    def _log_capacity(self, slot: Slot, exc: CapacityError) -> None:
         path = slot.limit.path
-        last = self._capacity_logged.get(path)
-        if last is not None and now - last < _CAPACITY_LOG_INTERVAL:
+        if not self._throttle(self._capacity_logged, path, _CAPACITY_LOG_INTERVAL).due():
             return
-        self._capacity_logged[path] = now
         consequence = (
             "requests it cannot track are refused by it"
             if slot.enforce
@@ -928,9 +928,7 @@ class GateKeeper:
 
     def _log_backend_error(self, exc: BaseException) -> None:
         self.monitor.backend_errors += 1
-        now = time.monotonic()
-        if now - self._last_error_log >= _ERROR_LOG_INTERVAL:
-            self._last_error_log = now
+        if self._errors_logged.due():
             logger.error(
                 "gatekeeper: backend %s failed (%s); on_backend_error=%s",
                 mask_url(self.config.backend),

@@ -1029,7 +1029,7 @@ class RedisBackend(Backend):
         self.windows_computed = 0
         #: releases Redis refused alone (a key of another type under their path): dropped
         self.releases_dropped = 0
-        self._dropped_logged = -_DROPPED_LOG_INTERVAL
+        self._dropped_logged = Throttle(_DROPPED_LOG_INTERVAL)
         self._outbox = _Outbox(self)
         #: until when (time.monotonic()) releases are sent at once, not left waiting
         self._contended_until = 0.0
@@ -1422,9 +1422,7 @@ class RedisBackend(Backend):
                 if not _wrong_type(exc.__cause__):
                     raise
                 self.releases_dropped += 1
-                now = time.monotonic()
-                if now - self._dropped_logged >= _DROPPED_LOG_INTERVAL:
-                    self._dropped_logged = now
+                if self._dropped_logged.due():
                     logger.warning(
                         "gatekeeper: redis refused a release (%s); dropped, its lease ends"
                         " by max_hold (%d dropped so far)",
