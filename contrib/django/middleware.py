@@ -8,7 +8,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -257,6 +257,12 @@ def _session_user(request: HttpRequest) -> Any:
         return None
 
 
+def _under_asgi(meta: Mapping[str, Any]) -> bool:
+    """Whether Django serves the request under ASGI: its ASGIRequest has no ``wsgi.input``
+    in its META (its WSGI requests, test client's included, always have one)."""
+    return "wsgi.input" not in meta
+
+
 def _give_back_body(request: HttpRequest, replay: ReplayedBody) -> None:
     """Let the request read again what the log read of its body: Django's
     request reads its ``_stream`` (under WSGI a ``LimitedStream`` of ``wsgi.input`` to
@@ -265,7 +271,7 @@ def _give_back_body(request: HttpRequest, replay: ReplayedBody) -> None:
         return  # nothing read (or a request object of another making): left as it is
     # What the stubs type as BinaryIO: any object with read() and readline() does.
     rewound: Any = replay.rewound()
-    if "wsgi.input" in request.META:
+    if not _under_asgi(request.META):
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
         except ValueError:
@@ -296,18 +302,14 @@ class _DjangoGate(Gate):
     """The core's Gate, told apart from what Django itself puts into ``request.META``."""
 
     def server_is_multiprocess(self, environ: WSGIEnvironment) -> bool:
-        # Django's ASGIRequest (no wsgi.input in its META) and its test client (a
-        # FakePayload as wsgi.input) set wsgi.multiprocess=True whatever serves them: only
-        # a WSGI server's own environ says so. A forked ASGI worker is still detected by
-        # the memory backend's fork hook.
-        if not environ.get("wsgi.multiprocess"):
-            return False
-        stream = environ.get("wsgi.input")
-        if stream is None:
+        # Django's ASGIRequest and its test client (a FakePayload as wsgi.input) set
+        # wsgi.multiprocess=True whatever serves them: only a WSGI server's own environ
+        # says so. A forked ASGI worker is still detected by the memory backend's fork hook.
+        if not environ.get("wsgi.multiprocess") or _under_asgi(environ):
             return False
         from django.test.client import FakePayload
 
-        return not isinstance(stream, FakePayload)
+        return not isinstance(environ["wsgi.input"], FakePayload)
 
 
 class GateKeeperMiddleware:
@@ -415,7 +417,7 @@ class GateKeeperMiddleware:
             response = self.get_response(request)
             head = request.method == "HEAD"
             self._watch(response, watch, head)
-            if head and "wsgi.input" not in meta:
+            if head and _under_asgi(meta):
                 # Under ASGI the server writes the headers, a HEAD's whole answer, as
                 # Django sends them - before Django reads the body (a sync stream in a
                 # thread, the event loop free to take the client's next request, which
@@ -535,12 +537,13 @@ class GateKeeperMiddleware:
         # What the log reads of the body is read through a stream that keeps it, and given
         # back to the request, so a request_rejected receiver still reads the whole body
         # (request.body, request.POST).
-        stream = meta.get("wsgi.input")
-        if stream is None:
-            # Under ASGI there is no wsgi.input: the body Django received whole (so it ends
-            # where the stream does, chunked or not).
+        if _under_asgi(meta):
+            # The body Django received whole (so it ends where the stream does, chunked
+            # or not).
             stream = getattr(request, "_stream", request)
             log_environ["wsgi.input_terminated"] = True
+        else:
+            stream = meta["wsgi.input"]
         replay = log_environ["wsgi.input"] = ReplayedBody(stream, record=True)
         status, headers, body = gate.fault(meta, rejected, log_environ)
         _give_back_body(request, replay)
