@@ -377,7 +377,6 @@ def test_a_smaller_table_with_live_windows_is_not_recreated(
     big.close()
 
 
-@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
 def test_a_status_read_takes_no_memory_of_a_sparse_table_on_tmpfs() -> None:
     """On tmpfs (where docs/deployment.md puts the table) a read of a hole of the sparse
     file through a shared map takes a page: a status read that read every node's column
